@@ -1,0 +1,112 @@
+"""The embedded default models: tiny, deterministic stand-ins for Gemma 3 and LTX-2.
+
+They are generated on first use into a cache directory (same seed -> byte-identical
+files) and serve three purposes: the hermetic test suite, the demo commands that work on
+a fresh machine with no model downloads, and the layouts our loaders must accept:
+
+* ``tiny_gemma_dir()``: a Gemma 3 snapshot in the real Hugging Face layout
+  (``Gemma3ForConditionalGeneration`` with a tiny text and vision config, ``config.json``,
+  safetensors with the multimodal key names, a local SentencePiece tokenizer using Gemma's
+  special-token ids and left padding).
+* ``tiny_gemma_comfy_file()``: the same weights as a ComfyUI-style single-file text
+  encoder (``model.layers.N.*`` keys, the tokenizer embedded as ``spiece_model``).
+* ``tiny_ltx_checkpoint("2.0" | "2.3")``: LTX-2 monolith checkpoints built with ltx-core
+  1.0.0's configurators, with ``text_embedding_projection.*`` sized to the tiny Gemma.
+
+The tiny transformer's output is noise: these models prove plumbing and numerics, not
+quality.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Literal
+
+from ltx_mgpu.identity import home_dir
+
+#: Bump when any generator changes its output, so stale caches are not reused.
+ASSETS_VERSION = 1
+#: The default seed of every generator.
+DEFAULT_SEED = 0
+
+#: Tiny Gemma 3 text dimensions (multiples of 64/32 so bitsandbytes' packed CPU NF4 path
+#: accepts every projection; see ../shared/notes/gemma-nf4.md §2.3).
+TINY_GEMMA_HIDDEN = 64
+TINY_GEMMA_LAYERS = 6
+#: Number of hidden states the feature extractor consumes: embeddings + every layer.
+TINY_GEMMA_HIDDEN_STATES = TINY_GEMMA_LAYERS + 1
+
+
+def assets_dir(root: str | os.PathLike | None = None) -> Path:
+    """Where the embedded models live: ``root`` or ``<ltx_mgpu home>/assets/v<N>``."""
+    if root is not None:
+        return Path(root)
+    return home_dir() / "assets" / f"v{ASSETS_VERSION}"
+
+
+def _ensure(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build ``target`` (a file or directory) atomically if it is missing.
+
+    ``build`` writes into a temporary sibling path; it is renamed into place only when
+    complete, so an interrupted build never leaves something that looks valid.
+    """
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp_root = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tmp = tmp_root / target.name
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.exists():  # a concurrent builder won the race: keep theirs
+                raise
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    return target
+
+
+def tiny_gemma_dir(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
+    """The tiny Gemma 3 Hugging Face snapshot directory (built on first use)."""
+    from ltx_mgpu.assets.gemma import build_tiny_gemma_snapshot
+
+    return _ensure(assets_dir(root) / f"tiny-gemma3-seed{seed}", lambda p: build_tiny_gemma_snapshot(p, seed=seed))
+
+
+def tiny_gemma_comfy_file(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
+    """The tiny Gemma 3 as a ComfyUI single-file text encoder (built on first use)."""
+    from ltx_mgpu.assets.gemma import build_tiny_gemma_comfy_file
+
+    snapshot = tiny_gemma_dir(root, seed)
+    return _ensure(
+        assets_dir(root) / f"tiny-gemma3-seed{seed}-comfy.safetensors",
+        lambda p: build_tiny_gemma_comfy_file(snapshot, p),
+    )
+
+
+def tiny_ltx_checkpoint(
+    version: Literal["2.0", "2.3"] = "2.3", root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED
+) -> Path:
+    """A tiny LTX-2 monolith checkpoint in the 2.0 or 2.3 layout (built on first use)."""
+    from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint
+
+    if version not in ("2.0", "2.3"):
+        raise ValueError(f"version must be '2.0' or '2.3', got {version!r}")
+    return _ensure(
+        assets_dir(root) / f"tiny-ltx-{version}-seed{seed}.safetensors",
+        lambda p: build_tiny_ltx_checkpoint(p, version=version, seed=seed),
+    )
+
+
+def make_assets(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> dict[str, Path]:
+    """Build every embedded model (idempotent); returns their paths by name."""
+    return {
+        "gemma_snapshot": tiny_gemma_dir(root, seed),
+        "gemma_comfy_file": tiny_gemma_comfy_file(root, seed),
+        "ltx_2.0": tiny_ltx_checkpoint("2.0", root, seed),
+        "ltx_2.3": tiny_ltx_checkpoint("2.3", root, seed),
+    }

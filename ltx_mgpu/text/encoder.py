@@ -1,0 +1,242 @@
+"""Prompt encoding for LTX-2: tokenise, run the Gemma text tower, extract features.
+
+``PromptEncoder`` turns prompts into :class:`~ltx_mgpu.text.features.PromptEmbedding`
+objects in sub-batches (``batch_size`` bounds activation memory: one 1024-token prompt
+holds ``L x 1024 x D`` hidden states, 385 MB in bf16 for Gemma 3 12B). Batched and
+one-by-one results agree: padding is on the left, pad keys are masked, and the feature
+extractor's statistics use valid tokens only.
+
+``TextEncoderSpec`` + :func:`encode_prompts` are the cache-aware entry point used by the
+CLI and the pool: cache keys are computed from file contents without loading Gemma, so a
+fully cached prompt set never constructs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ltx_mgpu.text.features import TOKEN_BUDGET, Projection, PromptEmbedding, load_projection, projection_identity
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ltx_mgpu.text.cache import CacheReport, EmbeddingCache
+    from ltx_mgpu.text.gemma import GemmaTextTower
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16"``/``"bfloat16"``/``"fp32"``/``"float32"``/``"fp16"`` -> ``torch.dtype``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the accepted ones).
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+class PromptEncoder:
+    """Gemma 3 text tower + LTX-2 projection -> per-prompt embeddings.
+
+    Args:
+        tower: the loaded Gemma 3 text tower (:func:`ltx_mgpu.text.gemma.load_gemma_text_tower`).
+        projection: the checkpoint's text projection (:func:`load_projection`), on the
+            tower's device. Its ``num_layers`` must equal the tower's hidden-state count.
+        token_budget: tokens per prompt including BOS (1024 for LTX-2).
+        truncate: cut prompts over the budget with a warning giving the number of dropped
+            tokens; ``False`` raises ``PromptTooLongError`` instead.
+
+    Raises:
+        ValueError: the projection does not fit this Gemma (hidden size or layer count).
+    """
+
+    def __init__(self, tower: "GemmaTextTower", projection: Projection, token_budget: int = TOKEN_BUDGET,
+                 truncate: bool = True) -> None:
+        if projection.num_layers != tower.num_hidden_states or projection.embedding_dim != tower.hidden_size:
+            raise ValueError(
+                f"the LTX-{projection.version} projection in {projection.source or 'the checkpoint'} takes "
+                f"{projection.num_layers} hidden states of width {projection.embedding_dim}, but the Gemma at "
+                f"{tower.path} gives {tower.num_hidden_states} of width {tower.hidden_size}. "
+                "Pair the checkpoint with its Gemma (Gemma 3 12B for LTX-2)."
+            )
+        self.tower = tower
+        self.projection = projection
+        self.token_budget = token_budget
+        self.truncate = truncate
+
+    @torch.inference_mode()
+    def encode(self, prompts: Sequence[str], batch_size: int = 8) -> list[PromptEmbedding]:
+        """Encode prompts in sub-batches of ``batch_size``.
+
+        Returns:
+            One :class:`PromptEmbedding` per prompt, in order: ``[T_valid, D_out]`` float32
+            on CPU, each with its own storage (safe to serialise independently).
+
+        Raises:
+            ValueError: ``batch_size < 1`` or a non-string prompt.
+            PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
+        """
+        from ltx_mgpu.text.gemma import encode_hidden_states, tokenize
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise ValueError(f"prompt {i} is {type(p).__name__}, expected str")
+        out: list[PromptEmbedding] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(prompts[start:start + batch_size])
+            ids, mask, dropped = tokenize(self.tower, chunk, max_length=self.token_budget, truncate=self.truncate)
+            for j, n in enumerate(dropped):
+                if n:
+                    warnings.warn(
+                        f"prompt {start + j} is longer than the {self.token_budget}-token budget: "
+                        f"{n} tokens were dropped (pass truncate=False to get an error instead)",
+                        stacklevel=2,
+                    )
+            hidden = encode_hidden_states(self.tower, ids, mask)
+            features = self.projection(hidden, mask)
+            lengths = mask.sum(dim=1).tolist()
+            for j, n in enumerate(lengths):
+                row = features[j, features.shape[1] - int(n):].to(device="cpu", dtype=torch.float32).clone()
+                out.append(PromptEmbedding(row, self.projection.version, dropped_tokens=int(dropped[j])))
+        return out
+
+
+@dataclass
+class TextEncoderSpec:
+    """What to encode with: the Gemma source, the projection source, and the settings that
+    change the result (all of which enter the cache key).
+
+    Attributes:
+        gemma: a Gemma 3 HF snapshot directory, ComfyUI single file, or NF4 artifact.
+        projection: an LTX-2 checkpoint or projection file (``text_embedding_projection.*``).
+        weights: ``"bf16"`` or ``"nf4"``.
+        device: where Gemma runs (``"cpu"``, ``"cuda:0"``...).
+        dtype: the compute dtype name (``"bfloat16"`` by default; ``"float32"`` on CPU
+            for reference runs).
+        token_budget: tokens per prompt (1024).
+        truncate: see :class:`PromptEncoder`.
+    """
+
+    gemma: str
+    projection: str
+    weights: str = "bf16"
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    token_budget: int = TOKEN_BUDGET
+    truncate: bool = True
+    _encoder: PromptEncoder | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.gemma = os.fspath(self.gemma)
+        self.projection = os.fspath(self.projection)
+        if self.weights not in ("bf16", "nf4"):
+            raise ValueError(f"weights must be 'bf16' or 'nf4', got {self.weights!r}")
+        self.dtype = str(parse_dtype(self.dtype)).removeprefix("torch.")
+
+    def cache_key_parts(self):
+        """The cache key components for this spec, computed from file contents without
+        loading Gemma (digests are memoised by file stat)."""
+        from ltx_mgpu.text.cache import CacheKeyParts
+        from ltx_mgpu.text.gemma import gemma_identity
+
+        return CacheKeyParts(
+            gemma_identity=gemma_identity(self.gemma),
+            projection_identity=projection_identity(self.projection),
+            weights_mode=self.weights,
+            token_budget=self.token_budget,
+            dtype=self.dtype,
+        )
+
+    def build(self) -> PromptEncoder:
+        """Load Gemma and the projection (once; later calls return the same encoder)."""
+        if self._encoder is None:
+            from ltx_mgpu.text.gemma import load_gemma_text_tower
+
+            dtype = parse_dtype(self.dtype)
+            t0 = time.perf_counter()
+            tower = load_gemma_text_tower(self.gemma, device=self.device, dtype=dtype, weights=self.weights)
+            proj_dtype = torch.float32 if tower.model.device.type == "cpu" else dtype
+            projection = load_projection(self.projection, device=tower.model.device, dtype=proj_dtype,
+                                         num_layers=tower.num_hidden_states)
+            self._encoder = PromptEncoder(tower, projection, self.token_budget, self.truncate)
+            log.info("loaded Gemma (%s) and the LTX-%s projection in %.1f s", tower.format, projection.version,
+                     time.perf_counter() - t0)
+        return self._encoder
+
+    @property
+    def loaded(self) -> bool:
+        return self._encoder is not None
+
+
+def encode_prompts(spec: TextEncoderSpec, prompts: Sequence[str], batch_size: int = 8,
+                   cache: "EmbeddingCache | None" = None) -> tuple[list[PromptEmbedding], "CacheReport"]:
+    """Encode through the cache: hits are read, misses encoded (Gemma is loaded only if
+    there is at least one miss) and stored.
+
+    Returns:
+        ``(embeddings in prompt order, CacheReport)``.
+    """
+    from ltx_mgpu.text.cache import CacheReport, encode_cached
+
+    if cache is None:
+        t0 = time.perf_counter()
+        embeddings = spec.build().encode(prompts, batch_size)
+        return embeddings, CacheReport(hits=0, misses=len(prompts), encoded=len(prompts),
+                                       seconds=time.perf_counter() - t0)
+    return encode_cached(cache, list(prompts), spec.cache_key_parts(),
+                         lambda missing: spec.build().encode(missing, batch_size), batch_size)
+
+
+def save_embeddings(path: str | os.PathLike, prompts: Sequence[str], embeddings: Sequence[PromptEmbedding]) -> Path:
+    """Write embeddings to one safetensors file (atomically): tensors ``prompt_<i>``
+    (``[T_i, D]`` float32) and metadata ``prompts`` (JSON list), ``version``,
+    ``dropped_tokens`` (JSON list)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f"prompt_{i}": e.tensor.contiguous() for i, e in enumerate(embeddings)}
+    versions = sorted({e.version for e in embeddings})
+    meta = {
+        "format": "ltx_mgpu.embeddings/1",
+        "prompts": json.dumps(list(prompts)),
+        "version": ",".join(versions),
+        "dropped_tokens": json.dumps([e.dropped_tokens for e in embeddings]),
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def load_embeddings(path: str | os.PathLike) -> tuple[list[str], list[PromptEmbedding]]:
+    """Read a file written by :func:`save_embeddings`."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        prompts = json.loads(meta["prompts"])
+        dropped = json.loads(meta.get("dropped_tokens", "[]")) or [0] * len(prompts)
+        version = meta["version"]
+        embeddings = [PromptEmbedding(f.get_tensor(f"prompt_{i}"), version, dropped[i]) for i in range(len(prompts))]
+    return prompts, embeddings

@@ -1,0 +1,326 @@
+"""LTX-2 feature extractors: Gemma 3 hidden states -> the "unprocessed" LTX-2 conditioning.
+
+LTX-2 conditions on *every* Gemma hidden state (the embedding output plus each decoder
+layer's output, ``L = num_hidden_layers + 1`` tensors, 49 for Gemma 3 12B), normalised per
+layer and projected by the checkpoint's ``text_embedding_projection``:
+
+* **LTX-2.0** (19B; key ``text_embedding_projection.aggregate_embed.weight``, no bias):
+  per prompt and per layer, ``8 * (x - mean) / (max - min + 1e-6)`` with the statistics
+  taken over the prompt's valid tokens and all ``D`` channels, then one Linear
+  ``D*L -> 3840``. Source: ComfyUI ``comfy/text_encoders/lt.py`` (``single_linear``) and
+  ltx-core 1.0.0 ``FeatureExtractorV1`` (``_norm_and_concat_padded_batch``).
+* **LTX-2.3** (22B; ``video_aggregate_embed.{weight,bias}`` and
+  ``audio_aggregate_embed.{weight,bias}``): per token and per layer RMS normalisation over
+  ``D`` (eps 1e-6), flatten, then each projection applied to the input scaled by
+  ``sqrt(out_features / D)``, outputs concatenated video ‖ audio (4096 + 2048 = 6144).
+  Source: ComfyUI ``lt.py`` (``dual_linear``) and ltx-core 1.0.0 ``FeatureExtractorV2``.
+
+The flattening order is channel-major, ``[T, D, L] -> [T, D*L]`` (feature ``d*L + l``), as
+both references stack the hidden states on a new last axis.
+
+The result is ComfyUI's *unprocessed* LTX-2 conditioning: the embeddings connectors (with
+their learnable registers) run inside the denoiser, as in ComfyUI since PR #12569.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ltx_mgpu.identity import memoized_digest, tensors_digest
+
+ModelVersion = Literal["2.0", "2.3"]
+
+#: LTX-2's Gemma token budget: prompts are left-padded to (and truncated at) this many
+#: tokens, BOS included. Source: ltx-core ``LTXVGemmaTokenizer`` as used by ModelLedger
+#: (max_length=1024) and ComfyUI's connector register padding to ``max(1024, T)``.
+TOKEN_BUDGET = 1024
+
+#: Normalisation epsilons. Source: ComfyUI ``lt.py`` / ltx-core ``feature_extractor.py``.
+RANGE_EPS = 1e-6
+RMS_EPS = 1e-6
+
+_PREFIX = "text_embedding_projection."
+_V20_KEYS = ("aggregate_embed.weight",)
+_V23_KEYS = (
+    "video_aggregate_embed.weight",
+    "video_aggregate_embed.bias",
+    "audio_aggregate_embed.weight",
+    "audio_aggregate_embed.bias",
+)
+
+
+class ProjectionFormatError(ValueError):
+    """A file has no usable LTX-2 text projection (the message says what was expected)."""
+
+
+@dataclass(frozen=True)
+class PromptEmbedding:
+    """One prompt's LTX-2 conditioning tensor, as ComfyUI's LTX-2 text encoder emits it.
+
+    Attributes:
+        tensor: ``[T_valid, D_out]`` float32 on CPU. ``T_valid`` counts the prompt's real
+            tokens (BOS included, left padding removed); ``D_out`` is 3840 for LTX-2.0
+            (Gemma 3 12B) and 6144 (video 4096 ‖ audio 2048) for LTX-2.3.
+        version: ``"2.0"`` or ``"2.3"``, the projection layout that produced it.
+        dropped_tokens: how many tokens were cut because the prompt exceeded the budget.
+    """
+
+    tensor: torch.Tensor
+    version: ModelVersion
+    dropped_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor.ndim != 2:
+            raise ValueError(f"PromptEmbedding.tensor must be [T, D], got shape {tuple(self.tensor.shape)}")
+        if self.version not in ("2.0", "2.3"):
+            raise ValueError(f"PromptEmbedding.version must be '2.0' or '2.3', got {self.version!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensor.shape[0])
+
+    def to_conditioning(self, device: torch.device | str | None = None) -> list:
+        """ComfyUI CONDITIONING: ``[[tensor[1, T, D] float32, {"pooled_output": None,
+        "unprocessed_ltxav_embeds": True}]]``.
+
+        The flag tells ComfyUI's ``LTXAV.extra_conds`` -> ``preprocess_text_embeds`` to run
+        the caption projection (2.0) and the embeddings connectors; for 2.3 it is
+        mandatory because processed and unprocessed widths are both 6144
+        (ComfyUI ``comfy/model_base.py``, ``comfy/ldm/lightricks/av_model.py``).
+        """
+        t = self.tensor if device is None else self.tensor.to(device)
+        return [[t.unsqueeze(0), {"pooled_output": None, "unprocessed_ltxav_embeds": True}]]
+
+
+def conditioning_from_embeddings(embeddings: Sequence[PromptEmbedding]) -> list:
+    """Several prompts as one ComfyUI CONDITIONING list (one entry per prompt)."""
+    return [e.to_conditioning()[0] for e in embeddings]
+
+
+class Projection(nn.Module):
+    """The checkpoint's ``text_embedding_projection`` with the version's normalisation.
+
+    Call with the Gemma hidden states (``L`` tensors of ``[B, T, D]``) and the attention
+    mask ``[B, T]`` (1 = real token); returns ``[B, T, D_out]`` with pad rows zeroed.
+
+    Attributes:
+        version: ``"2.0"`` (one ``aggregate_embed``) or ``"2.3"`` (video/audio).
+        embedding_dim: Gemma hidden size ``D`` (3840 for Gemma 3 12B).
+        num_layers: number of hidden states ``L`` (49 for Gemma 3 12B).
+        identity: content digest of the projection tensors (part of cache keys).
+        source: the file it was read from.
+    """
+
+    def __init__(
+        self,
+        version: ModelVersion,
+        embedding_dim: int,
+        num_layers: int,
+        weights: dict[str, torch.Tensor],
+        identity: str = "",
+        source: str = "",
+    ) -> None:
+        super().__init__()
+        self.version = version
+        self.embedding_dim = embedding_dim
+        self.num_layers = num_layers
+        self.identity = identity
+        self.source = source
+        if version == "2.0":
+            self.aggregate_embed = _frozen_linear(weights["aggregate_embed.weight"], None)
+        else:
+            for name in ("video", "audio"):
+                lin = _frozen_linear(weights[f"{name}_aggregate_embed.weight"], weights[f"{name}_aggregate_embed.bias"])
+                setattr(self, f"{name}_aggregate_embed", lin)
+
+    @property
+    def in_features(self) -> int:
+        return self.embedding_dim * self.num_layers
+
+    @property
+    def out_features(self) -> int:
+        if self.version == "2.0":
+            return self.aggregate_embed.out_features
+        return self.video_aggregate_embed.out_features + self.audio_aggregate_embed.out_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def forward(self, hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
+        """Normalise and project.
+
+        Args:
+            hidden_states: ``L`` tensors ``[B, T, D]`` (any float dtype/device; computed in
+                float32, then cast to the projection's dtype for the matmul).
+            attention_mask: ``[B, T]``, nonzero for real tokens (left or right padding).
+
+        Returns:
+            ``[B, T, D_out]`` in the projection's dtype; padded positions are zero.
+
+        Raises:
+            ValueError: wrong number of hidden states or hidden size for this projection.
+        """
+        if len(hidden_states) != self.num_layers:
+            raise ValueError(
+                f"this LTX-{self.version} projection takes {self.num_layers} hidden states "
+                f"(a Gemma with {self.num_layers - 1} layers); got {len(hidden_states)}. "
+                "Use the Gemma that matches the checkpoint (Gemma 3 12B for LTX-2)."
+            )
+        d = hidden_states[0].shape[-1]
+        if d != self.embedding_dim:
+            raise ValueError(
+                f"this LTX-{self.version} projection expects Gemma hidden size {self.embedding_dim}, got {d}"
+            )
+        device = next(self.parameters()).device
+        mask = attention_mask.to(device=device).bool()
+        x = torch.stack([h.to(device=device, dtype=torch.float32) for h in hidden_states], dim=-1)  # [B,T,D,L]
+        if self.version == "2.0":
+            normed = _range_normalise(x, mask)
+            out = self.aggregate_embed(normed.reshape(*normed.shape[:2], -1).to(self.dtype))
+        else:
+            normed = _rms_normalise(x, mask).reshape(*x.shape[:2], -1)
+            outs = []
+            for lin in (self.video_aggregate_embed, self.audio_aggregate_embed):
+                scale = math.sqrt(lin.out_features / self.embedding_dim)
+                outs.append(lin((normed * scale).to(self.dtype)))
+            out = torch.cat(outs, dim=-1)
+        return out * mask.unsqueeze(-1).to(out.dtype)
+
+
+def _frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
+
+
+def _range_normalise(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """LTX-2.0: ``8 (x - mean) / (max - min + 1e-6)`` per sample and layer over valid tokens.
+
+    ``x``: ``[B, T, D, L]`` float32; ``mask``: ``[B, T]`` bool. Pad rows come out zero.
+    """
+    m = mask[:, :, None, None]
+    count = mask.sum(dim=1).to(x.dtype)[:, None, None, None] * x.shape[2]
+    mean = torch.where(m, x, 0.0).sum(dim=(1, 2), keepdim=True) / count
+    x_min = torch.where(m, x, math.inf).amin(dim=(1, 2), keepdim=True)
+    x_max = torch.where(m, x, -math.inf).amax(dim=(1, 2), keepdim=True)
+    normed = 8.0 * (x - mean) / (x_max - x_min + RANGE_EPS)
+    return torch.where(m, normed, 0.0)
+
+
+def _rms_normalise(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """LTX-2.3: per token and layer ``x * rsqrt(mean_D(x^2) + 1e-6)``; pad rows zero."""
+    normed = x * torch.rsqrt(x.pow(2).mean(dim=2, keepdim=True) + RMS_EPS)
+    return torch.where(mask[:, :, None, None], normed, 0.0)
+
+
+def detect_projection_version(keys: Sequence[str]) -> tuple[ModelVersion, str]:
+    """Find the projection layout among a file's tensor names.
+
+    Returns ``(version, prefix)`` where prefix is ``"text_embedding_projection."`` or ``""``
+    (standalone projection files may store the bare names).
+
+    Raises:
+        ProjectionFormatError: neither layout is present.
+    """
+    keyset = set(keys)
+    for prefix in (_PREFIX, ""):
+        if all(prefix + k in keyset for k in _V23_KEYS):
+            return "2.3", prefix
+        if all(prefix + k in keyset for k in _V20_KEYS):
+            return "2.0", prefix
+    raise ProjectionFormatError(
+        "no LTX-2 text projection found. Expected an LTX-2 checkpoint or projection file with "
+        "'text_embedding_projection.aggregate_embed.weight' (LTX-2.0) or "
+        "'text_embedding_projection.{video,audio}_aggregate_embed.{weight,bias}' (LTX-2.3)"
+    )
+
+
+def load_projection(
+    path: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_layers: int | None = None,
+) -> Projection:
+    """Load the text projection from an LTX-2 monolith checkpoint or a standalone file.
+
+    Only the projection tensors are read (memory-mapped), never the whole checkpoint.
+
+    Args:
+        path: a ``.safetensors`` file holding ``text_embedding_projection.*`` (monolith
+            ``models/checkpoints/ltx-2*.safetensors``) or the bare projection names
+            (e.g. ComfyUI's ``ltx-2.3_text_projection_bf16.safetensors``).
+        device, dtype: where and in which dtype the projection computes.
+        num_layers: the number of Gemma hidden states ``L``; inferred from the weight's
+            input width when the Gemma hidden size is known to the caller, otherwise
+            ``in_features / 3840`` (Gemma 3 12B) is assumed and checked at call time.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ProjectionFormatError: the file holds no projection, or shapes are inconsistent.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"projection source not found: {path}")
+    if not path.endswith(".safetensors"):
+        raise ProjectionFormatError(f"{path}: expected a .safetensors LTX-2 checkpoint or projection file")
+    with safe_open(path, framework="pt", device="cpu") as f:
+        version, prefix = detect_projection_version(list(f.keys()))
+        names = _V20_KEYS if version == "2.0" else _V23_KEYS
+        raw = {k: f.get_tensor(prefix + k) for k in names}
+    identity = memoized_digest(path, "ltx-projection", lambda: tensors_digest(raw, extra=f"ltx-{version}-projection"))
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}
+    in_features = weights[names[0]].shape[1]
+    if num_layers is None:
+        embedding_dim = 3840
+        if in_features % embedding_dim:
+            raise ProjectionFormatError(
+                f"{path}: projection input width {in_features} is not a multiple of Gemma 3 12B's 3840; "
+                "pass num_layers for another Gemma"
+            )
+        num_layers = in_features // embedding_dim
+    if in_features % num_layers:
+        raise ProjectionFormatError(f"{path}: projection input width {in_features} is not divisible by {num_layers} layers")
+    if version == "2.3":
+        for name in ("video", "audio"):
+            w, b = weights[f"{name}_aggregate_embed.weight"], weights[f"{name}_aggregate_embed.bias"]
+            if w.shape[1] != in_features or b.shape != (w.shape[0],):
+                raise ProjectionFormatError(f"{path}: inconsistent {name}_aggregate_embed shapes {tuple(w.shape)} / {tuple(b.shape)}")
+    return Projection(
+        version=version,
+        embedding_dim=in_features // num_layers,
+        num_layers=num_layers,
+        weights=weights,
+        identity=identity,
+        source=path,
+    )
+
+
+def projection_identity(path: str | os.PathLike) -> str:
+    """The content identity of a file's text projection, without building the module
+    (memoised by the file's stat signature; the first call reads the projection tensors).
+
+    Raises:
+        FileNotFoundError, ProjectionFormatError: as :func:`load_projection`.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"projection source not found: {path}")
+
+    def compute() -> str:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            version, prefix = detect_projection_version(list(f.keys()))
+            names = _V20_KEYS if version == "2.0" else _V23_KEYS
+            raw = {k: f.get_tensor(prefix + k) for k in names}
+        return tensors_digest(raw, extra=f"ltx-{version}-projection")
+
+    return memoized_digest(path, "ltx-projection", compute)

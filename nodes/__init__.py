@@ -1,0 +1,19 @@
+"""The pack's ComfyUI nodes (one module per node family; ids prefixed ``LTXMGPU``).
+
+Nodes are thin: they validate inputs, call ``ltx_mgpu.client`` and convert types. The
+mappings below are assembled from every node module listed in ``_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_MODULES: tuple[str, ...] = ()
+
+NODE_CLASS_MAPPINGS: dict[str, type] = {}
+NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {}
+
+for _name in _MODULES:
+    _mod = importlib.import_module(f"{__name__}.{_name}")
+    NODE_CLASS_MAPPINGS.update(_mod.NODE_CLASS_MAPPINGS)
+    NODE_DISPLAY_NAME_MAPPINGS.update(_mod.NODE_DISPLAY_NAME_MAPPINGS)
