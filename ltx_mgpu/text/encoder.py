@@ -90,7 +90,7 @@ class PromptEncoder:
             ValueError: ``batch_size < 1`` or a non-string prompt.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
         """
-        from ltx_mgpu.text.gemma import encode_hidden_states, tokenize
+        from ltx_mgpu.text.gemma import tokenize
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -108,13 +108,35 @@ class PromptEncoder:
                         f"{n} tokens were dropped (pass truncate=False to get an error instead)",
                         stacklevel=2,
                     )
-            hidden = encode_hidden_states(self.tower, ids, mask)
-            features = self.projection(hidden, mask)
-            lengths = mask.sum(dim=1).tolist()
-            for j, n in enumerate(lengths):
-                row = features[j, features.shape[1] - int(n):].to(device="cpu", dtype=torch.float32).clone()
-                out.append(PromptEmbedding(row, self.projection.version, dropped_tokens=int(dropped[j])))
+            out.extend(self.encode_tokens(ids, mask, dropped))
         return out
+
+    @torch.inference_mode()
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      dropped: Sequence[int] | None = None) -> list[PromptEmbedding]:
+        """Encode already-tokenised prompts (one Gemma forward).
+
+        Args:
+            input_ids: ``[B, T]`` int64, left-padded.
+            attention_mask: ``[B, T]``, 1 for real tokens.
+            dropped: tokens cut from each prompt by truncation (recorded in the result).
+
+        Returns:
+            One :class:`PromptEmbedding` per row: ``[T_valid, D_out]`` float32 on CPU with
+            its own storage.
+        """
+        from ltx_mgpu.text.gemma import encode_hidden_states
+
+        hidden = encode_hidden_states(self.tower, input_ids, attention_mask)
+        features = self.projection(hidden, attention_mask)
+        del hidden
+        lengths = attention_mask.sum(dim=1).tolist()
+        dropped = list(dropped) if dropped is not None else [0] * len(lengths)
+        host = features.to(device="cpu", dtype=torch.float32)
+        return [
+            PromptEmbedding(host[j, host.shape[1] - int(n):].clone(), self.projection.version, int(dropped[j]))
+            for j, n in enumerate(lengths)
+        ]
 
 
 @dataclass

@@ -133,12 +133,20 @@ class Projection(nn.Module):
         self.num_layers = num_layers
         self.identity = identity
         self.source = source
-        if version == "2.0":
-            self.aggregate_embed = _frozen_linear(weights["aggregate_embed.weight"], None)
-        else:
-            for name in ("video", "audio"):
-                lin = _frozen_linear(weights[f"{name}_aggregate_embed.weight"], weights[f"{name}_aggregate_embed.bias"])
-                setattr(self, f"{name}_aggregate_embed", lin)
+        names = ("aggregate_embed",) if version == "2.0" else ("video_aggregate_embed", "audio_aggregate_embed")
+        for name in names:
+            weight = weights[f"{name}.weight"]
+            if weight.shape[1] != embedding_dim * num_layers:
+                raise ProjectionFormatError(
+                    f"{name}.weight has {weight.shape[1]} input features, expected "
+                    f"{embedding_dim} x {num_layers} = {embedding_dim * num_layers}"
+                )
+            # Stored layer-major: feature l*D + d instead of the checkpoint's d*L + l, so the
+            # normalised layers are written into one buffer with contiguous copies (the
+            # same products, summed in another order).
+            weight = weight.reshape(-1, embedding_dim, num_layers).transpose(1, 2).reshape(weight.shape[0], -1)
+            lin = _frozen_linear(weight.contiguous(), weights.get(f"{name}.bias"))
+            setattr(self, name, lin)
 
     @property
     def in_features(self) -> int:
@@ -154,12 +162,17 @@ class Projection(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
     def forward(self, hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
         """Normalise and project.
 
         Args:
-            hidden_states: ``L`` tensors ``[B, T, D]`` (any float dtype/device; computed in
-                float32, then cast to the projection's dtype for the matmul).
+            hidden_states: ``L`` tensors ``[B, T, D]`` (any float dtype; moved to the
+                projection's device). Statistics are computed in float32 per layer; the
+                normalised features are stored in the projection's dtype for the matmul.
             attention_mask: ``[B, T]``, nonzero for real tokens (left or right padding).
 
         Returns:
@@ -174,23 +187,25 @@ class Projection(nn.Module):
                 f"(a Gemma with {self.num_layers - 1} layers); got {len(hidden_states)}. "
                 "Use the Gemma that matches the checkpoint (Gemma 3 12B for LTX-2)."
             )
-        d = hidden_states[0].shape[-1]
+        b, t, d = hidden_states[0].shape
         if d != self.embedding_dim:
             raise ValueError(
                 f"this LTX-{self.version} projection expects Gemma hidden size {self.embedding_dim}, got {d}"
             )
-        device = next(self.parameters()).device
+        device = self.device
         mask = attention_mask.to(device=device).bool()
-        x = torch.stack([h.to(device=device, dtype=torch.float32) for h in hidden_states], dim=-1)  # [B,T,D,L]
+        normalise = _range_normalise if self.version == "2.0" else _rms_normalise
+        features = torch.empty(b, t, self.in_features, dtype=self.dtype, device=device)
+        for layer, h in enumerate(hidden_states):
+            features[:, :, layer * d:(layer + 1) * d] = normalise(h.to(device=device, dtype=torch.float32), mask)
         if self.version == "2.0":
-            normed = _range_normalise(x, mask)
-            out = self.aggregate_embed(normed.reshape(*normed.shape[:2], -1).to(self.dtype))
+            out = torch.nn.functional.linear(features, self.aggregate_embed.weight)
         else:
-            normed = _rms_normalise(x, mask).reshape(*x.shape[:2], -1)
             outs = []
             for lin in (self.video_aggregate_embed, self.audio_aggregate_embed):
                 scale = math.sqrt(lin.out_features / self.embedding_dim)
-                outs.append(lin((normed * scale).to(self.dtype)))
+                flat = features.reshape(b * t, -1)
+                outs.append(torch.addmm(lin.bias, flat, lin.weight.t(), alpha=scale).reshape(b, t, -1))
             out = torch.cat(outs, dim=-1)
         return out * mask.unsqueeze(-1).to(out.dtype)
 
@@ -204,23 +219,24 @@ def _frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear
 
 
 def _range_normalise(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """LTX-2.0: ``8 (x - mean) / (max - min + 1e-6)`` per sample and layer over valid tokens.
+    """LTX-2.0, one layer: ``8 (x - mean) / (max - min + 1e-6)`` per sample over its valid
+    tokens and all channels.
 
-    ``x``: ``[B, T, D, L]`` float32; ``mask``: ``[B, T]`` bool. Pad rows come out zero.
+    ``x``: ``[B, T, D]`` float32; ``mask``: ``[B, T]`` bool. Pad rows come out zero.
     """
-    m = mask[:, :, None, None]
-    count = mask.sum(dim=1).to(x.dtype)[:, None, None, None] * x.shape[2]
+    m = mask.unsqueeze(-1)
+    count = mask.sum(dim=1).to(x.dtype)[:, None, None] * x.shape[-1]
     mean = torch.where(m, x, 0.0).sum(dim=(1, 2), keepdim=True) / count
     x_min = torch.where(m, x, math.inf).amin(dim=(1, 2), keepdim=True)
     x_max = torch.where(m, x, -math.inf).amax(dim=(1, 2), keepdim=True)
-    normed = 8.0 * (x - mean) / (x_max - x_min + RANGE_EPS)
+    normed = (x - mean) * (8.0 / (x_max - x_min + RANGE_EPS))
     return torch.where(m, normed, 0.0)
 
 
 def _rms_normalise(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """LTX-2.3: per token and layer ``x * rsqrt(mean_D(x^2) + 1e-6)``; pad rows zero."""
-    normed = x * torch.rsqrt(x.pow(2).mean(dim=2, keepdim=True) + RMS_EPS)
-    return torch.where(mask[:, :, None, None], normed, 0.0)
+    """LTX-2.3, one layer: per token ``x * rsqrt(mean_D(x^2) + 1e-6)``; pad rows zero."""
+    normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS)
+    return torch.where(mask.unsqueeze(-1), normed, 0.0)
 
 
 def detect_projection_version(keys: Sequence[str]) -> tuple[ModelVersion, str]:

@@ -1,0 +1,391 @@
+"""Tiny, deterministic LTX-2 monolith checkpoints built with ltx-core 1.0.0's own classes.
+
+One ``.safetensors`` file in the single-file layout ComfyUI users have in
+``models/checkpoints/`` (``ltx-2-19b-*.safetensors`` / ``ltx-2.3-22b-*.safetensors``), with
+the same tensor key names and metadata, at toy sizes:
+
+* ``model.diffusion_model.*``: the audio-video ``LTXModel`` (``LTXModelConfigurator``): video
+  4 heads x 8 (inner 32), audio 4 heads x 4 (inner 16), 2 layers, 128 latent channels in and
+  out (ComfyUI's LTX-2 LATENT has 128 video channels; the audio token is 8 channels x 16 mel
+  bins = 128), split float64 RoPE. 4 heads so sequence-parallel tests can run world sizes 1, 2
+  and 4 and must reject 3.
+* ``model.diffusion_model.{video,audio}_embeddings_connector.*``: the two
+  ``Embeddings1DConnector`` (1 layer, 128 learnable registers as in production, registers
+  stored float32).
+* ``text_embedding_projection.*``: the Gemma feature-extractor projection sized for the tiny
+  Gemma of :mod:`ltx_mgpu.assets` (hidden 64, 7 hidden states -> 448 input features).
+* ``vae.{encoder,decoder,per_channel_statistics}.*``: a tiny ltx-core video VAE with the real
+  compression (32x spatial, 8x temporal; ``(1 + 8k)`` frames <-> ``1 + k`` latent frames),
+  stored bfloat16 like the production VAE.
+* ``__metadata__``: ``config`` (JSON with ``"transformer"`` and ``"vae"``) and
+  ``model_version`` (``"2.0.0"`` / ``"2.3.0"``).
+
+The two layouts differ the way the real checkpoints do (../shared/notes/ltx2-reference.md
+§2.6, §2.9):
+
+* **2.0** (19B layout): ``caption_channels`` = connector width = Gemma hidden (64 here, 3840
+  in production); the connectors are 4 heads x 16 = 64 wide, and the transformer's
+  ``caption_projection`` / ``audio_caption_projection`` map 64 -> 32 / 16. The feature
+  extractor is ltx-core's ``FeatureExtractorV1`` (``aggregate_embed`` 448 -> 64, no bias).
+* **2.3** (22B layout): ``caption_proj_before_connector`` (and the other three ``caption_*``
+  keys ``FeatureExtractorV2`` requires); the connectors run at the transformer inner dims (32 /
+  16), gated attention and cross-attention AdaLN are on; the feature extractor is
+  ``FeatureExtractorV2`` (``video_aggregate_embed`` 448 -> 32, ``audio_aggregate_embed``
+  448 -> 16, with bias).
+
+No audio VAE or vocoder: ``ltx_core.model.audio_vae`` imports torchaudio at module level and
+torchaudio cannot be installed next to CPU torch here (ltx2-reference.md §3, trap 1). Without
+them ComfyUI's ``LTXVAudioVAELoader`` cannot load these files; everything else can.
+
+Weights are random: every tensor is drawn from its own ``torch.Generator`` seeded from
+``sha256(f"{seed}/{key}")``, so the same seed gives a byte-identical file, and a tensor's value
+depends only on the seed and its key (the 2.0 and 2.3 files share the values of shared keys).
+The scale keeps a forward numerically sane: matrices ``N(0, 1/fan_in)``, biases ``N(0, 0.05^2)``,
+RMS-norm gains ``1 + N(0, 0.1^2)``, registers ``U(-1, 1)`` (ltx-core's own register init).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save as save_to_bytes
+from torch import nn
+
+from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
+
+Version = Literal["2.0", "2.3"]
+
+#: Transformer geometry. Heads divide 1, 2 and 4 ranks, not 3.
+TINY_VIDEO_HEADS = 4
+TINY_VIDEO_HEAD_DIM = 8
+TINY_AUDIO_HEADS = 4
+TINY_AUDIO_HEAD_DIM = 4
+TINY_LAYERS = 2
+#: Video latent channels (ComfyUI's LTX-2 LATENT) and audio channels per token (8 x 16 mel bins).
+TINY_LATENT_CHANNELS = 128
+TINY_AUDIO_CHANNELS = 128
+#: LTX-2.0 connector width = ``caption_channels`` = the (tiny) Gemma hidden size, as 3840 is in
+#: production (4 heads x 16).
+TINY_V1_CONNECTOR_HEADS = 4
+TINY_V1_CONNECTOR_HEAD_DIM = 16
+#: Learnable registers per connector (production value); the connector's input length must be
+#: a multiple of it.
+TINY_CONNECTOR_REGISTERS = 128
+#: Feature-extractor input width: Gemma hidden x number of hidden states (64 x 7).
+TINY_FEATURE_IN = TINY_GEMMA_HIDDEN * TINY_GEMMA_HIDDEN_STATES
+#: ``decoder_base_channels`` of the tiny VAE (the decoder starts at 8x this).
+TINY_VAE_DECODER_BASE = 4
+
+_MODEL_VERSIONS = {"2.0": "2.0.0", "2.3": "2.3.0"}
+
+# Values ``LTXModelConfigurator`` checks with ``check_config_value`` (a missing key fails).
+_SENTINELS: dict = {
+    "dropout": 0.0,
+    "attention_bias": True,
+    "num_vector_embeds": None,
+    "activation_fn": "gelu-approximate",
+    "num_embeds_ada_norm": 1000,
+    "use_linear_projection": False,
+    "only_cross_attention": False,
+    "cross_attention_norm": True,
+    "double_self_attention": False,
+    "upcast_attention": False,
+    "standardization_norm": "rms_norm",
+    "norm_elementwise_affine": False,
+    "qk_norm": "rms_norm",
+    "positional_embedding_type": "rope",
+    "use_audio_video_cross_attention": True,
+    "share_ff": False,
+    "av_cross_ada_norm": True,
+    "use_middle_indices_grid": True,
+}
+
+
+def _check_version(version: str) -> Version:
+    if version not in _MODEL_VERSIONS:
+        raise ValueError(f"version must be '2.0' or '2.3', got {version!r}")
+    return version  # type: ignore[return-value]
+
+
+def tiny_transformer_config(version: Version) -> dict:
+    """The ``"transformer"`` section of the tiny checkpoint's ``config`` metadata.
+
+    The key set mirrors the production 19B (2.0) / 22B (2.3) configs, with toy sizes; pass
+    ``{"transformer": tiny_transformer_config(v)}`` to ``LTXModelConfigurator.from_config`` (under
+    ``torch.device("meta")``) or to ltx-core's connector configurators to build the same modules
+    in memory. A fresh dict is returned on every call.
+
+    Raises:
+        ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``.
+    """
+    version = _check_version(version)
+    video_inner = TINY_VIDEO_HEADS * TINY_VIDEO_HEAD_DIM
+    audio_inner = TINY_AUDIO_HEADS * TINY_AUDIO_HEAD_DIM
+    cfg: dict = {
+        "_class_name": "AVTransformer3DModel",
+        **_SENTINELS,
+        "attention_type": "default",
+        "norm_eps": 1e-06,
+        "norm_num_groups": 32,
+        "num_attention_heads": TINY_VIDEO_HEADS,
+        "attention_head_dim": TINY_VIDEO_HEAD_DIM,
+        "in_channels": TINY_LATENT_CHANNELS,
+        "out_channels": TINY_LATENT_CHANNELS,
+        "num_layers": TINY_LAYERS,
+        "cross_attention_dim": video_inner,
+        "audio_num_attention_heads": TINY_AUDIO_HEADS,
+        "audio_attention_head_dim": TINY_AUDIO_HEAD_DIM,
+        "audio_in_channels": TINY_AUDIO_CHANNELS,
+        "audio_out_channels": TINY_AUDIO_CHANNELS,
+        "audio_cross_attention_dim": audio_inner,
+        "caption_channels": TINY_GEMMA_HIDDEN,
+        "positional_embedding_theta": 10000.0,
+        "positional_embedding_max_pos": [20, 2048, 2048],
+        "audio_positional_embedding_max_pos": [20],
+        "timestep_scale_multiplier": 1000,
+        "av_ca_timestep_scale_multiplier": 1000.0,
+        "causal_temporal_positioning": True,
+        "rope_type": "split",
+        "frequencies_precision": "float64",
+        "use_embeddings_connector": True,
+        "connector_num_layers": 1,
+        "connector_positional_embedding_max_pos": [4096],
+        "connector_num_learnable_registers": TINY_CONNECTOR_REGISTERS,
+        "connector_norm_output": True,
+    }
+    if version == "2.0":
+        cfg.update(
+            connector_num_attention_heads=TINY_V1_CONNECTOR_HEADS,
+            connector_attention_head_dim=TINY_V1_CONNECTOR_HEAD_DIM,
+        )
+    else:
+        cfg.update(
+            apply_gated_attention=True,
+            cross_attention_adaln=True,
+            caption_proj_before_connector=True,
+            caption_projection_first_linear=False,
+            caption_projection_second_linear=False,
+            caption_proj_input_norm=False,
+            connector_apply_gated_attention=True,
+            connector_learnable_registers_std=1,
+            connector_num_attention_heads=TINY_VIDEO_HEADS,
+            connector_attention_head_dim=TINY_VIDEO_HEAD_DIM,
+            audio_connector_num_attention_heads=TINY_AUDIO_HEADS,
+            audio_connector_attention_head_dim=TINY_AUDIO_HEAD_DIM,
+        )
+    return cfg
+
+
+def tiny_vae_config() -> dict:
+    """The ``"vae"`` section: an ltx-core ``CausalVideoAutoencoder`` config at toy width.
+
+    Real compression: patch 4 x three 2x2x2 stages = 32x spatial, 8x temporal, so a latent
+    ``[B, 128, F', H', W']`` decodes to ``[B, 3, 8(F'-1)+1, 32H', 32W']``. The encoder keeps
+    128 channels throughout (ltx-core's encoder width starts at ``latent_channels``); the
+    decoder starts at ``8 * decoder_base_channels`` = 32 channels. ``spatial_padding_mode``
+    "zeros" (as the production 2.3 VAE), no timestep conditioning, non-causal decoder.
+    """
+    return {
+        "_class_name": "CausalVideoAutoencoder",
+        "dims": 3,
+        "in_channels": 3,
+        "out_channels": 3,
+        "latent_channels": TINY_LATENT_CHANNELS,
+        "encoder_blocks": [["compress_all_res", {"multiplier": 1}]] * 3,
+        "decoder_blocks": [
+            ["res_x", {"num_layers": 1}],
+            ["compress_all", {"multiplier": 2, "residual": True}],
+            ["compress_all", {"multiplier": 2, "residual": True}],
+            ["compress_all", {"multiplier": 2, "residual": True}],
+            ["res_x", {"num_layers": 1}],
+        ],
+        "scaling_factor": 1.0,
+        "norm_layer": "pixel_norm",
+        "patch_size": 4,
+        "latent_log_var": "uniform",
+        "use_quant_conv": False,
+        "causal_decoder": False,
+        "timestep_conditioning": False,
+        "normalize_latent_channels": False,
+        "decoder_base_channels": TINY_VAE_DECODER_BASE,
+        "spatial_padding_mode": "zeros",
+    }
+
+
+def tiny_ltx_config(version: Version) -> dict:
+    """The full parsed ``config`` metadata: ``{"transformer": ..., "vae": ...}``."""
+    return {"transformer": tiny_transformer_config(version), "vae": tiny_vae_config()}
+
+
+def tiny_feature_extractor(version: Version) -> nn.Module:
+    """ltx-core's feature extractor sized for the tiny Gemma (meta-free, uninitialised weights).
+
+    2.0: ``FeatureExtractorV1(Linear(448 -> 64, bias=False), is_av=True)``; 2.3:
+    ``FeatureExtractorV2(Linear(448 -> 32), embedding_dim=64, Linear(448 -> 16))``. Input: the
+    tiny Gemma's 7 hidden states ``[B, T, 64]`` and a ``[B, T]`` mask.
+
+    ltx-core 1.0.0's ``EmbeddingsProcessorConfigurator`` hard-codes the Gemma-3-12B input width
+    (3840 x 49 = 188160); use :func:`tiny_embeddings_processor_ops` to swap this module in.
+    """
+    from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV1, FeatureExtractorV2
+
+    version = _check_version(version)
+    if version == "2.0":
+        return FeatureExtractorV1(nn.Linear(TINY_FEATURE_IN, TINY_GEMMA_HIDDEN, bias=False), is_av=True)
+    return FeatureExtractorV2(
+        video_aggregate_embed=nn.Linear(TINY_FEATURE_IN, TINY_VIDEO_HEADS * TINY_VIDEO_HEAD_DIM, bias=True),
+        embedding_dim=TINY_GEMMA_HIDDEN,
+        audio_aggregate_embed=nn.Linear(TINY_FEATURE_IN, TINY_AUDIO_HEADS * TINY_AUDIO_HEAD_DIM, bias=True),
+    )
+
+
+def tiny_embeddings_processor_ops(version: Version):
+    """A ``ModuleOps`` that resizes ``EmbeddingsProcessor.feature_extractor`` to the tiny Gemma.
+
+    Append it to ``SingleGPUModelBuilder(EmbeddingsProcessorConfigurator, path,
+    model_sd_ops=EMBEDDINGS_PROCESSOR_KEY_OPS, module_ops=(op,))`` to load the tiny checkpoint's
+    connectors and projection through ltx-core's production builder path; the op runs on the
+    meta model before the weights are assigned.
+    """
+    from ltx_core.loader.module_ops import ModuleOps
+    from ltx_core.text_encoders.gemma.embeddings_processor import EmbeddingsProcessor
+
+    version = _check_version(version)
+
+    def mutate(processor: nn.Module) -> nn.Module:
+        with torch.device("meta"):
+            processor.feature_extractor = tiny_feature_extractor(version)
+        return processor
+
+    return ModuleOps(
+        name=f"tiny_gemma_feature_extractor_{version}",
+        matcher=lambda m: isinstance(m, EmbeddingsProcessor),
+        mutator=mutate,
+    )
+
+
+def _generator(seed: int, key: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _init_tensor(key: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """A float32 tensor for checkpoint ``key``, a pure function of ``(seed, key, shape)``."""
+    g = _generator(seed, key)
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf == "learnable_registers":
+        return torch.rand(shape, generator=g) * 2.0 - 1.0
+    if leaf == "std-of-means":
+        return 0.5 + torch.rand(shape, generator=g)
+    if leaf == "mean-of-means":
+        return 0.1 * torch.randn(shape, generator=g)
+    if len(shape) >= 2:
+        fan_in = max(1, shape.numel() // shape[0])
+        return torch.randn(shape, generator=g) / fan_in**0.5
+    if key.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    return 0.05 * torch.randn(shape, generator=g)
+
+
+def _materialise(
+    module: nn.Module, prefix: str, seed: int, dtype: torch.dtype, skip: str | None = None
+) -> dict[str, torch.Tensor]:
+    """The state dict of a meta-built ``module`` with keys ``prefix + name`` and fresh values
+    (names starting with ``skip`` left out)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if skip is not None and name.startswith(skip):
+            continue
+        key = prefix + name
+        out[key] = _init_tensor(key, t.shape, seed).to(dtype).contiguous()
+    return out
+
+
+def tiny_ltx_state_dict(version: Version, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor of the tiny monolith, keyed as in a real ComfyUI / ltx-core checkpoint.
+
+    Transformer, connectors and projection are float32; ``vae.*`` is bfloat16. Modules are built
+    by ltx-core's configurators under ``torch.device("meta")`` (so nothing is allocated for
+    ltx-core's hard-coded 12B feature-extractor width) and every tensor is drawn afresh.
+
+    Raises:
+        ValueError: bad ``version``.
+    """
+    from ltx_core.model.transformer import LTXModelConfigurator
+    from ltx_core.model.video_vae import VideoDecoderConfigurator, VideoEncoderConfigurator
+    from ltx_core.text_encoders.gemma.encoders.encoder_configurator import EmbeddingsProcessorConfigurator
+
+    version = _check_version(version)
+    config = tiny_ltx_config(version)
+    with torch.device("meta"):
+        transformer = LTXModelConfigurator.from_config(config)
+        processor = EmbeddingsProcessorConfigurator.from_config(config)
+        processor.feature_extractor = tiny_feature_extractor(version)
+        encoder = VideoEncoderConfigurator.from_config(config)
+        decoder = VideoDecoderConfigurator.from_config(config)
+
+    dit, f32 = "model.diffusion_model.", torch.float32
+    sd: dict[str, torch.Tensor] = {}
+    sd.update(_materialise(transformer, dit, seed, f32))
+    # Inverse of ltx-core's EMBEDDINGS_PROCESSOR_KEY_OPS.
+    sd.update(_materialise(processor.video_connector, dit + "video_embeddings_connector.", seed, f32))
+    sd.update(_materialise(processor.audio_connector, dit + "audio_embeddings_connector.", seed, f32))
+    sd.update(_materialise(processor.feature_extractor, "text_embedding_projection.", seed, f32))
+    # Inverse of VAE_{ENCODER,DECODER}_COMFY_KEYS_FILTER: one shared per_channel_statistics.
+    for part, module in (("encoder", encoder), ("decoder", decoder)):
+        sd.update(_materialise(module, f"vae.{part}.", seed, torch.bfloat16, skip="per_channel_statistics."))
+    sd.update(_materialise(encoder.per_channel_statistics, "vae.per_channel_statistics.", seed, torch.bfloat16))
+    return sd
+
+
+def build_tiny_ltx_checkpoint(out_path: str | os.PathLike, version: Version, seed: int = 0) -> None:
+    """Write the tiny LTX-2 monolith to ``out_path`` (atomically: temp file + rename).
+
+    Same ``(version, seed)`` -> byte-identical file (about 3 MB). Metadata: ``config`` (JSON
+    string of :func:`tiny_ltx_config`) and ``model_version`` (``"2.0.0"`` / ``"2.3.0"``), the
+    two keys ltx-core 1.0.0 and ComfyUI read.
+
+    Raises:
+        ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``.
+        OSError: the parent directory of ``out_path`` does not exist or is not writable.
+    """
+    version = _check_version(version)
+    out_path = Path(out_path)
+    sd = tiny_ltx_state_dict(version, seed)
+    metadata = {
+        "config": json.dumps(tiny_ltx_config(version), sort_keys=True),
+        "model_version": _MODEL_VERSIONS[version],
+    }
+    data = _sort_metadata(save_to_bytes(sd, metadata=metadata))
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sort_metadata(data: bytes) -> bytes:
+    """``data`` (a safetensors file) with its ``__metadata__`` entries in sorted key order.
+
+    safetensors writes ``__metadata__`` from a Rust ``HashMap``, whose order changes from run to
+    run; the tensor entries are already in a fixed order. Reordering keeps the header's length, so
+    the header (space-padded, as safetensors pads it) is replaced in place.
+    """
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    ordered = {"__metadata__": header.pop("__metadata__"), **header}
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    if len(text) > n:  # cannot happen for a pure reordering; refuse rather than corrupt
+        raise RuntimeError(f"safetensors header grew from {n} to {len(text)} bytes while sorting metadata")
+    return data[:8] + text.ljust(n, b" ") + data[8 + n :]
+

@@ -1,0 +1,508 @@
+"""Content-addressed disk cache of LTX-2 prompt embeddings.
+
+An entry is keyed by a SHA-256 over *every* input that changes the tensor: the prompt text
+(exactly, whitespace included), the content digests of the Gemma weights + tokenizer and of
+the text projection, the weights mode (bf16 / nf4), the token budget, the compute dtype and
+this module's :data:`FORMAT_VERSION`. A cache keyed on the prompt alone serves stale
+embeddings after a model or precision change (WanVideoWrapper #2046, see
+``shared/notes/peers.md`` §3); the full key is DESIGN.md §4.
+
+Entries are safetensors files ``<root>/<key[:2]>/<key>.safetensors`` holding one CPU tensor
+``"embedding"`` and string metadata (format version, key, key parts, LTX version, dropped
+tokens, SHA-256 of the tensor bytes). Writes are atomic (temp file in the same directory,
+fsync, ``os.replace``), so concurrent processes never see a partial entry; a damaged entry
+(truncated, flipped bytes, foreign file) is reported with a :class:`CacheEntryWarning`,
+deleted and treated as a miss, so the caller re-encodes. Tensors are stored on CPU and moved
+to the device at use (sdnext PR #4887: cached CPU embeddings reached a CUDA connector).
+The total size is bounded by least-recently-used eviction; the access time is the file's
+mtime, refreshed on every hit, which every process sharing the directory sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+from ltx_mgpu.identity import home_dir
+from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
+
+#: Version of the entry layout and of the key encoding; bump it when either changes, and
+#: every older entry becomes a miss (it is folded into the key).
+FORMAT_VERSION = 1
+
+#: Default bound of the cache's total size, bytes.
+DEFAULT_MAX_BYTES = 2 * 1024**3
+
+#: Temp files older than this (seconds) are leftovers of a killed writer; eviction removes them.
+STALE_TEMP_SECONDS = 3600.0
+
+WEIGHTS_MODES = ("bf16", "nf4")
+_TENSOR_NAME = "embedding"
+_SUFFIX = ".safetensors"
+_KEY_DOMAIN = "ltx_mgpu.text.cache"
+_HEX = frozenset("0123456789abcdef")
+
+
+class CacheEntryWarning(UserWarning):
+    """A cache entry was damaged or did not match its key; it was deleted and will be re-encoded."""
+
+
+@dataclass(frozen=True)
+class CacheKeyParts:
+    """Everything besides the prompt that determines an embedding (DESIGN.md §4).
+
+    Attributes:
+        gemma_identity: content digest of the Gemma 3 weights and tokenizer
+            (:func:`ltx_mgpu.identity.files_digest` / ``tensors_digest``).
+        projection_identity: content digest of the LTX text projection
+            (:attr:`ltx_mgpu.text.features.Projection.identity`).
+        weights_mode: ``"bf16"`` or ``"nf4"``.
+        token_budget: Gemma token budget in tokens (1024 for LTX-2).
+        dtype: the compute dtype's name, e.g. ``"bfloat16"``; a ``torch.dtype`` is accepted
+            and stored as its name.
+
+    Raises:
+        ValueError: an empty identity, an unknown weights mode, a non-positive budget or an
+            empty dtype.
+    """
+
+    gemma_identity: str
+    projection_identity: str
+    weights_mode: str
+    token_budget: int = TOKEN_BUDGET
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        for name in ("gemma_identity", "projection_identity", "dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"CacheKeyParts.{name} must be a non-empty string, got {value!r}")
+        if self.weights_mode not in WEIGHTS_MODES:
+            raise ValueError(f"CacheKeyParts.weights_mode must be one of {WEIGHTS_MODES}, got {self.weights_mode!r}")
+        if isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or self.token_budget < 1:
+            raise ValueError(f"CacheKeyParts.token_budget must be a positive int (tokens), got {self.token_budget!r}")
+
+    def to_json(self) -> str:
+        """Canonical JSON of the parts (sorted keys, no spaces); stored in each entry."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+def cache_key(prompt: str, parts: CacheKeyParts) -> str:
+    """SHA-256 (64 hex chars) of the prompt and every key part, plus :data:`FORMAT_VERSION`.
+
+    The encoding is canonical JSON (sorted keys, ASCII escapes), so no two different inputs
+    share an encoding: the prompt is hashed exactly as given, with no stripping or
+    normalisation.
+
+    Raises:
+        TypeError: ``prompt`` is not a str or ``parts`` is not a :class:`CacheKeyParts`.
+    """
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    if not isinstance(parts, CacheKeyParts):
+        raise TypeError(f"parts must be a CacheKeyParts, got {type(parts).__name__}")
+    record = {"domain": _KEY_DOMAIN, "format": FORMAT_VERSION, "parts": dataclasses.asdict(parts), "prompt": prompt}
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode("ascii")).hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """Where embeddings are cached when no root is given.
+
+    ``$LTX_MGPU_CACHE_DIR`` if set; else, inside a running ComfyUI (its ``folder_paths``
+    module already imported — it is never imported here),
+    ``<ComfyUI user directory>/ltx_mgpu/embeddings``; else ``home_dir() / "embeddings"``
+    (:func:`ltx_mgpu.identity.home_dir`).
+    """
+    env = os.environ.get("LTX_MGPU_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    folder_paths = sys.modules.get("folder_paths")
+    get_user_directory = getattr(folder_paths, "get_user_directory", None)
+    if callable(get_user_directory):
+        return Path(get_user_directory()) / "ltx_mgpu" / "embeddings"
+    return home_dir() / "embeddings"
+
+
+@dataclass
+class CacheStats:
+    """Counters of one :class:`EmbeddingCache` object (this process only).
+
+    ``hits``/``misses`` count :meth:`EmbeddingCache.get` lookups (a damaged entry is a miss
+    and also counts in ``damaged``); ``writes`` counts entries written; ``evictions`` counts
+    entries removed to stay under ``max_bytes``.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    evictions: int = 0
+    damaged: int = 0
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """What :func:`encode_cached` did.
+
+    Attributes:
+        hits: distinct prompts served from the cache.
+        misses: distinct prompts not in the cache.
+        encoded: prompts passed to ``encode_fn`` (equals ``misses`` after a full run).
+        seconds: wall time of the whole call, seconds.
+    """
+
+    hits: int
+    misses: int
+    encoded: int
+    seconds: float
+
+    def __str__(self) -> str:
+        total = self.hits + self.misses
+        return (
+            f"{total} prompt{'s' if total != 1 else ''}: {self.hits} cached, "
+            f"{self.encoded} encoded in {self.seconds:.2f} s"
+        )
+
+
+class _Damaged(Exception):
+    """Internal: an entry failed validation (the message says why)."""
+
+
+class EmbeddingCache:
+    """Disk cache of :class:`PromptEmbedding` s, safe to share between processes.
+
+    Args:
+        root: cache directory (created on the first write); ``None`` uses
+            :func:`default_cache_dir`.
+        max_bytes: bound of the total size of the entries, bytes. After each write the
+            least recently used entries are deleted until the total fits; the entry just
+            written is never evicted (so one entry larger than the bound still persists).
+
+    Raises:
+        ValueError: ``max_bytes`` is not a positive int.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
+        self.root = Path(root).expanduser() if root is not None else default_cache_dir()
+        self.max_bytes = max_bytes
+        self._stats = CacheStats()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"EmbeddingCache(root={str(self.root)!r}, max_bytes={self.max_bytes})"
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of this object's counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def path_for(self, prompt: str, parts: CacheKeyParts) -> Path:
+        """The entry file of ``prompt`` under ``parts`` (whether or not it exists)."""
+        key = cache_key(prompt, parts)
+        return self.root / key[:2] / f"{key}{_SUFFIX}"
+
+    def get(
+        self, prompt: str, parts: CacheKeyParts, device: torch.device | str | None = None
+    ) -> PromptEmbedding | None:
+        """Look up one prompt.
+
+        Returns:
+            The embedding (tensor ``[T, D]`` as stored, float32, owning its memory) on CPU,
+            or on ``device`` when given; ``None`` on a miss. A damaged entry, or one whose
+            metadata does not match the key, is warned about (:class:`CacheEntryWarning`,
+            naming the file), deleted and reported as a miss. A hit refreshes the entry's
+            access time (mtime) for LRU eviction.
+        """
+        key = cache_key(prompt, parts)
+        path = self.root / key[:2] / f"{key}{_SUFFIX}"
+        try:
+            with open(path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                data = f.read()
+        except FileNotFoundError:
+            self._count(misses=1)
+            return None
+        try:
+            embedding = _decode(data, key, parts)
+        except _Damaged as exc:
+            self._discard(path, inode, str(exc))
+            self._count(misses=1, damaged=1)
+            return None
+        _touch(path)
+        self._count(hits=1)
+        if device is not None:
+            embedding = dataclasses.replace(embedding, tensor=embedding.tensor.to(device))
+        return embedding
+
+    def get_many(
+        self, prompts: Sequence[str], parts: CacheKeyParts, device: torch.device | str | None = None
+    ) -> list[PromptEmbedding | None]:
+        """:meth:`get` for each prompt, in order (``None`` for each miss)."""
+        return [self.get(p, parts, device) for p in prompts]
+
+    def put(self, prompt: str, parts: CacheKeyParts, embedding: PromptEmbedding) -> Path:
+        """Store one embedding atomically and enforce ``max_bytes``; returns the entry path.
+
+        The tensor is copied to a contiguous CPU tensor of its own (never a view into a
+        batch tensor), so the file holds exactly this prompt's ``[T, D]`` rows. Two writers
+        of one key both complete and the last rename wins; readers never see a partial file.
+
+        Raises:
+            TypeError: ``embedding`` is not a :class:`PromptEmbedding`.
+            ValueError: the tensor has no data (a ``meta`` tensor).
+            OSError: the directory cannot be written (disk full, read-only, ...).
+        """
+        if not isinstance(embedding, PromptEmbedding):
+            raise TypeError(f"embedding must be a PromptEmbedding, got {type(embedding).__name__}")
+        key = cache_key(prompt, parts)
+        path = self.root / key[:2] / f"{key}{_SUFFIX}"
+        tensor = embedding.tensor.detach()
+        if tensor.device.type == "meta":
+            raise ValueError("cannot cache a 'meta' tensor (it has no data); encode on a real device")
+        tensor = tensor.to("cpu").clone(memory_format=torch.contiguous_format)  # own storage, offset 0
+        metadata = {
+            "format": str(FORMAT_VERSION),
+            "key": key,
+            "key_parts": parts.to_json(),
+            "version": embedding.version,
+            "dropped_tokens": str(int(embedding.dropped_tokens)),
+            "sha256": _tensor_sha256(tensor),
+        }
+        payload = _st_save({_TENSOR_NAME: tensor}, metadata=metadata)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+        _touch(path)
+        self._count(writes=1)
+        self._evict(keep=path)
+        return path
+
+    def size_bytes(self) -> int:
+        """Total size of the entries on disk, bytes (temp files excluded)."""
+        return sum(size for _, _, size in self._entries())
+
+    def clear(self) -> None:
+        """Delete every entry (and stale temp files of dead writers); counters are kept."""
+        for _, path, _ in self._entries():
+            path.unlink(missing_ok=True)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _discard(self, path: Path, inode: int, reason: str) -> None:
+        warnings.warn(
+            f"ltx_mgpu embedding cache: damaged entry {path} ({reason}); deleted, the prompt will be re-encoded",
+            CacheEntryWarning,
+            stacklevel=3,
+        )
+        try:
+            # Only delete the file we read: a concurrent writer may have replaced it since.
+            if os.stat(path).st_ino == inode:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(f"ltx_mgpu embedding cache: could not delete {path}: {exc}", CacheEntryWarning, stacklevel=3)
+
+    def _entries(self) -> list[tuple[int, Path, int]]:
+        """``(mtime_ns, path, size_bytes)`` of every entry; removes stale temp files on the way."""
+        found: list[tuple[int, Path, int]] = []
+        now = time.time()
+        try:
+            shards = [d for d in os.scandir(self.root) if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return found
+        for shard in shards:
+            try:
+                files = list(os.scandir(shard.path))
+            except FileNotFoundError:
+                continue
+            for entry in files:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # evicted or replaced by another process meanwhile
+                name = entry.name
+                if name.endswith(".tmp") and name.startswith("."):
+                    if now - st.st_mtime > STALE_TEMP_SECONDS:
+                        Path(entry.path).unlink(missing_ok=True)
+                elif name.endswith(_SUFFIX) and _is_key(name[: -len(_SUFFIX)]):
+                    found.append((st.st_mtime_ns, Path(entry.path), st.st_size))
+        return found
+
+    def _evict(self, keep: Path) -> None:
+        entries = self._entries()
+        total = sum(size for _, _, size in entries)
+        if total <= self.max_bytes:
+            return
+        for _, path, size in sorted(entries, key=lambda e: (e[0], e[1].name)):
+            if total <= self.max_bytes:
+                break
+            if path == keep:
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass  # another process evicted it first; it no longer counts either way
+            else:
+                self._count(evictions=1)
+            total -= size
+
+
+def encode_cached(
+    cache: EmbeddingCache,
+    prompts: Sequence[str],
+    parts: CacheKeyParts,
+    encode_fn: Callable[[list[str]], Sequence[PromptEmbedding]],
+    batch_size: int,
+    device: torch.device | str | None = None,
+) -> tuple[list[PromptEmbedding], CacheReport]:
+    """Embeddings for ``prompts``, encoding only those not cached.
+
+    Every prompt is looked up first; the distinct misses are passed to ``encode_fn`` in
+    sub-lists of at most ``batch_size`` prompts, and each sub-batch's results are written
+    to the cache as soon as it returns, so an interrupted batch resumes where it stopped.
+    ``encode_fn`` is not called at all when every prompt is cached (a lazy encoder never
+    loads Gemma). A write that fails (disk full, read-only) is warned about and skipped.
+
+    Args:
+        cache: the cache to read and fill.
+        prompts: prompts in output order (duplicates are encoded once).
+        parts: the key parts of the encoder ``encode_fn`` stands for.
+        encode_fn: ``list[str] -> list[PromptEmbedding]``, one result per prompt, in order.
+        batch_size: most prompts per ``encode_fn`` call (>= 1).
+        device: move every returned tensor there (cache entries stay on CPU).
+
+    Returns:
+        ``(embeddings in input order, CacheReport)``: hits as :meth:`EmbeddingCache.get`
+        returns them, encoded ones as ``encode_fn`` produced them (moved to ``device`` if
+        given); a duplicated prompt maps to the same object.
+
+    Raises:
+        ValueError: ``batch_size`` < 1, or ``encode_fn`` returned the wrong number of results.
+        TypeError: a prompt is not a str, or ``encode_fn`` returned something other than
+            :class:`PromptEmbedding` s.
+        Whatever ``encode_fn`` raises (sub-batches finished before it stay cached).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for p in prompts:
+        if not isinstance(p, str):
+            raise TypeError(f"prompts must be strings, got {type(p).__name__}")
+    start = time.perf_counter()
+    unique = list(dict.fromkeys(prompts))
+    found: dict[str, PromptEmbedding] = {}
+    for p in unique:
+        hit = cache.get(p, parts, device)
+        if hit is not None:
+            found[p] = hit
+    missing = [p for p in unique if p not in found]
+    for i in range(0, len(missing), batch_size):
+        chunk = missing[i : i + batch_size]
+        results = list(encode_fn(list(chunk)))
+        if len(results) != len(chunk):
+            raise ValueError(f"encode_fn returned {len(results)} embeddings for {len(chunk)} prompts")
+        for prompt, emb in zip(chunk, results):
+            if not isinstance(emb, PromptEmbedding):
+                raise TypeError(f"encode_fn must return PromptEmbedding objects, got {type(emb).__name__}")
+            try:
+                cache.put(prompt, parts, emb)
+            except OSError as exc:
+                warnings.warn(f"ltx_mgpu embedding cache: could not write to {cache.root}: {exc}", stacklevel=2)
+            found[prompt] = emb if device is None else dataclasses.replace(emb, tensor=emb.tensor.to(device))
+    report = CacheReport(
+        hits=len(unique) - len(missing), misses=len(missing), encoded=len(missing), seconds=time.perf_counter() - start
+    )
+    return [found[p] for p in prompts], report
+
+
+def _decode(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding:
+    """Parse and validate one entry's bytes; raises :class:`_Damaged` saying what is wrong."""
+    try:
+        tensors = _st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+    except Exception as exc:  # noqa: BLE001 - any parse failure means a damaged file
+        raise _Damaged(f"not a readable safetensors file: {exc}") from None
+    if set(tensors) != {_TENSOR_NAME}:
+        raise _Damaged(f"expected one tensor {_TENSOR_NAME!r}, found {sorted(tensors)}")
+    if metadata.get("format") != str(FORMAT_VERSION):
+        raise _Damaged(f"format {metadata.get('format')!r}, expected {FORMAT_VERSION}")
+    if metadata.get("key") != key or metadata.get("key_parts") != parts.to_json():
+        raise _Damaged("its metadata does not match the cache key")
+    tensor = tensors[_TENSOR_NAME].clone()  # own compact storage, not a view of the file buffer
+    if metadata.get("sha256") != _tensor_sha256(tensor):
+        raise _Damaged("tensor checksum mismatch")
+    try:
+        dropped = int(metadata["dropped_tokens"])
+        if dropped < 0:
+            raise ValueError(f"negative dropped_tokens {dropped}")
+        return PromptEmbedding(tensor=tensor, version=metadata.get("version"), dropped_tokens=dropped)
+    except (KeyError, ValueError) as exc:
+        raise _Damaged(f"bad metadata: {exc}") from None
+
+
+def _tensor_sha256(tensor: torch.Tensor) -> str:
+    """SHA-256 of a contiguous CPU tensor's dtype, shape and bytes."""
+    h = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    if tensor.numel():
+        h.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _is_key(name: str) -> bool:
+    return len(name) == 64 and set(name) <= _HEX
+
+
+def _touch(path: Path) -> None:
+    """Set the access/modification time to now (ns resolution) for LRU; best effort."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass  # evicted meanwhile, or a read-only cache: LRU order is only a hint
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist a rename (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
