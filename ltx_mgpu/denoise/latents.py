@@ -1,0 +1,333 @@
+"""ComfyUI LTX-2 LATENTs <-> ltx-core token states (tokens, positions, per-token denoise masks).
+
+ComfyUI's LTX-2 LATENT comes in three shapes (``../shared/notes/comfyui.md`` §12):
+
+* video: ``{"samples": [B, 128, F, H, W]}`` (``EmptyLTXVLatentVideo``);
+* audio: ``{"samples": [B, 8, N, 16], "type": "audio"}`` (``LTXVEmptyLatentAudio``);
+* audio-video: ``{"samples": NestedTensor((video, audio)), ...}`` (``LTXVConcatAVLatent``),
+  ``comfy.nested_tensor.NestedTensor`` being a plain class with ``.tensors`` and
+  ``is_nested = True``. It is duck-typed here (ComfyUI is never imported);
+  ``NestedTensorLike`` stands in for it without ComfyUI.
+
+An optional ``noise_mask`` (a tensor, or a NestedTensor of (video mask, audio mask)) gives the
+denoise strength per latent element (1 = denoise, 0 = keep), as image-to-video and stage-2
+nodes set it. ComfyUI resizes it to the latent with ``comfy.utils.reshape_mask``
+(interpolation) and then reads channel 0 per video token and channel 0 / mel bin 0 per
+audio token (``LTXAV.process_timestep``); ``_video_token_mask`` / ``_audio_token_mask``
+reproduce that. No mask means ones.
+
+Tokens and positions are made by ltx-core 1.0.0's own patchifiers and coordinate helpers,
+the same calls ``VideoLatentTools`` / ``AudioLatentTools`` make: video positions are
+``[B, 3, T, 2]`` ``[start, end)`` bounds in pixels with time in seconds (pixel frame / fps,
+with the causal first-frame fix), audio positions ``[B, 1, T, 2]`` in seconds. Positions
+are float32 (ComfyUI keeps them float32; ltx-core's pipelines cast them to the model dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifier, get_pixel_coords
+from ltx_core.types import VIDEO_SCALE_FACTORS, AudioLatentShape, VideoLatentShape
+
+__all__ = [
+    "DEFAULT_FRAME_RATE",
+    "LatentFormatError",
+    "ModalityTokens",
+    "NestedTensorLike",
+    "TokenLatents",
+    "frame_rate_from_conditioning",
+    "is_nested",
+    "latent_to_tokens",
+    "tokens_to_latent",
+]
+
+#: ComfyUI's ``LTXVConditioning`` default frame rate (frames per second) and the model's
+#: fallback when a conditioning carries no ``frame_rate``.
+DEFAULT_FRAME_RATE = 25.0
+
+_VIDEO_PATCHIFIER = VideoLatentPatchifier(patch_size=1)
+
+
+class LatentFormatError(ValueError):
+    """A LATENT that is not one of ComfyUI's LTX-2 layouts (video, audio, audio-video)."""
+
+
+class NestedTensorLike:
+    """Minimal stand-in for ``comfy.nested_tensor.NestedTensor``: a list of tensors.
+
+    ``tensors`` is the list (video first, then audio); ``shape`` / ``device`` / ``dtype``
+    report the first tensor's, as ComfyUI's class does.
+    """
+
+    is_nested = True
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def unbind(self) -> list[torch.Tensor]:
+        return self.tensors
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensors[0].shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype
+
+    def __repr__(self) -> str:
+        return f"NestedTensorLike({[tuple(t.shape) for t in self.tensors]})"
+
+
+def is_nested(x: Any) -> bool:
+    """True for ComfyUI's NestedTensor or ``NestedTensorLike`` (not for ``torch.nested``)."""
+    return bool(getattr(x, "is_nested", False)) and isinstance(getattr(x, "tensors", None), (list, tuple))
+
+
+@dataclasses.dataclass
+class ModalityTokens:
+    """One modality as ltx-core tokens.
+
+    Attributes:
+        tokens: ``[B, T, C]`` patchified latent (video ``C = 128``: T = F*H*W; audio
+            ``C = channels * mel_bins = 128``: T = N), in the LATENT's dtype and device.
+        positions: float32 ``[B, 3, T, 2]`` (video: time in seconds, height and width in
+            pixels) or ``[B, 1, T, 2]`` (audio: seconds), ``[start, end)`` per token.
+        denoise_mask: float32 ``[B, T]``, 1 = denoise, 0 = keep (ltx-core's convention).
+        shape: the ltx-core latent shape (``VideoLatentShape`` / ``AudioLatentShape``).
+        dtype: the LATENT tensor's dtype, restored by ``tokens_to_latent``.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    denoise_mask: torch.Tensor
+    shape: VideoLatentShape | AudioLatentShape
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class TokenLatents:
+    """A ComfyUI LATENT as token states, plus what is needed to rebuild it exactly.
+
+    Attributes:
+        video / audio: the modalities present (``None`` when absent).
+        frame_rate: frames per second used for the video time positions.
+        nested_type: the class of the input NestedTensor (audio-video LATENTs), else None.
+        extras: the LATENT's other keys (``noise_mask``, ``type``, ``batch_index`` ...),
+            carried into the output unchanged, as ComfyUI's samplers do.
+    """
+
+    video: ModalityTokens | None
+    audio: ModalityTokens | None
+    frame_rate: float
+    nested_type: type | None = None
+    extras: dict = dataclasses.field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- conditioning
+
+
+def frame_rate_from_conditioning(conditioning: Any, default: float = DEFAULT_FRAME_RATE) -> float:
+    """The ``frame_rate`` an LTX-2 CONDITIONING carries (``LTXVConditioning``), else ``default``.
+
+    Accepts ComfyUI's CONDITIONING (a list of ``[tensor, dict]``), a single such pair, or a
+    plain options dict. Raises ``ValueError`` for a non-positive or non-numeric frame rate.
+    """
+    entries = conditioning if isinstance(conditioning, (list, tuple)) else [conditioning]
+    for entry in entries:  # [tensor, dict] pairs; a bare pair yields its dict directly
+        opts = entry[1] if isinstance(entry, (list, tuple)) and len(entry) > 1 else entry
+        if isinstance(opts, dict) and opts.get("frame_rate") is not None:
+            try:
+                fps = float(opts["frame_rate"])
+            except (TypeError, ValueError):
+                raise ValueError(f"conditioning frame_rate must be a number, got {opts['frame_rate']!r}") from None
+            if not (fps > 0 and math.isfinite(fps)):
+                raise ValueError(f"conditioning frame_rate must be positive, got {fps}; set it on LTXVConditioning")
+            return fps
+    return float(default)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def _repeat_to_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """ComfyUI's ``repeat_to_batch_size``: truncate, or tile along dim 0."""
+    if x.shape[0] > batch:
+        return x[:batch]
+    if x.shape[0] < batch:
+        return x.repeat([math.ceil(batch / x.shape[0])] + [1] * (x.ndim - 1))[:batch]
+    return x
+
+
+def _video_token_mask(mask: torch.Tensor | None, shape: VideoLatentShape, device) -> torch.Tensor:
+    """A video ``noise_mask`` -> float32 ``[B, F*H*W]``.
+
+    Follows ComfyUI: a mask of fewer than 5 dims is read as ``[..., F', H', W']`` frames,
+    resized to ``(F, H, W)`` trilinearly (exact when the sizes match or are 1), channel 0.
+    """
+    if mask is None:
+        return torch.ones(shape.batch, shape.token_count(), dtype=torch.float32, device=device)
+    m = mask.to(device=device, dtype=torch.float32)
+    if m.ndim < 2:
+        raise LatentFormatError(f"video noise_mask must have >= 2 dims ([..., H, W]), got shape {tuple(mask.shape)}")
+    if m.ndim < 5:
+        m = m.reshape(1, 1, -1, m.shape[-2], m.shape[-1])
+    m = m[:, :1]
+    if tuple(m.shape[2:]) != (shape.frames, shape.height, shape.width):
+        m = F.interpolate(m, size=(shape.frames, shape.height, shape.width), mode="trilinear")
+    m = _repeat_to_batch(m, shape.batch)
+    return _VIDEO_PATCHIFIER.patchify(m)[..., 0]
+
+
+def _audio_token_mask(mask: torch.Tensor | None, shape: AudioLatentShape, patchifier, device) -> torch.Tensor:
+    """An audio ``noise_mask`` -> float32 ``[B, N]``.
+
+    Follows ComfyUI: the mask is reshaped to ``[-1, 1, N', M']`` (so a ``[1, C, N, M]`` mask
+    reads channel 0; with batch > 1 and several channels ComfyUI's reshape mixes channels
+    into the batch, and so does this), resized bilinearly to ``(N, mel_bins)``, then mel bin 0.
+    """
+    if mask is None:
+        return torch.ones(shape.batch, shape.frames, dtype=torch.float32, device=device)
+    m = mask.to(device=device, dtype=torch.float32)
+    if m.ndim < 2:
+        raise LatentFormatError(f"audio noise_mask must have >= 2 dims ([..., N, mel_bins]), got shape {tuple(mask.shape)}")
+    m = m.reshape(-1, 1, m.shape[-2], m.shape[-1])
+    if tuple(m.shape[2:]) != (shape.frames, shape.mel_bins):
+        m = F.interpolate(m, size=(shape.frames, shape.mel_bins), mode="bilinear")
+    m = _repeat_to_batch(m, shape.batch)[..., :1]  # [B, 1, N, 1]
+    return patchifier.patchify(m)[..., 0]
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _video_tokens(samples: torch.Tensor, mask, frame_rate: float) -> ModalityTokens:
+    if samples.ndim != 5:
+        raise LatentFormatError(f"an LTX-2 video latent is [B, 128, F, H, W]; got shape {tuple(samples.shape)}")
+    shape = VideoLatentShape.from_torch_shape(samples.shape)
+    coords = _VIDEO_PATCHIFIER.get_patch_grid_bounds(shape, device=samples.device)
+    positions = get_pixel_coords(coords, VIDEO_SCALE_FACTORS, causal_fix=True).float()
+    positions[:, 0] = positions[:, 0] / frame_rate
+    return ModalityTokens(
+        tokens=_VIDEO_PATCHIFIER.patchify(samples),
+        positions=positions,
+        denoise_mask=_video_token_mask(mask, shape, samples.device),
+        shape=shape,
+        dtype=samples.dtype,
+    )
+
+
+def _audio_tokens(samples: torch.Tensor, mask, patchifier: AudioPatchifier) -> ModalityTokens:
+    if samples.ndim != 4:
+        raise LatentFormatError(f"an LTX-2 audio latent is [B, 8, N, 16]; got shape {tuple(samples.shape)}")
+    shape = AudioLatentShape.from_torch_shape(samples.shape)
+    return ModalityTokens(
+        tokens=patchifier.patchify(samples),
+        positions=patchifier.get_patch_grid_bounds(shape, device=samples.device).float(),
+        denoise_mask=_audio_token_mask(mask, shape, patchifier, samples.device),
+        shape=shape,
+        dtype=samples.dtype,
+    )
+
+
+def latent_to_tokens(
+    latent: dict,
+    frame_rate: float = DEFAULT_FRAME_RATE,
+    *,
+    audio_patchifier: AudioPatchifier | None = None,
+) -> TokenLatents:
+    """Convert a ComfyUI LTX-2 LATENT to ltx-core token states.
+
+    Args:
+        latent: ``{"samples": ..., ["noise_mask": ...], [other keys]}`` in one of the three
+            layouts in the module docstring.
+        frame_rate: video frames per second (from ``frame_rate_from_conditioning``).
+        audio_patchifier: the audio timing (16 kHz, hop 160, 4x latent downsampling by
+            default, LTX-2's audio VAE); pass another for a differently configured VAE.
+    Returns:
+        ``TokenLatents``; ``tokens_to_latent`` inverts it exactly.
+    Raises:
+        LatentFormatError: not a LATENT dict, a ``torch.nested`` tensor, a NestedTensor
+            that is not (video, audio), mismatched batch sizes, or a mask of the wrong rank.
+        ValueError: ``frame_rate`` not positive.
+    """
+    if not isinstance(latent, dict) or "samples" not in latent:
+        raise LatentFormatError("expected a ComfyUI LATENT: a dict with a 'samples' entry")
+    if not (frame_rate > 0 and math.isfinite(frame_rate)):
+        raise ValueError(f"frame_rate must be a positive number of frames per second, got {frame_rate}")
+    patchifier = audio_patchifier or AudioPatchifier(patch_size=1)
+    samples, mask = latent["samples"], latent.get("noise_mask")
+    extras = {k: v for k, v in latent.items() if k != "samples"}
+    if is_nested(samples):
+        parts = list(samples.unbind())
+        if len(parts) != 2:
+            raise LatentFormatError(
+                f"an LTX-2 audio-video LATENT nests (video, audio); got {len(parts)} tensors. "
+                "Build it with LTXVConcatAVLatent."
+            )
+        masks = list(mask.unbind()) if is_nested(mask) else [mask]
+        masks += [None] * (2 - len(masks))
+        video = _video_tokens(parts[0], masks[0], frame_rate)
+        audio = _audio_tokens(parts[1], masks[1], patchifier)
+        if video.shape.batch != audio.shape.batch:
+            raise LatentFormatError(
+                f"video batch {video.shape.batch} and audio batch {audio.shape.batch} differ; "
+                "use the same batch size on both empty-latent nodes"
+            )
+        return TokenLatents(video, audio, float(frame_rate), type(samples), extras)
+    if not isinstance(samples, torch.Tensor) or getattr(samples, "is_nested", False):
+        raise LatentFormatError(
+            f"LATENT samples must be a tensor or ComfyUI's NestedTensor, got {type(samples).__name__}"
+        )
+    if is_nested(mask):
+        raise LatentFormatError("a nested noise_mask needs a nested (audio-video) LATENT")
+    if latent.get("type") == "audio":
+        return TokenLatents(None, _audio_tokens(samples, mask, patchifier), float(frame_rate), None, extras)
+    return TokenLatents(_video_tokens(samples, mask, frame_rate), None, float(frame_rate), None, extras)
+
+
+def _restore(mod: ModalityTokens, tokens: torch.Tensor | None, unpatchify) -> torch.Tensor:
+    tokens = mod.tokens if tokens is None else tokens
+    expected = (mod.shape.batch, mod.shape.token_count())
+    if tuple(tokens.shape[:2]) != expected or tokens.shape[2] != mod.tokens.shape[2]:
+        raise ValueError(f"tokens of shape {tuple(tokens.shape)} do not fit the latent {tuple(mod.tokens.shape)}")
+    return unpatchify(tokens, mod.shape).to(device=mod.tokens.device, dtype=mod.dtype)
+
+
+def tokens_to_latent(
+    state: TokenLatents,
+    video_tokens: torch.Tensor | None = None,
+    audio_tokens: torch.Tensor | None = None,
+    *,
+    audio_patchifier: AudioPatchifier | None = None,
+) -> dict:
+    """Rebuild the ComfyUI LATENT of ``state`` from (new) tokens.
+
+    Args:
+        state: from ``latent_to_tokens``.
+        video_tokens / audio_tokens: ``[B, T, C]`` results (e.g. the denoised latent); None
+            keeps the state's own tokens. Cast back to the input LATENT's dtype and device.
+    Returns:
+        ``{**extras, "samples": ...}``: a video or audio tensor, or an instance of the input's
+        NestedTensor class holding (video, audio), like ComfyUI's samplers return.
+    Raises:
+        ValueError: tokens whose shape does not match the state.
+    """
+    patchifier = audio_patchifier or AudioPatchifier(patch_size=1)
+    out = dict(state.extras)
+    video = _restore(state.video, video_tokens, _VIDEO_PATCHIFIER.unpatchify) if state.video else None
+    audio = _restore(state.audio, audio_tokens, patchifier.unpatchify) if state.audio else None
+    if state.nested_type is not None:
+        out["samples"] = state.nested_type([video, audio])
+    else:
+        out["samples"] = video if video is not None else audio
+    return out

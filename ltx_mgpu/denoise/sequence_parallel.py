@@ -1,0 +1,411 @@
+"""Ulysses sequence parallelism for the ltx-core 1.0.0 LTX-2 transformer.
+
+The video tokens are split across the ranks of a process group; everything else is
+replicated. Only two attention modules per block need the whole video sequence, and both
+are handled by replacing their ``attention_function`` slot (ltx-core 1.0.0 has exactly one:
+``attention_function(q, k, v, heads, mask)`` with q/k/v ``[B, T, H*D]``), never by forking
+model code:
+
+* ``attn1`` (video self-attention): q/k/v go tokens -> heads with one ``all_to_all_single``
+  (``[B, T_local, H, D]`` -> ``[B, T_padded, H/W, D]``), the original attention function runs
+  on ``H/W`` heads over the full sequence, and the result goes heads -> tokens.
+* ``video_to_audio_attn`` (Q = audio, replicated; K/V = video, sharded): each rank keeps its
+  ``Ha/W`` audio query heads, K/V go tokens -> heads, and the head outputs are all-gathered.
+
+RoPE is applied per token from the local positions before the attention function is called,
+so exchanging heads afterwards is exact. ``attn2``, ``audio_to_video_attn`` (queries are local
+video tokens), the audio modules (audio is replicated), FFNs and AdaLN are per token.
+
+Padding: the video sequence is padded to a multiple of the world size so every rank holds
+an equal, non-empty slice (a rank with no tokens would skip the collectives inside the
+blocks and hang the others; ``../shared/notes/ltx2-reference.md`` §2.4). Padded tokens get a
+zero latent, the last real token's timestep and the last real token's positions (so RoPE
+stays finite). Padded *keys* are masked with an additive bias in **both** ``attn1`` and
+``video_to_audio_attn``; the LTX-2 reference masks only ``attn1``, which lets audio attend to
+padding and diverge (ltx2-reference.md §1.10). Padded query rows still attend to real keys,
+so their (discarded) outputs stay finite and never poison the real tokens. No mask is passed
+when there is no padding, so SDPA keeps its flash backend. (ltx-core's FlashAttention3
+backend takes no mask: with it, a token count that needs padding is rejected up front.)
+
+Every rank must call ``forward`` with the same inputs and perturbation config: the blocks
+skip attention (and so the collectives) on ``all_perturbed`` / skip flags, which is safe
+only when every rank skips alike. The collectives move bytes only, so the result equals
+world size 1 up to floating-point reduction order. Inference only (no autograd through the
+collectives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from ltx_core.model.transformer.attention import AttentionFunction, FlashAttention3
+from ltx_core.model.transformer.model import LTXModel
+from ltx_core.model.transformer.modality import Modality
+
+__all__ = [
+    "SequenceParallelConfigError",
+    "SequenceParallelTransformer",
+    "UlyssesSelfAttention",
+    "UlyssesVideoToAudioAttention",
+    "check_sequence_parallel_config",
+    "check_token_budget",
+    "install_attention_wrappers",
+    "remove_attention_wrappers",
+    "shard_video",
+    "valid_world_sizes",
+]
+
+
+class SequenceParallelConfigError(ValueError):
+    """A request sequence parallelism cannot serve (head split or token budget).
+
+    Raised identically on every rank before any collective, so the pool can report it as a
+    ``bad_input`` error and keep serving.
+    """
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _head_counts(model: LTXModel) -> dict[str, int]:
+    """The head counts SP splits: video self-attention and (AV models) V2A's audio heads."""
+    counts = {}
+    if model.model_type.is_video_enabled():
+        counts["video"] = int(model.num_attention_heads)
+        if model.model_type.is_audio_enabled():
+            counts["audio"] = int(model.audio_num_attention_heads)
+    return counts
+
+
+def valid_world_sizes(model: LTXModel) -> list[int]:
+    """World sizes (GPU counts) that divide every head count SP splits for ``model``."""
+    counts = list(_head_counts(model).values())
+    g = math.gcd(*counts) if counts else 1
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def check_sequence_parallel_config(model: LTXModel, world_size: int) -> None:
+    """Raise ``SequenceParallelConfigError`` unless ``world_size`` divides the split heads.
+
+    Video self-attention splits ``num_attention_heads`` and video->audio cross-attention
+    splits ``audio_num_attention_heads`` across the ranks (Ulysses), so both must divide.
+    """
+    counts = _head_counts(model)
+    bad = {name: h for name, h in counts.items() if h % world_size}
+    if not bad:
+        return
+    heads = " and ".join(f"{h} {name} attention heads" for name, h in counts.items())
+    sizes = ", ".join(str(s) for s in valid_world_sizes(model))
+    raise SequenceParallelConfigError(
+        f"sequence parallelism splits attention heads across GPUs, and this model has {heads}; "
+        f"{world_size} GPUs do not divide them. Start the pool on one of these GPU counts "
+        f"instead: {sizes}."
+    )
+
+
+def check_token_budget(num_tokens: int, max_tokens: int) -> None:
+    """Raise ``SequenceParallelConfigError`` when ``num_tokens`` video tokens exceed the budget.
+
+    Video tokens = latent frames x latent height x latent width (e.g. 121 frames at
+    1024x1536 -> 16*32*48 = 24,576).
+    """
+    if num_tokens > max_tokens:
+        raise SequenceParallelConfigError(
+            f"the video latent has {num_tokens} tokens (latent frames x height x width), more than "
+            f"max_tokens={max_tokens}. Lower the resolution or the number of frames, or raise "
+            f"max_tokens when loading the model (it bounds activation memory per GPU)."
+        )
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Exchange the dim-0 chunks of ``x`` (chunk j goes to rank j; chunk i comes from rank i)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_stacked(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """``[*shape]`` on every rank -> ``[world, *shape]`` (row r from rank r)."""
+    x = x.contiguous()
+    # the concatenated form [world * d0, ...] is the one every backend accepts (gloo rejects the stacked one)
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)
+    return out.view(world, *x.shape)
+
+
+@dataclasses.dataclass
+class _ShardState:
+    """What the attention wrappers of one SP model share: the group and this forward's padding."""
+
+    group: object
+    world: int
+    rank: int
+    valid_tokens: int = 0
+    padded_tokens: int = 0
+    mask_v2a_keys: bool = True  # False only to demonstrate the reference flaw in tests
+    _bias: torch.Tensor | None = None
+
+    def key_bias(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Additive ``[1, 1, 1, T_padded]`` bias (0 real, finfo.min padded) or None (no padding)."""
+        if self.padded_tokens == self.valid_tokens:
+            return None
+        b = self._bias
+        if b is None or b.dtype != like.dtype or b.device != like.device:
+            b = torch.zeros(1, 1, 1, self.padded_tokens, dtype=like.dtype, device=like.device)
+            b[..., self.valid_tokens :] = torch.finfo(like.dtype).min
+            self._bias = b
+        return b
+
+    def tokens_to_heads(self, tensors: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
+        """n tensors ``[B, T_local, heads*D]`` -> n tensors ``[B, T_padded, (heads/W)*D]``."""
+        w = self.world
+        b, t, hd = tensors[0].shape
+        n = len(tensors)
+        # one copy into the send layout [W(head group), n, B, T_loc, h, D]
+        x = torch.stack([a.reshape(b, t, w, heads // w, hd // heads).permute(2, 0, 1, 3, 4) for a in tensors], 1)
+        y = _all_to_all(x, self.group)  # [W(source rank = token block), n, B, T_loc, h, D]
+        y = y.permute(1, 2, 0, 3, 4, 5).reshape(n, b, w * t, hd // w)
+        return list(y.unbind(0))
+
+    def heads_to_tokens(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """``[B, T_padded, (heads/W)*D]`` -> ``[B, T_local, heads*D]``."""
+        w = self.world
+        b, t, hd_local = x.shape
+        x = x.reshape(b, w, t // w, heads // w, hd_local * w // heads).transpose(0, 1)
+        y = _all_to_all(x, self.group)  # [W(source rank = head group), B, T_loc, h, D]
+        return y.permute(1, 2, 0, 3, 4).reshape(b, t // w, hd_local * w)
+
+
+# --------------------------------------------------------------------------- attention wrappers
+
+
+class UlyssesSelfAttention:
+    """``attn1.attention_function`` for SP: all-to-all tokens->heads, attend, heads->tokens.
+
+    ``inner`` is the original ltx-core attention callable. The model's own mask (a
+    ``(B, 1, T_padded, T_padded)`` bias from ``Modality.attention_mask``, padded by the SP
+    model) is forwarded unchanged; without one, the padded-key bias is used.
+    """
+
+    def __init__(self, inner, state: _ShardState):
+        self.inner = inner
+        self.state = state
+
+    def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.state
+        q, k, v = s.tokens_to_heads([q, k, v], heads)
+        if mask is None:
+            mask = s.key_bias(q)
+        out = self.inner(q, k, v, heads // s.world, mask)
+        return s.heads_to_tokens(out, heads)
+
+
+class UlyssesVideoToAudioAttention:
+    """``video_to_audio_attn.attention_function`` for SP (Q audio replicated, K/V video sharded).
+
+    Each rank attends with its ``heads/W`` audio query heads over all (padded) video keys,
+    masking the padded keys, then the head outputs are all-gathered: ``[B, T_audio, heads*D]``.
+    """
+
+    def __init__(self, inner, state: _ShardState):
+        self.inner = inner
+        self.state = state
+
+    def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.state
+        if mask is not None:
+            raise NotImplementedError("sequence parallelism does not support a video->audio attention mask")
+        b, t_audio, hd = q.shape
+        h_local = heads // s.world
+        q = q.reshape(b, t_audio, s.world, h_local, hd // heads)[:, :, s.rank].reshape(b, t_audio, -1)
+        k, v = s.tokens_to_heads([k, v], heads)
+        out = self.inner(q, k, v, h_local, s.key_bias(q) if s.mask_v2a_keys else None)
+        gathered = _all_gather_stacked(out, s.world, s.group)  # [W, B, T_audio, h*D]
+        return gathered.view(s.world, b, t_audio, h_local, -1).permute(1, 2, 0, 3, 4).reshape(b, t_audio, hd)
+
+
+_WRAPPERS = {"attn1": UlyssesSelfAttention, "video_to_audio_attn": UlyssesVideoToAudioAttention}
+
+
+def install_attention_wrappers(model: LTXModel, state: _ShardState) -> int:
+    """Point every block's ``attn1`` / ``video_to_audio_attn`` at SP wrappers; returns the count.
+
+    Idempotent: an existing SP wrapper is replaced by one around the same original function
+    (never a wrapper around a wrapper).
+    """
+    count = 0
+    for block in model.transformer_blocks:
+        for name, wrapper_cls in _WRAPPERS.items():
+            attn = getattr(block, name, None)
+            if attn is None:
+                continue
+            inner = attn.attention_function
+            if isinstance(inner, tuple(_WRAPPERS.values())):
+                inner = inner.inner
+            attn.attention_function = wrapper_cls(inner, state)
+            count += 1
+    return count
+
+
+def remove_attention_wrappers(model: LTXModel) -> int:
+    """Restore the original attention functions; returns how many wrappers were removed."""
+    count = 0
+    for block in model.transformer_blocks:
+        for name in _WRAPPERS:
+            attn = getattr(block, name, None)
+            if attn is not None and isinstance(attn.attention_function, tuple(_WRAPPERS.values())):
+                attn.attention_function = attn.attention_function.inner
+                count += 1
+    return count
+
+
+def _takes_no_mask(model: LTXModel) -> bool:
+    """True when a wrapped attention uses ltx-core's FlashAttention3, which rejects masks."""
+    for block in model.transformer_blocks:
+        for name in _WRAPPERS:
+            fn = getattr(getattr(block, name, None), "attention_function", None)
+            fn = getattr(fn, "inner", fn)
+            if fn is AttentionFunction.FLASH_ATTENTION_3 or isinstance(fn, FlashAttention3):
+                return True
+    return False
+
+
+# --------------------------------------------------------------------------- padding / sharding
+
+
+def _pad_tokens(x: torch.Tensor, dim: int, pad: int, zeros: bool) -> torch.Tensor:
+    """Append ``pad`` entries along ``dim``: zeros, or copies of the last entry."""
+    if pad == 0:
+        return x
+    if zeros:
+        shape = list(x.shape)
+        shape[dim] = pad
+        return torch.cat([x, x.new_zeros(shape)], dim=dim)
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    reps = [1] * x.ndim
+    reps[dim] = pad
+    return torch.cat([x, last.repeat(reps)], dim=dim)
+
+
+def shard_video(video: Modality, world: int, rank: int) -> tuple[Modality, int]:
+    """Pad the video to a multiple of ``world`` tokens and return this rank's contiguous slice.
+
+    Args:
+        video: ltx-core ``Modality``: latent ``[B, T, C]``, timesteps ``[B, T]`` (or ``[B, 1]`` /
+            ``[B]``, broadcast, left as is), positions ``[B, 3, T, 2]``, optional attention_mask
+            ``[B, T, T]`` in [0, 1].
+    Returns:
+        (local modality with ``T_padded / world`` tokens, ``T_padded``). The attention mask, if
+        any, is padded to ``[B, T_padded, T_padded]`` (padded keys 0, padded queries see every
+        real key) and NOT sliced: after the all-to-all each rank attends with all queries.
+    """
+    t = video.latent.shape[1]
+    t_pad = -(-t // world) * world
+    pad = t_pad - t
+    t_loc = t_pad // world
+    sl = slice(rank * t_loc, (rank + 1) * t_loc)
+
+    latent = _pad_tokens(video.latent, 1, pad, zeros=True)[:, sl]
+    positions = _pad_tokens(video.positions, 2, pad, zeros=False)[:, :, sl]
+    timesteps = video.timesteps
+    if timesteps.ndim >= 2 and timesteps.shape[1] == t and t > 1:
+        timesteps = _pad_tokens(timesteps, 1, pad, zeros=False)[:, sl]
+    mask = video.attention_mask
+    if mask is not None and pad:
+        full = mask.new_zeros(mask.shape[0], t_pad, t_pad)
+        full[:, :t, :t] = mask
+        full[:, t:, :t] = 1
+        mask = full
+    local = dataclasses.replace(video, latent=latent, positions=positions, timesteps=timesteps, attention_mask=mask)
+    return local, t_pad
+
+
+# --------------------------------------------------------------------------- the wrapper
+
+
+class SequenceParallelTransformer(torch.nn.Module):
+    """An ltx-core ``LTXModel`` run with Ulysses sequence parallelism over ``group``.
+
+    ``forward(video, audio, perturbations=None) -> (video_velocity, audio_velocity)`` has the
+    same contract as ``LTXModel.forward``: velocities ``[B, T_video, C_out]`` and
+    ``[B, T_audio, C_audio_out]``, both full-length on every rank. Every rank must pass the
+    same inputs (full, unsharded video). Wrap the velocity model, below ``X0Model``.
+
+    Args:
+        model: the ltx-core ``LTXModel`` (a full replica on every rank).
+        group: the process group to split over (NCCL on GPU, gloo on CPU), or None for the
+            default group when torch.distributed is initialised, else world size 1.
+        max_tokens: the largest video token count accepted (activation-memory bound).
+    Raises:
+        TypeError: ``model`` is not an ``LTXModel`` (e.g. an ``X0Model``: pass its
+            ``velocity_model``).
+        SequenceParallelConfigError: the world size does not divide the split head counts
+            (raised here, before any collective, identically on every rank); in ``forward``,
+            before any collective: the video has more than ``max_tokens`` tokens, or needs
+            padding while the model uses the mask-less FlashAttention3 backend.
+    At world size 1 no wrapper is installed and ``forward`` calls the model directly.
+    ``_mask_v2a_keys=False`` reproduces the LTX-2 reference's flaw (no padded-key mask in
+    video->audio attention); it exists only so a test can show the mask matters.
+    """
+
+    def __init__(self, model: LTXModel, group=None, max_tokens: int = 32768, *, _mask_v2a_keys: bool = True):
+        super().__init__()
+        if not isinstance(model, LTXModel):
+            hint = " (an X0Model: pass its .velocity_model)" if hasattr(model, "velocity_model") else ""
+            raise TypeError(f"SequenceParallelTransformer wraps an ltx-core LTXModel, got {type(model).__name__}{hint}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive token count, got {max_tokens}")
+        self.model = model
+        self.max_tokens = int(max_tokens)
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.world_size, self.rank = 1, 0
+        else:
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        check_sequence_parallel_config(model, self.world_size)
+        self._state = None
+        if self.world_size > 1:
+            self._state = _ShardState(group, self.world_size, self.rank, mask_v2a_keys=_mask_v2a_keys)
+            install_attention_wrappers(model, self._state)
+        self._maskless = self._state is not None and _takes_no_mask(model)
+
+    def forward(self, video: Modality | None, audio: Modality | None, perturbations=None):
+        if video is not None:
+            check_token_budget(video.latent.shape[1], self.max_tokens)
+        if self._state is None or video is None:
+            return self.model(video, audio, perturbations)
+        s = self._state
+        t = video.latent.shape[1]
+        if t % s.world and self._maskless:
+            raise SequenceParallelConfigError(
+                f"{t} video tokens do not split evenly over {s.world} GPUs, and padding needs an attention "
+                f"mask, which the model's FlashAttention3 backend does not take. Load the model with the "
+                f"'pytorch' or 'default' attention, or pick a frame count / resolution whose latent "
+                f"frames x height x width is divisible by {s.world}."
+            )
+        local, t_pad = shard_video(video, s.world, s.rank)
+        s.valid_tokens, s.padded_tokens = t, t_pad
+        try:
+            vx_local, ax = self.model(local, audio, perturbations)
+        finally:
+            s.valid_tokens = s.padded_tokens = 0
+            s._bias = None
+        gathered = _all_gather_stacked(vx_local, s.world, s.group)  # [W, B, T_loc, C]
+        w, b, t_loc, c = gathered.shape
+        vx = gathered.transpose(0, 1).reshape(b, w * t_loc, c)[:, :t]
+        return vx, ax
+
+    def remove(self) -> LTXModel:
+        """Restore the model's original attention functions and return the plain model."""
+        remove_attention_wrappers(self.model)
+        self._state = None
+        return self.model

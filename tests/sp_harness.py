@@ -1,0 +1,220 @@
+"""Test helper for sequence parallelism: a tiny random LTX-2 transformer, deterministic
+inputs, and a launcher that runs real gloo ranks as separate processes (like torchrun).
+
+Ranks are plain ``python tests/sp_harness.py`` subprocesses; the case list goes in as JSON
+and the outputs come back as safetensors files plus a JSON report per rank (nothing is
+pickled either way). The parent test computes the world-size-1 reference itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifier
+from ltx_core.guidance.perturbations import (
+    BatchedPerturbationConfig,
+    Perturbation,
+    PerturbationConfig,
+    PerturbationType,
+)
+from ltx_core.model.transformer import LTXModelConfigurator, LTXVideoOnlyModelConfigurator, Modality
+from ltx_core.tools import AudioLatentTools, VideoLatentTools
+from ltx_core.types import AudioLatentShape, VideoLatentShape
+
+VIDEO_HEADS, VIDEO_HEAD_DIM = 4, 8
+AUDIO_HEADS, AUDIO_HEAD_DIM = 4, 4
+CHANNELS = 128
+CONTEXT_TOKENS = 6
+RANK_TIMEOUT_S = 120
+
+
+def tiny_config(**overrides) -> dict:
+    """ltx-core 1.0.0 config dict of a 2-layer LTX-2.3-layout AV transformer (ltx2-reference.md §2.6)."""
+    t = {
+        "dropout": 0.0, "attention_bias": True, "num_vector_embeds": None,
+        "activation_fn": "gelu-approximate", "num_embeds_ada_norm": 1000,
+        "use_linear_projection": False, "only_cross_attention": False,
+        "cross_attention_norm": True, "double_self_attention": False, "upcast_attention": False,
+        "standardization_norm": "rms_norm", "norm_elementwise_affine": False, "qk_norm": "rms_norm",
+        "positional_embedding_type": "rope", "use_audio_video_cross_attention": True,
+        "share_ff": False, "av_cross_ada_norm": True, "use_middle_indices_grid": True,
+        "num_attention_heads": VIDEO_HEADS, "attention_head_dim": VIDEO_HEAD_DIM,
+        "in_channels": CHANNELS, "out_channels": CHANNELS, "num_layers": 2,
+        "cross_attention_dim": VIDEO_HEADS * VIDEO_HEAD_DIM,
+        "audio_num_attention_heads": AUDIO_HEADS, "audio_attention_head_dim": AUDIO_HEAD_DIM,
+        "audio_in_channels": CHANNELS, "audio_out_channels": CHANNELS,
+        "audio_cross_attention_dim": AUDIO_HEADS * AUDIO_HEAD_DIM,
+        "rope_type": "split", "frequencies_precision": "float64",
+        "apply_gated_attention": True, "cross_attention_adaln": True,
+        "caption_proj_before_connector": True, "attention_type": "pytorch",
+    }
+    t.update(overrides)
+    return {"transformer": t}
+
+
+def build_tiny_model(seed: int = 0, video_only: bool = False, **overrides):
+    """Build under meta, ``to_empty``, then fill every parameter from a seeded generator (fp32)."""
+    configurator = LTXVideoOnlyModelConfigurator if video_only else LTXModelConfigurator
+    with torch.device("meta"):
+        model = configurator.from_config(tiny_config(**overrides))
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.eval()
+
+
+def make_inputs(frames, height, width, audio_tokens=0, batch=1, seed=1, attention_mask=False):
+    """Deterministic ``(video, audio|None)`` Modalities; the first latent frame is 'conditioned'
+    (timestep 0), like image-to-video. Positions come from ltx-core's latent tools at 25 fps."""
+    gen = torch.Generator().manual_seed(seed)
+    vshape = VideoLatentShape(batch, CHANNELS, frames, height, width)
+    vstate = VideoLatentTools(VideoLatentPatchifier(1), vshape, fps=25.0).create_initial_state("cpu", torch.float32)
+    t = frames * height * width
+    sigma = torch.rand(batch, generator=gen) * 0.8 + 0.1
+    mask = torch.ones(batch, t)
+    mask[:, : height * width] = 0.0
+    vmask = torch.rand(batch, t, t, generator=gen) if attention_mask else None
+    video = Modality(
+        latent=torch.randn(batch, t, CHANNELS, generator=gen),
+        sigma=sigma,
+        timesteps=mask * sigma[:, None],
+        positions=vstate.positions,
+        context=torch.randn(batch, CONTEXT_TOKENS, VIDEO_HEADS * VIDEO_HEAD_DIM, generator=gen),
+        attention_mask=vmask,
+    )
+    audio = None
+    if audio_tokens:
+        ashape = AudioLatentShape(batch, 8, audio_tokens, 16)
+        astate = AudioLatentTools(AudioPatchifier(1), ashape).create_initial_state("cpu", torch.float32)
+        audio = Modality(
+            latent=torch.randn(batch, audio_tokens, CHANNELS, generator=gen),
+            sigma=sigma,
+            timesteps=sigma[:, None].expand(batch, audio_tokens).clone(),
+            positions=astate.positions,
+            context=torch.randn(batch, CONTEXT_TOKENS, AUDIO_HEADS * AUDIO_HEAD_DIM, generator=gen),
+        )
+    return video, audio
+
+
+def make_perturbations(kind: str | None, batch: int):
+    """None, or a batch where sample 0 skips video self-attention in block 1 and every
+    sample skips video->audio cross-attention in block 0 (partial and full skips)."""
+    if kind is None:
+        return None
+    assert kind == "mixed"
+    configs = [
+        PerturbationConfig([
+            Perturbation(PerturbationType.SKIP_VIDEO_SELF_ATTN, [1]) if i == 0 else
+            Perturbation(PerturbationType.SKIP_AUDIO_SELF_ATTN, [1]),
+            Perturbation(PerturbationType.SKIP_V2A_CROSS_ATTN, [0]),
+        ])
+        for i in range(batch)
+    ]
+    return BatchedPerturbationConfig(configs)
+
+
+def run_case(model_forward, case: dict):
+    """Run one case dict through ``model_forward(video, audio, perturbations)``."""
+    video, audio = make_inputs(
+        case["frames"], case["height"], case["width"], case.get("audio_tokens", 0),
+        case.get("batch", 1), case.get("seed", 1), case.get("attention_mask", False),
+    )
+    return model_forward(video, audio, make_perturbations(case.get("perturbations"), case.get("batch", 1)))
+
+
+def reference(case: dict):
+    """The world-size-1 output of ``case`` (plain ltx-core model)."""
+    model = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
+    with torch.no_grad():
+        return run_case(model, case)
+
+
+# --------------------------------------------------------------------------- multi-process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, cases: list[dict], out_dir: Path) -> list[dict]:
+    """Run ``cases`` on ``world`` gloo ranks (one subprocess each); returns each rank's report.
+
+    A report maps case name -> {"error": str | None}; outputs are in
+    ``out_dir/rank{r}_{name}.safetensors`` with keys ``video`` / ``audio``.
+    """
+    out_dir = Path(out_dir)
+    spec = out_dir / "spec.json"
+    spec.write_text(json.dumps({"cases": cases, "port": free_port(), "world": world}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(spec), str(r)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=RANK_TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        if p.returncode != 0:
+            raise AssertionError(f"rank {r} exited with {p.returncode}:\n{logs[r]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _rank_main(spec_path: str, rank: int) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    out_dir = Path(spec_path).parent
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=spec["world"], timeout=timedelta(seconds=60))
+    report = {}
+    models = {}
+    for case in spec["cases"]:
+        name = case["name"]
+        key = json.dumps([case.get("video_only", False), case.get("model", {})], sort_keys=True)
+        if key not in models:
+            models[key] = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
+        try:
+            sp = SequenceParallelTransformer(models[key], None, case.get("max_tokens", 4096),
+                                             _mask_v2a_keys=case.get("mask_v2a", True))
+            with torch.no_grad():
+                vx, ax = run_case(sp, case)
+        except ValueError as e:  # SequenceParallelConfigError is a ValueError
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        tensors = {"video": vx.contiguous()}
+        if ax is not None:
+            tensors["audio"] = ax.contiguous()
+        save_file(tensors, str(out_dir / f"rank{rank}_{name}.safetensors"))
+        report[name] = {"error": None}
+    # the group must still be healthy after any error: one collective every rank reaches
+    token = torch.ones(1)
+    dist.all_reduce(token)
+    report["_all_reduce"] = token.item()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]))
