@@ -1,0 +1,201 @@
+"""Text-encoding benchmark: our LTX-2 prompt encode vs plain transformers, Gemma 3 12B shape.
+
+Run on a GPU (the numbers in the issues come from an H200)::
+
+    python benchmarks/bench_text.py --out benchmarks/results/text.json
+
+It builds a Gemma 3 12B-shaped ``Gemma3TextModel`` (48 layers, hidden 3840, 16/8 heads,
+head_dim 256, vocab 262208; the google/gemma-3-12b-it text config) with random bf16
+weights on the GPU and a random LTX-2.3 projection (188160 -> 4096 + 2048), then times,
+with CUDA events (median of ``--runs`` after ``--warmup``), for 1x1024 and 8x1024 tokens:
+
+* ``plain``: ``Gemma3TextModel(input_ids, attention_mask, output_hidden_states=True)`` —
+  the transformers baseline (no feature extraction);
+* ``ours-eager`` / ``ours-compiled``: :meth:`PromptEncoder.encode_tokens` — Gemma forward +
+  LTX-2.3 feature extraction + the copy of the result to the host — without and with
+  ``torch.compile`` of the text tower.
+
+It checks that our hidden states equal the plain path's (bf16 tolerance) and prints the
+peak memory of each variant, then the cache-hit latency of a 1024-token entry next to the
+encode latency. ``--layers`` and ``--device cpu`` make a quick smoke run possible.
+Every number is measured in this one run; only ratios within it are meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
+from ltx_mgpu.text.features import Projection  # noqa: E402
+from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, gemma3_text_config  # noqa: E402
+
+GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
+
+
+def _timer(device: torch.device):
+    if device.type == "cuda":
+        def run(fn, warmup, runs):
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(runs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return statistics.median(times), times
+    else:
+        def run(fn, warmup, runs):
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times), times
+    return run
+
+
+def _peak(device, fn):
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(device) / 1e9
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=GEMMA_12B["layers"])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--out", default=None, help="write raw results as JSON here")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    dims = dict(GEMMA_12B, layers=args.layers)
+    config = gemma3_text_config(**dims)
+    from transformers import Gemma3TextModel
+
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = Gemma3TextModel._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    build_s = time.perf_counter() - t0
+    n_states = dims["layers"] + 1
+    d = dims["hidden"]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    weights = {
+        "video_aggregate_embed.weight": (torch.randn(4096, d * n_states, generator=gen) * 0.002).to(torch.bfloat16),
+        "video_aggregate_embed.bias": torch.zeros(4096, dtype=torch.bfloat16),
+        "audio_aggregate_embed.weight": (torch.randn(2048, d * n_states, generator=gen) * 0.002).to(torch.bfloat16),
+        "audio_aggregate_embed.bias": torch.zeros(2048, dtype=torch.bfloat16),
+    }
+    proj_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    projection = Projection("2.3", d, n_states, {k: v.to(device, proj_dtype) for k, v in weights.items()})
+    tower = GemmaTextTower(model=model, tokenizer=None, config=config, format="random", path=Path("random-12b"))
+    encoder = PromptEncoder(tower, projection)
+    timer = _timer(device)
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "layers": dims["layers"], "tokens": args.tokens,
+               "model_build_seconds": build_s, "variants": {}}
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    rows = []
+    compiled = None
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids = torch.randint(4, dims["vocab"], (batch, args.tokens), generator=gen)
+        ids[:, 0] = 2
+        mask = torch.ones_like(ids)
+        ids_d, mask_d = ids.to(device), mask.to(device)
+
+        def plain():
+            with torch.inference_mode():
+                return model(input_ids=ids_d, attention_mask=mask_d, output_hidden_states=True, use_cache=False)
+
+        def ours():
+            return encoder.encode_tokens(ids, mask)
+
+        variants = [("plain", plain), ("ours-eager", ours)]
+        # parity: our hidden states equal plain transformers'
+        ref = plain().hidden_states
+        ours_out = ours()
+        with torch.inference_mode():
+            ref_feat = projection(ref, mask_d).float().cpu()
+        err = max((ours_out[i].tensor - ref_feat[i]).abs().max().item() for i in range(batch))
+        scale = ref_feat.abs().max().item()
+        del ref
+        if not args.no_compile:
+            if compiled is None:
+                t0 = time.perf_counter()
+                compiled = compile_text_tower(tower)
+                compile_encoder = PromptEncoder(compiled, projection)
+                compile_encoder.encode_tokens(ids, mask)
+                results["compile_seconds"] = time.perf_counter() - t0
+            c_out = compile_encoder.encode_tokens(ids, mask)
+            c_err = max((c_out[i].tensor - ref_feat[i]).abs().max().item() for i in range(batch))
+            variants.append(("ours-compiled", lambda: compile_encoder.encode_tokens(ids, mask)))
+        else:
+            c_err = None
+        for name, fn in variants:
+            med, times = timer(fn, args.warmup, args.runs)
+            peak = _peak(device, fn)
+            results["variants"][f"{name}/{batch}x{args.tokens}"] = {"median_ms": med, "times_ms": times, "peak_gb": peak}
+            rows.append((name, batch, med, peak))
+        results["variants"][f"parity/{batch}x{args.tokens}"] = {
+            "eager_max_abs_err": err, "compiled_max_abs_err": c_err, "feature_max_abs": scale}
+
+    # cache hit vs encode, one 1024-token LTX-2.3 entry (CPU)
+    from ltx_mgpu.text.cache import CacheKeyParts, EmbeddingCache
+    from ltx_mgpu.text.features import PromptEmbedding
+
+    emb = PromptEmbedding(torch.randn(args.tokens, 6144), "2.3")
+    parts = CacheKeyParts("g" * 64, "p" * 64, "bf16", 1024, "bfloat16")
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = EmbeddingCache(tmp)
+        cache.put("bench prompt", parts, emb)
+        hit_ms = statistics.median(
+            [(lambda t0: (cache.get("bench prompt", parts), (time.perf_counter() - t0) * 1e3)[1])(time.perf_counter())
+             for _ in range(20)])
+    results["cache_hit_ms_1024_tokens"] = hit_ms
+
+    base = {b: m for (n, b, m, _) in rows if n == "plain"}
+    print(f"\n{'variant':<16}{'batch':>6}{'median ms':>12}{'vs plain':>10}{'peak GB':>10}")
+    for name, batch, med, peak in rows:
+        print(f"{name:<16}{batch:>6}{med:>12.2f}{med / base[batch]:>10.2f}{(peak or float('nan')):>10.2f}")
+    enc1 = next(m for (n, b, m, _) in rows if b == 1 and n.startswith("ours-compiled")) if not args.no_compile else \
+        next(m for (n, b, m, _) in rows if b == 1 and n == "ours-eager")
+    print(f"cache hit (1x{args.tokens}, CPU): {hit_ms:.2f} ms  vs encode {enc1:.2f} ms  ({enc1 / hit_ms:.0f}x)")
+    for k, v in results["variants"].items():
+        if k.startswith("parity"):
+            print(f"{k}: {v}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""Prompt encoding end to end on the tiny Gemma + tiny LTX-2 projections: parity with an
+independent per-prompt computation, batching, truncation, the cache path and the CLI."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from ltx_mgpu.text.cache import EmbeddingCache
+from ltx_mgpu.text.encoder import PromptEncoder, TextEncoderSpec, encode_prompts, load_embeddings
+from ltx_mgpu.text.features import load_projection
+from ltx_mgpu.text.gemma import PromptTooLongError, load_gemma_text_tower
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROMPTS = [
+    "a red fox running through snow at dawn",
+    "a lighthouse in a storm",
+    "the quick brown fox jumps over the lazy dog while the camera pans slowly to the left",
+    "water",
+    "a city at night with neon lights reflected in puddles and people walking",
+    "two cats",
+    "a slow dolly shot of a kitchen",
+    "an astronaut floating above the earth, the sun rising behind",
+    "rain",
+]
+
+
+@pytest.fixture(scope="module")
+def tower(tiny_gemma_dir):
+    return load_gemma_text_tower(tiny_gemma_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", params=["2.0", "2.3"])
+def encoder(request, tower, tiny_ltx_20, tiny_ltx_23):
+    ckpt = tiny_ltx_20 if request.param == "2.0" else tiny_ltx_23
+    proj = load_projection(ckpt, num_layers=tower.num_hidden_states)
+    return PromptEncoder(tower, proj)
+
+
+def _reference(encoder: PromptEncoder, prompt: str) -> torch.Tensor:
+    """Straightforward float64 computation for one prompt: no padding at all, then the
+    version's normalisation over all its tokens and the checkpoint's projection."""
+    tok = encoder.tower.tokenizer
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.inference_mode():
+        hs = encoder.tower.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    x = torch.stack(hs, dim=-1)[0].double()  # [T, D, L]
+    proj = encoder.projection
+    d, n_layers = proj.embedding_dim, proj.num_layers
+
+    def checkpoint_weight(lin):  # undo our layer-major storage: back to feature d*L + l
+        return lin.weight.double().reshape(-1, n_layers, d).transpose(1, 2).reshape(lin.weight.shape[0], -1)
+
+    if proj.version == "2.0":
+        mean = x.mean(dim=(0, 1), keepdim=True)
+        rng = x.amax(dim=(0, 1), keepdim=True) - x.amin(dim=(0, 1), keepdim=True)
+        feats = (8 * (x - mean) / (rng + 1e-6)).reshape(x.shape[0], -1)
+        return feats @ checkpoint_weight(proj.aggregate_embed).T
+    normed = (x * torch.rsqrt(x.pow(2).mean(dim=1, keepdim=True) + 1e-6)).reshape(x.shape[0], -1)
+    outs = []
+    for lin in (proj.video_aggregate_embed, proj.audio_aggregate_embed):
+        outs.append((normed * math.sqrt(lin.out_features / d)) @ checkpoint_weight(lin).T + lin.bias.double())
+    return torch.cat(outs, dim=-1)
+
+
+def test_encoder_matches_independent_computation_with_left_padding(encoder):
+    out = encoder.encode(PROMPTS[:4], batch_size=4)  # different lengths -> left padding
+    for prompt, emb in zip(PROMPTS, out):
+        ref = _reference(encoder, prompt)
+        assert emb.tensor.shape == ref.shape
+        assert emb.tensor.dtype == torch.float32 and emb.tensor.device.type == "cpu"
+        torch.testing.assert_close(emb.tensor.double(), ref, rtol=1e-4, atol=1e-4)
+    assert out[0].tensor.shape[1] == encoder.projection.out_features
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_batched_equals_one_by_one(encoder, batch_size):
+    singles = [encoder.encode([p], batch_size=1)[0].tensor for p in PROMPTS]
+    batched = encoder.encode(PROMPTS, batch_size=batch_size)
+    assert len(batched) == len(PROMPTS)
+    for s, b in zip(singles, batched):
+        torch.testing.assert_close(b.tensor, s, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_over_budget_is_truncated_with_a_warning(tower, tiny_ltx_23):
+    proj = load_projection(tiny_ltx_23, num_layers=tower.num_hidden_states)
+    enc = PromptEncoder(tower, proj, token_budget=16)
+    long = " ".join(["word"] * 40)
+    with pytest.warns(UserWarning, match=r"tokens were dropped") as rec:
+        out = enc.encode([long, "short prompt"], batch_size=2)
+    n_tokens = len(tower.tokenizer(long)["input_ids"])
+    assert str(n_tokens - 16) in str(rec[0].message)
+    assert out[0].num_tokens == 16 and out[0].dropped_tokens == n_tokens - 16
+    assert out[1].dropped_tokens == 0
+    # the kept part is the prompt's first 16 tokens: identical to encoding them alone
+    ids = tower.tokenizer(long)["input_ids"][:16]
+    alone = enc.encode_tokens(torch.tensor([ids]), torch.ones(1, 16, dtype=torch.long))[0]
+    torch.testing.assert_close(out[0].tensor, alone.tensor, rtol=1e-5, atol=1e-5)
+    strict = PromptEncoder(tower, proj, token_budget=16, truncate=False)
+    with pytest.raises(PromptTooLongError, match="16"):
+        strict.encode([long])
+
+
+def test_projection_gemma_mismatch_is_a_clear_error(tower, tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "proj.safetensors"
+    save_file({"text_embedding_projection.aggregate_embed.weight": torch.zeros(8, 3840 * 49)}, str(path))
+    proj = load_projection(path)
+    with pytest.raises(ValueError, match="Pair the checkpoint with its Gemma"):
+        PromptEncoder(tower, proj)
+
+
+def test_cache_round_trip_keeps_rows_apart_and_never_loads_gemma_when_cached(tiny_gemma_dir, tiny_ltx_23, tmp_path):
+    cache = EmbeddingCache(tmp_path / "cache")
+    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32")
+    first, report = encode_prompts(spec, PROMPTS[:3], batch_size=3, cache=cache)
+    assert report.misses == 3 and spec.loaded
+    fresh = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32")
+    second, report2 = encode_prompts(fresh, PROMPTS[:3], batch_size=3, cache=cache)
+    assert report2.hits == 3 and report2.encoded == 0
+    assert not fresh.loaded, "a fully cached prompt set must not construct Gemma"
+    for a, b in zip(first, second):
+        assert torch.equal(a.tensor, b.tensor)
+    assert not torch.equal(second[0].tensor[:5], second[1].tensor[:5])
+    singles = [spec.build().encode([p])[0].tensor for p in PROMPTS[:3]]
+    for s, b in zip(singles, second):
+        torch.testing.assert_close(b.tensor, s, rtol=1e-5, atol=1e-5)
+    # a different weights mode or dtype is another key: no hit
+    other = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="bfloat16")
+    assert other.cache_key_parts() != fresh.cache_key_parts()
+    assert cache.get(PROMPTS[0], other.cache_key_parts()) is None
+
+
+def test_cli_encode_embedded_default_then_cache_hits(tmp_path):
+    env = {"LTX_MGPU_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "emb.safetensors"
+    cmd = [sys.executable, "-m", "ltx_mgpu", "encode", "--prompt", "a red fox", "--prompt", "a lighthouse",
+           "--out", str(out)]
+    r1 = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r1.returncode == 0, r1.stderr
+    assert "embedded default" in r1.stderr
+    assert "0 cached, 2 encoded" in r1.stdout
+    prompts, embs = load_embeddings(out)
+    assert prompts == ["a red fox", "a lighthouse"] and embs[0].version == "2.3"
+    r2 = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0, r2.stderr
+    assert "2 cached, 0 encoded" in r2.stdout
+    _, embs2 = load_embeddings(out)
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(embs, embs2))
+    bad = subprocess.run([sys.executable, "-m", "ltx_mgpu", "encode", "--out", str(out)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--prompt" in bad.stderr
