@@ -9,7 +9,7 @@ embeddings after a model or precision change (WanVideoWrapper #2046, see
 
 Entries are safetensors files ``<root>/<key[:2]>/<key>.safetensors`` holding one CPU tensor
 ``"embedding"`` and string metadata (format version, key, key parts, LTX version, dropped
-tokens, SHA-256 of the tensor bytes). Writes are atomic (temp file in the same directory,
+tokens, CRC-32 of the tensor bytes). Writes are atomic (temp file in the same directory,
 fsync, ``os.replace``), so concurrent processes never see a partial entry; a damaged entry
 (truncated, flipped bytes, foreign file) is reported with a :class:`CacheEntryWarning`,
 deleted and treated as a miss, so the caller re-encodes. Tensors are stored on CPU and moved
@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -42,7 +43,7 @@ from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
 
 #: Version of the entry layout and of the key encoding; bump it when either changes, and
 #: every older entry becomes a miss (it is folded into the key).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: Default bound of the cache's total size, bytes.
 DEFAULT_MAX_BYTES = 2 * 1024**3
@@ -284,7 +285,7 @@ class EmbeddingCache:
             "key_parts": parts.to_json(),
             "version": embedding.version,
             "dropped_tokens": str(int(embedding.dropped_tokens)),
-            "sha256": _tensor_sha256(tensor),
+            "crc32": _tensor_crc32(tensor),
         }
         payload = _st_save({_TENSOR_NAME: tensor}, metadata=metadata)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -461,8 +462,10 @@ def _decode(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding:
         raise _Damaged(f"format {metadata.get('format')!r}, expected {FORMAT_VERSION}")
     if metadata.get("key") != key or metadata.get("key_parts") != parts.to_json():
         raise _Damaged("its metadata does not match the cache key")
-    tensor = tensors[_TENSOR_NAME].clone()  # own compact storage, not a view of the file buffer
-    if metadata.get("sha256") != _tensor_sha256(tensor):
+    tensor = tensors[_TENSOR_NAME]
+    if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()  # own compact storage, never a view into a larger buffer
+    if metadata.get("crc32") != _tensor_crc32(tensor):
         raise _Damaged("tensor checksum mismatch")
     try:
         dropped = int(metadata["dropped_tokens"])
@@ -473,12 +476,14 @@ def _decode(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding:
         raise _Damaged(f"bad metadata: {exc}") from None
 
 
-def _tensor_sha256(tensor: torch.Tensor) -> str:
-    """SHA-256 of a contiguous CPU tensor's dtype, shape and bytes."""
-    h = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+def _tensor_crc32(tensor: torch.Tensor) -> str:
+    """CRC-32 (hex) of a contiguous CPU tensor's dtype, shape and bytes: an integrity check
+    against truncation and bit rot (the cache directory is private, so no adversary), about
+    3x faster than SHA-256 on a 25 MB entry, which keeps a cache hit well under an encode."""
+    crc = zlib.crc32(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
     if tensor.numel():
-        h.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+        crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 
 def _is_key(name: str) -> bool:
