@@ -167,6 +167,10 @@ def main(argv=None) -> int:
             peak = _peak(device, fn)
             results["variants"][f"{name}/{batch}x{args.tokens}"] = {"median_ms": med, "times_ms": times, "peak_gb": peak}
             rows.append((name, batch, med, peak))
+            print(f"{name} {batch}x{args.tokens}: {med:.2f} ms (peak {peak} GB)", flush=True)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(results, indent=1))
         results["variants"][f"parity/{batch}x{args.tokens}"] = {
             "eager_max_abs_err": err, "compiled_max_abs_err": c_err, "feature_max_abs": scale}
 
