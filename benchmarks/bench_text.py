@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
-from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower  # noqa: E402
+from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
 
 GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
 

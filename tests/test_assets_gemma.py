@@ -28,7 +28,7 @@ from ltx_mgpu.assets.gemma import (
     build_tiny_gemma_snapshot,
     tiny_spm_pieces,
 )
-from ltx_mgpu.text.gemma import tokenizer_from_spm
+from ltx_mgpu.text.tokenizer import tokenizer_from_spm
 
 
 @pytest.fixture(scope="session")
@@ -141,6 +141,27 @@ def test_hf_tokenizer_matches_sentencepiece(assets, sp, source):
         assert tok(text)["input_ids"] == sp.encode(text)
 
     check()
+
+
+def test_tokenizer_from_spm_refuses_models_that_are_not_gemma(assets):
+    """transformers' GemmaConverter hard-codes Gemma's ids and normaliser: other models are refused."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from ltx_mgpu.text.gemma_sources import GemmaFormatError
+
+    data = (assets["snapshot"] / "tokenizer.model").read_bytes()
+    with pytest.raises(GemmaFormatError, match="not a SentencePiece model"):
+        tokenizer_from_spm(b"\xff" * 64)
+    for change in ("ids", "dummy_prefix", "unigram"):
+        proto = sentencepiece_model_pb2.ModelProto.FromString(data)
+        if change == "ids":  # Llama-style ids: <unk> 0, <s> 1, </s> 2
+            proto.trainer_spec.unk_id, proto.trainer_spec.bos_id, proto.trainer_spec.eos_id = 0, 1, 2
+        elif change == "dummy_prefix":
+            proto.normalizer_spec.add_dummy_prefix = True
+        else:
+            proto.trainer_spec.model_type = sentencepiece_model_pb2.TrainerSpec.UNIGRAM
+        with pytest.raises(GemmaFormatError, match="not a Gemma tokenizer"):
+            tokenizer_from_spm(proto.SerializeToString())
 
 
 def test_comfy_file_layout(assets):

@@ -16,18 +16,15 @@ from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
 from ltx_mgpu.assets.gemma import BOS_ID, EOS_ID, PAD_ID, build_tiny_gemma_comfy_file
-from ltx_mgpu.text.gemma import (
+from ltx_mgpu.text.gemma import compile_text_tower, encode_hidden_states, load_gemma_text_tower
+from ltx_mgpu.text.gemma_sources import (
     GemmaFormatError,
     GemmaWeightsError,
-    PromptTooLongError,
-    compile_text_tower,
     detect_gemma_format,
-    encode_hidden_states,
     gemma3_text_config,
     gemma_identity,
-    load_gemma_text_tower,
-    tokenize,
 )
+from ltx_mgpu.text.tokenizer import PromptTooLongError, tokenize
 
 LONG = "a red camera walks slowly through the city at night while the rain falls and music plays"
 PROMPTS = ["the cat", LONG, LONG + " " + LONG, "日本 x\ty\n  é", ""]  # 2..~90 tokens: sliding window 16 exercised
@@ -157,7 +154,7 @@ def test_text_only_snapshot_layout(gemma, tmp_path):
     src = gemma["snapshot"]
     out = tmp_path / "text_only"
     out.mkdir()
-    shutil.copy(src / "tokenizer.model", out)  # SentencePiece only: converted without protobuf
+    shutil.copy(src / "tokenizer.model", out)  # SentencePiece only: converted by transformers' GemmaConverter
     cfg = json.loads((src / "config.json").read_text())["text_config"]
     (out / "config.json").write_text(json.dumps({**cfg, "architectures": ["Gemma3ForCausalLM"]}))
     sd = load_file(str(src / "model.safetensors"))
@@ -323,6 +320,44 @@ def test_compiled_tower_gives_the_same_states(gemma):
     compiled = compile_text_tower(gemma["tower"], backend="eager")
     assert compiled.model is not gemma["tower"].model and compiled.config is gemma["tower"].config
     _assert_identical(_hidden(compiled, PROMPTS[:2])[0], _hidden(gemma["tower"], PROMPTS[:2])[0])
+
+
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_compile_scopes_share_weights_and_graphs(gemma, scope):
+    """Regional compilation reuses one set of graphs for every layer; whole-model compilation
+    makes one graph. The backend records each graph Dynamo hands it and runs it as traced."""
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    tower = gemma["tower"]
+    whole = {"fullgraph": True} if scope == "model" else {}  # the whole model compiles without a graph break
+    compiled = compile_text_tower(tower, scope, backend=recording_backend, **whole)
+    shared = dict(tower.model.named_parameters())
+    assert all(p is shared[n] for n, p in compiled.model.named_parameters()) and len(shared) > 0
+    assert type(compiled.model) is type(tower.model)
+    _assert_identical(_hidden(compiled, PROMPTS[:2])[0], _hidden(tower, PROMPTS[:2])[0])
+    if scope == "layers":
+        assert 0 < len(graphs) < tower.config.num_hidden_layers, len(graphs)  # not one per layer
+    else:
+        assert len(graphs) == 1
+    n = len(graphs)
+    _hidden(tower, PROMPTS[:2])  # the original tower stays uncompiled
+    assert len(graphs) == n
+    with pytest.raises(ValueError, match="scope must be 'model'.* or 'layers'"):
+        compile_text_tower(tower, "decoder")
+
+
+def test_comfy_file_with_a_broken_embedded_tokenizer_is_named(gemma, tmp_path):
+    path = tmp_path / "badtok.safetensors"
+    with safe_open(str(gemma["comfy"]), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+    tensors["spiece_model"] = torch.frombuffer(bytearray(b"\xff" * 64), dtype=torch.uint8)
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(GemmaFormatError, match=r"badtok\.safetensors: embedded 'spiece_model': not a SentencePiece"):
+        load_gemma_text_tower(path)
 
 
 # --------------------------------------------------------------------------- tokenize / encode

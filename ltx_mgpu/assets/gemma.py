@@ -13,9 +13,9 @@ feature extractor depend on, at toy sizes:
   (``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<unk>`` 3, ``<mask>`` 4, ``<start_of_turn>`` 105,
   ``<end_of_turn>`` 106; the image tokens at the top of the 512-entry vocabulary).
 
-The SentencePiece ``ModelProto`` is written directly in protobuf wire format (field numbers from
-``sentencepiece_model.proto``), because ``protobuf`` is not a dependency of ours; the
-``sentencepiece`` library validates it on load. Its vocabulary is built so that every
+The SentencePiece ``ModelProto`` is built with the ``sentencepiece`` package's own protobuf
+bindings (``sentencepiece_model_pb2``) and serialized deterministically; transformers converts it
+to the ``tokenizer.json`` (``GemmaConverter``). Its vocabulary is built so that every
 multi-character piece has exactly one split into two shorter pieces: the merge order is then
 unambiguous and the Hugging Face BPE conversion is provably token-for-token identical to
 SentencePiece's own encoder (no tie-breaking differences).
@@ -72,28 +72,6 @@ ComfyWeightFormat = Literal["bf16", "fp16", "fp8_e4m3fn_scaled"]
 # --------------------------------------------------------------------------- tokenizer
 
 
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # negative int32/64 values are 10-byte two's complement varints
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _pb_int(field: int, value: int) -> bytes:
-    return _varint(field << 3) + _varint(int(value))
-
-
-def _pb_bytes(field: int, value: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(value)) + value
-
-
-def _pb_float(field: int, value: float) -> bytes:
-    return _varint(field << 3 | 5) + struct.pack("<f", value)
-
-
 def tiny_spm_pieces() -> list[tuple[str, float, int]]:
     """The tiny tokenizer's pieces as ``(piece, score, type)``, index = token id.
 
@@ -139,31 +117,61 @@ def tiny_spm_pieces() -> list[tuple[str, float, int]]:
 def build_tiny_spm_model() -> bytes:
     """Serialized SentencePiece ``ModelProto`` of the tiny Gemma tokenizer (deterministic bytes).
 
-    Settings mirror Gemma 3's tokenizer: BPE, byte fallback, no dummy prefix, whitespace kept
-    and escaped to ``▁``, identity normalisation, ids unk 3 / bos 2 / eos 1 / pad 0.
+    Settings mirror Gemma 3's tokenizer: BPE, byte fallback, split digits, whitespace-only pieces
+    allowed, no dummy prefix, whitespace kept and escaped to ``▁``, identity normalisation, ids
+    unk 3 / bos 2 / eos 1 / pad 0. Built with ``sentencepiece_model_pb2`` (field meanings:
+    ``sentencepiece_model.proto``); every field is set explicitly and serialized with
+    ``deterministic=True``, so the bytes depend only on this code.
     """
-    out = b"".join(
-        _pb_bytes(1, _pb_bytes(1, p.encode()) + _pb_float(2, s) + _pb_int(3, t)) for p, s, t in tiny_spm_pieces()
+    from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+
+    model = spm_pb2.ModelProto()
+    for piece, score, kind in tiny_spm_pieces():
+        model.pieces.add(piece=piece, score=score, type=kind)
+    model.trainer_spec.MergeFrom(
+        spm_pb2.TrainerSpec(
+            model_type=spm_pb2.TrainerSpec.BPE,
+            vocab_size=TINY_GEMMA_VOCAB,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            byte_fallback=True,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            unk_piece=SPECIAL_PIECES[UNK_ID],
+            bos_piece=SPECIAL_PIECES[BOS_ID],
+            eos_piece=SPECIAL_PIECES[EOS_ID],
+            pad_piece=SPECIAL_PIECES[PAD_ID],
+        )
     )
-    trainer = b"".join(
-        [
-            _pb_int(3, 2),  # model_type = BPE
-            _pb_int(4, TINY_GEMMA_VOCAB),  # vocab_size
-            _pb_int(25, 1),  # split_digits
-            _pb_int(26, 1),  # allow_whitespace_only_pieces
-            _pb_int(35, 1),  # byte_fallback
-            _pb_int(40, UNK_ID),
-            _pb_int(41, BOS_ID),
-            _pb_int(42, EOS_ID),
-            _pb_int(43, PAD_ID),
-            _pb_bytes(45, b"<unk>"),
-            _pb_bytes(46, b"<bos>"),
-            _pb_bytes(47, b"<eos>"),
-            _pb_bytes(48, b"<pad>"),
-        ]
+    model.normalizer_spec.MergeFrom(
+        spm_pb2.NormalizerSpec(
+            name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False, escape_whitespaces=True
+        )
     )
-    normalizer = _pb_bytes(1, b"identity") + _pb_int(3, 0) + _pb_int(4, 0) + _pb_int(5, 1)
-    return out + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+    return model.SerializeToString(deterministic=True)
+
+
+#: The snapshot's ``tokenizer_config.json``: what transformers needs to rebuild the tokenizer from
+#: ``tokenizer.json`` as Gemma 3's (google/gemma-3-12b-it ``tokenizer_config.json``, reduced):
+#: BOS first, no EOS, left padding, Gemma's special-token names.
+TOKENIZER_CONFIG = {
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "backend": "tokenizers",
+    "bos_token": SPECIAL_PIECES[BOS_ID],
+    "eos_token": SPECIAL_PIECES[EOS_ID],
+    "extra_special_tokens": [
+        SPECIAL_PIECES[i] for i in (START_OF_TURN_ID, END_OF_TURN_ID, BOI_ID, EOI_ID, IMAGE_TOKEN_ID)
+    ],
+    "mask_token": SPECIAL_PIECES[MASK_ID],
+    "model_max_length": 131072,
+    "pad_token": SPECIAL_PIECES[PAD_ID],
+    "padding_side": "left",
+    "tokenizer_class": "GemmaTokenizer",
+    "unk_token": SPECIAL_PIECES[UNK_ID],
+}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -171,17 +179,14 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _save_tokenizer(out_dir: Path) -> None:
-    """``tokenizer.model`` + an offline-loadable HF tokenizer (``tokenizer.json``, config)."""
-    from ltx_mgpu.text.gemma import tokenizer_from_spm
+    """``tokenizer.model``, the ``tokenizer.json`` transformers converts it to, and
+    :data:`TOKENIZER_CONFIG` (written by us: transformers' own would record the load path)."""
+    from ltx_mgpu.text.tokenizer import tokenizer_from_spm
 
     spm_bytes = build_tiny_spm_model()
     (out_dir / "tokenizer.model").write_bytes(spm_bytes)
-    tok = tokenizer_from_spm(spm_bytes)
-    tok.save_pretrained(str(out_dir))
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    cfg.update(add_bos_token=True, add_eos_token=False, padding_side="left", model_max_length=131072)
-    _write_json(cfg_path, cfg)
+    tokenizer_from_spm(spm_bytes).backend_tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", TOKENIZER_CONFIG)
 
 
 # --------------------------------------------------------------------------- model

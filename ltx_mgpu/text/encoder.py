@@ -90,7 +90,7 @@ class PromptEncoder:
             ValueError: ``batch_size < 1`` or a non-string prompt.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
         """
-        from ltx_mgpu.text.gemma import tokenize
+        from ltx_mgpu.text.tokenizer import tokenize
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -175,7 +175,7 @@ class TextEncoderSpec:
         """The cache key components for this spec, computed from file contents without
         loading Gemma (digests are memoised by file stat)."""
         from ltx_mgpu.text.cache import CacheKeyParts
-        from ltx_mgpu.text.gemma import gemma_identity
+        from ltx_mgpu.text.gemma_sources import gemma_identity
 
         return CacheKeyParts(
             gemma_identity=gemma_identity(self.gemma),
