@@ -77,6 +77,7 @@ class PromptEncoder:
         self.projection = projection
         self.token_budget = token_budget
         self.truncate = truncate
+        self._staging: torch.Tensor | None = None
 
     @torch.inference_mode()
     def encode(self, prompts: Sequence[str], batch_size: int = 8) -> list[PromptEmbedding]:
@@ -130,13 +131,29 @@ class PromptEncoder:
         hidden = encode_hidden_states(self.tower, input_ids, attention_mask)
         features = self.projection(hidden, attention_mask)
         del hidden
-        lengths = attention_mask.sum(dim=1).tolist()
+        lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
         dropped = list(dropped) if dropped is not None else [0] * len(lengths)
-        host = features.to(device="cpu", dtype=torch.float32)
-        return [
-            PromptEmbedding(host[j, host.shape[1] - int(n):].clone(), self.projection.version, int(dropped[j]))
-            for j, n in enumerate(lengths)
-        ]
+        rows = self._rows_to_host(features, lengths)
+        return [PromptEmbedding(row, self.projection.version, int(d)) for row, d in zip(rows, dropped)]
+
+    def _rows_to_host(self, features: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Each prompt's valid rows as its own float32 CPU tensor (one copy each).
+
+        From a GPU the batch goes through a reused pinned staging buffer in the projection's
+        dtype (a pageable device->host copy ran at 1.6 GB/s on an H200 host: 123 ms for 8
+        prompts in fp32), and the upcast to float32 happens in the per-prompt host copy.
+        """
+        t = features.shape[1]
+        if features.device.type == "cpu":
+            return [features[j, t - n:].to(torch.float32, copy=True) for j, n in enumerate(lengths)]
+        numel = features.numel()
+        staging = self._staging
+        if staging is None or staging.numel() < numel or staging.dtype != features.dtype:
+            staging = self._staging = torch.empty(numel, dtype=features.dtype, pin_memory=True)
+        host = staging[:numel].view(features.shape)
+        host.copy_(features, non_blocking=True)
+        torch.cuda.current_stream(features.device).synchronize()
+        return [host[j, t - n:].to(torch.float32, copy=True) for j, n in enumerate(lengths)]
 
 
 @dataclass

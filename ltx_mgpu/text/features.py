@@ -24,6 +24,7 @@ their learnable registers) run inside the denoiser, as in ComfyUI since PR #1256
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -194,10 +195,7 @@ class Projection(nn.Module):
             )
         device = self.device
         mask = attention_mask.to(device=device).bool()
-        normalise = _range_normalise if self.version == "2.0" else _rms_normalise
-        features = torch.empty(b, t, self.in_features, dtype=self.dtype, device=device)
-        for layer, h in enumerate(hidden_states):
-            features[:, :, layer * d:(layer + 1) * d] = normalise(h.to(device=device, dtype=torch.float32), mask)
+        features = _features_fn(device, self.version)(tuple(hidden_states), mask, self.dtype)
         if self.version == "2.0":
             out = torch.nn.functional.linear(features, self.aggregate_embed.weight)
         else:
@@ -208,6 +206,28 @@ class Projection(nn.Module):
                 outs.append(torch.addmm(lin.bias, flat, lin.weight.t(), alpha=scale).reshape(b, t, -1))
             out = torch.cat(outs, dim=-1)
         return out * mask.unsqueeze(-1).to(out.dtype)
+
+
+def _build_features(hidden_states: tuple[torch.Tensor, ...], mask: torch.Tensor, dtype: torch.dtype,
+                    version: str) -> torch.Tensor:
+    """Normalise each layer in float32 and concatenate layer-major: ``[B, T, L*D]`` in ``dtype``."""
+    normalise = _range_normalise if version == "2.0" else _rms_normalise
+    device = mask.device
+    return torch.cat([normalise(h.to(device=device, dtype=torch.float32), mask).to(dtype) for h in hidden_states],
+                     dim=-1)
+
+
+@functools.cache
+def _features_fn(device: torch.device, version: str):
+    """The feature builder for a device: on CUDA compiled once with ``torch.compile`` (dynamic
+    shapes), which fuses each layer's upcast, statistics, normalisation and downcast into the
+    write of the concatenated buffer (measured on an H200 at 8x1024 tokens: the eager version
+    spends as long in these elementwise passes as in the 188160-wide projection GEMM). On
+    other devices, or when ``LTX_MGPU_NO_COMPILE=1``, the eager function."""
+    fn = functools.partial(_build_features, version=version)
+    if device.type == "cuda" and os.environ.get("LTX_MGPU_NO_COMPILE") != "1":
+        return torch.compile(fn, dynamic=True)
+    return fn
 
 
 def _frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
