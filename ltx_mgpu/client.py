@@ -1,0 +1,441 @@
+"""``PoolClient``: start or attach to the sidecar pool, send requests, stream events, cancel.
+
+Typical use (a ComfyUI node waits on one thread and polls for an interrupt)::
+
+    client = PoolClient.connect(gpus=[0, 1])                 # starts the pool or attaches
+    job = client.submit("encode", {"prompts": [...]})
+    result, tensors = job.wait(poll_interval=0.1, should_cancel=processing_interrupted,
+                               on_progress=lambda phase, step, total: bar.update_absolute(step, total))
+
+Errors: :class:`BadInputError` (the request was wrong, the pool keeps serving),
+:class:`JobCancelledError`, :class:`PoolTimeoutError` (the job exceeded ``timeout``; it was
+cancelled), :class:`PoolFatalError` (the pool failed or was lost; the next request starts a
+fresh one) and :class:`PoolStartError`. All derive from :class:`PoolError`.
+
+Thread safety: one client may be shared by threads; each job's events go to the thread that
+waits on it; callbacks run on that thread. A callback that raises (ComfyUI's
+``InterruptProcessingException`` is a ``BaseException``) first cancels the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import psutil
+import torch
+
+import ltx_mgpu
+from ltx_mgpu import protocol
+from ltx_mgpu.pool import launch
+from ltx_mgpu.pool.launch import PoolError, PoolSpec, PoolStartError
+
+__all__ = ["PoolClient", "Job", "PoolError", "PoolStartError", "PoolFatalError", "BadInputError",
+           "JobCancelledError", "PoolTimeoutError"]
+
+
+class PoolFatalError(PoolError):
+    """The pool failed (a rank died, a collective broke, the connection was lost) and exits;
+    the next request on the same client starts a fresh pool."""
+
+
+class BadInputError(PoolError, ValueError):
+    """The pool rejected the request (``error{bad_input}``); it keeps serving."""
+
+
+class JobCancelledError(PoolError):
+    """The job was cancelled (by ``cancel()``, ``should_cancel`` or a pool shutdown)."""
+
+
+class PoolTimeoutError(PoolError, TimeoutError):
+    """The job did not finish within its timeout; it was cancelled."""
+
+
+_LOST = "__lost__"
+ProgressCallback = Callable[[str, int, int], Any]
+
+
+class Job:
+    """A submitted request. Iterate :meth:`events` or call :meth:`wait`; :meth:`cancel` asks the
+    pool to stop it (queued: at once; running: at its next step boundary)."""
+
+    def __init__(self, client: PoolClient, rid: str, mtype: str):
+        self.client, self.id, self.type = client, rid, mtype
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.progress: dict | None = None
+        self.accepted: dict | None = None
+        self.done = False
+        self.cancel_sent = False
+
+    def cancel(self) -> None:
+        """Ask the pool to cancel this job (no-op when done or already asked)."""
+        if self.done or self.cancel_sent:
+            return
+        self.cancel_sent = True
+        with contextlib.suppress(PoolError):
+            self.client._send("cancel", {"job_id": self.id}, track=False, ensure=False)
+
+    @property
+    def _is_job(self) -> bool:
+        schema = protocol.REQUESTS.get(self.type)
+        return schema is not None and schema.job
+
+    def _abandon(self) -> None:
+        """The waiter is leaving (a callback raised): cancel the job and drop its events."""
+        self.cancel()
+        self.done = True
+        self.client._forget(self.id)
+
+    def _terminal(self, ev: dict, tensors: dict, timed_out: bool) -> tuple[dict, dict]:
+        self.done = True
+        self.client._forget(self.id)
+        if ev["event"] == "result":
+            return ev["result"], tensors
+        kind, msg = ev["kind"], ev["message"]
+        if kind == "bad_input":
+            raise BadInputError(msg)
+        if kind == "cancelled":
+            if timed_out:
+                raise PoolTimeoutError(f"{self.type} job {self.id} timed out and was cancelled ({msg})")
+            raise JobCancelledError(msg)
+        self.client._mark_dead(msg, fatal=True)
+        raise PoolFatalError(self.client._with_log(f"the pool failed during {self.type} job {self.id}: {msg}"))
+
+    def events(self, timeout: float | None = None) -> Iterator[dict]:
+        """Yield ``accepted`` / ``progress`` / ``log`` events until the job ends; the terminal
+        result is then available from :meth:`wait` (which returns at once).
+
+        Raises:
+            PoolTimeoutError: no event for ``timeout`` seconds (the job is not cancelled).
+        """
+        while not self.done:
+            try:
+                item = self._q.get(timeout=timeout)
+            except queue.Empty:
+                raise PoolTimeoutError(f"no event from {self.type} job {self.id} for {timeout}s") from None
+            ev = item[0]
+            if ev == _LOST or ev["event"] in ("result", "error"):
+                self._q.put(item)  # leave the terminal for wait()
+                return
+            self._note(ev)
+            yield ev
+
+    def _note(self, ev: dict) -> None:
+        if ev["event"] == "progress":
+            self.progress = {k: ev[k] for k in ("phase", "step", "total")}
+        elif ev["event"] == "accepted":
+            self.accepted = ev
+
+    def wait(self, timeout: float | None = None, poll_interval: float = 0.1,
+             should_cancel: Callable[[], bool] | None = None, on_progress: ProgressCallback | None = None,
+             on_log: Callable[[dict], Any] | None = None, cancel_timeout: float = 15.0) -> tuple[dict, dict]:
+        """Wait for the job's result: ``(result: dict, tensors: dict[str, Tensor])``.
+
+        Every ``poll_interval`` seconds ``should_cancel()`` is polled; when it turns true (or
+        ``timeout`` seconds pass) a cancel is sent. If the pool does not end the job within
+        ``cancel_timeout`` seconds after that, the pool is killed (PoolFatalError). Control
+        requests (``status``, ``cancel``...) are not cancelled: they raise PoolTimeoutError.
+        Callbacks run on the waiting thread.
+
+        Raises:
+            BadInputError, JobCancelledError, PoolTimeoutError, PoolFatalError.
+            Whatever ``on_progress`` / ``on_log`` raise (after cancelling the job).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cancel_at: float | None = None
+        timed_out = False
+        while True:
+            try:
+                ev, tensors = self._q.get(timeout=poll_interval)
+            except queue.Empty:
+                ev, tensors = None, None
+            if ev == _LOST:
+                self.done = True
+                self.client._forget(self.id)
+                raise PoolFatalError(self.client._with_log(f"{self.type} job {self.id}: {tensors}"))
+            if ev is not None:
+                if ev["event"] in ("result", "error"):
+                    return self._terminal(ev, tensors, timed_out)
+                self._note(ev)
+                try:
+                    if ev["event"] == "progress" and on_progress is not None:
+                        on_progress(ev["phase"], ev["step"], ev["total"])
+                    elif ev["event"] == "log" and on_log is not None:
+                        on_log(ev)
+                except BaseException:
+                    self._abandon()
+                    raise
+            now = time.monotonic()
+            if cancel_at is None:
+                try:
+                    wanted = should_cancel is not None and should_cancel()
+                except BaseException:
+                    self._abandon()
+                    raise
+                if not self._is_job and deadline is not None and now > deadline:
+                    self.client._forget(self.id)  # control requests are not cancellable
+                    raise PoolTimeoutError(f"the pool did not answer {self.type} within {timeout}s")
+                if wanted or (deadline is not None and now > deadline):
+                    timed_out = not wanted
+                    self.cancel()
+                    cancel_at = now
+            elif now - cancel_at > cancel_timeout:
+                self.client._kill(f"{self.type} job {self.id} did not stop within {cancel_timeout:.0f}s of cancel")
+                self.done = True
+                raise PoolFatalError(self.client._with_log(
+                    f"the pool did not stop {self.type} job {self.id} within {cancel_timeout:.0f}s of a cancel "
+                    "and was killed; the next request starts a fresh pool"))
+
+
+class PoolClient:
+    """A connection to the pool for one GPU set; see the module doc. Build with :meth:`connect`."""
+
+    def __init__(self, spec: PoolSpec, *, start: bool = True, startup_timeout: float = 300.0,
+                 master_port: int | None = None):
+        self.spec, self.start, self.startup_timeout, self.master_port = spec, start, startup_timeout, master_port
+        self._lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        self._pending: dict[str, Job] = {}
+        self._sock = None
+        self._dead: str | None = None
+        self._fatal = False
+        self._procs: list[psutil.Process] = []
+        self._launched: launch.LaunchedPool | None = None
+        self.pool: dict = {}
+
+    @classmethod
+    def connect(cls, gpus: str | Sequence[int] | None = None, nproc: int | None = None,
+                lifetime: str = "with-owner", runtime_dir: str | os.PathLike | None = None, start: bool = True,
+                startup_timeout: float = 300.0, master_port: int | None = None) -> PoolClient:
+        """Attach to the live pool of this GPU set, or start one (``start=True``).
+
+        ``gpus``: ``None``/``"all"``, ``"cpu"``/``[]`` (CPU ranks on gloo; ``nproc`` of them) or
+        indices. A started pool lives ``with-owner`` (exits when this process dies) or
+        ``detached``.
+
+        Raises:
+            ValueError: bad arguments. PoolStartError: the pool did not start. PoolError: no
+            pool runs and ``start=False``, or the running one is incompatible.
+        """
+        client = cls(launch.resolve_spec(gpus, nproc, lifetime, runtime_dir), start=start,
+                     startup_timeout=startup_timeout, master_port=master_port)
+        client._ensure()
+        return client
+
+    # ---- connection management
+    @property
+    def dir(self):
+        return self.spec.dir
+
+    @property
+    def pid(self) -> int | None:
+        """torchrun's pid (the pool's identity)."""
+        return self.pool.get("torchrun_pid")
+
+    def _with_log(self, message: str) -> str:
+        tail = launch.log_tail(self.dir, 3000).strip()
+        return f"{message}\n--- tail of {self.dir / launch.LOG_NAME} ---\n{tail}" if tail else message
+
+    def _ensure(self) -> None:
+        with self._lock:
+            if self._sock is not None and self._dead is None:
+                return
+            if self._sock is not None or self._fatal:
+                self._reap()
+            with launch.launch_lock(self.dir, timeout=self.startup_timeout + 60):
+                info = launch.find_live_pool(self.dir)
+                if info is not None:
+                    want = (ltx_mgpu.__version__, protocol.PROTOCOL_VERSION, list(self.spec.gpus), self.spec.nproc)
+                    have = (info.version, info.protocol, list(info.gpus), info.nproc)
+                    if have != want:
+                        raise PoolError(f"an incompatible pool runs in {self.dir} (version, protocol, gpus, nproc = "
+                                        f"{have}, wanted {want}); stop it with `python -m ltx_mgpu pool stop "
+                                        f"--gpus {','.join(map(str, info.gpus)) or 'cpu'} --nproc {info.nproc} "
+                                        f"--runtime-dir {self.dir.parent}`")
+                    try:
+                        return self._open()
+                    except (OSError, PoolError, protocol.ProtocolError) as e:
+                        if not self.start:
+                            raise PoolError(f"the pool in {self.dir} (pid {info.pid}) does not answer: {e}") from e
+                        launch.stop(self.dir, graceful=False)  # alive but wedged: replace it
+                if not self.start:
+                    raise PoolError(f"no pool runs in {self.dir}; start one with `python -m ltx_mgpu pool start`")
+                owner = os.getpid() if self.spec.lifetime == "with-owner" else None
+                self._launched = launch.launch(self.spec, owner_pid=owner, master_port=self.master_port,
+                                               startup_timeout=self.startup_timeout)
+                self._open()
+
+    def _open(self) -> None:
+        sock = launch.open_socket(self.dir, timeout=10.0)
+        try:
+            self.pool = launch.hello(sock, launch.read_token(self.dir), rid=uuid.uuid4().hex)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        procs = []
+        known = [(self.pool["torchrun_pid"], self.pool.get("torchrun_create_time"))]
+        for pid, ct in known + [(r["pid"], r["create_time"]) for r in self.pool["ranks"]]:
+            if launch.same_process(pid, ct):
+                with contextlib.suppress(psutil.Error):
+                    procs.append(psutil.Process(pid))
+        self._procs, self._sock, self._dead, self._fatal = procs, sock, None, False
+        threading.Thread(target=self._read_loop, args=(sock,), name="ltx_mgpu-pool-reader", daemon=True).start()
+
+    def _read_loop(self, sock) -> None:
+        reason = "the pool closed the connection"
+        try:
+            while True:
+                header, tensors = protocol.recv_frame(sock)
+                ev = protocol.parse_event(header)
+                with self._lock:
+                    job = self._pending.get(ev["id"])
+                if ev["event"] == "error" and ev["kind"] == "fatal":
+                    self._fatal = True
+                if job is not None:
+                    job._q.put((ev, tensors))
+        except protocol.ConnectionClosed:
+            pass
+        except BaseException as e:  # noqa: BLE001 - a thread boundary: report everything
+            reason = f"connection to the pool lost: {type(e).__name__}: {e}"
+        self._mark_dead(reason, sock=sock)
+
+    def _mark_dead(self, reason: str, fatal: bool = False, sock=None) -> None:
+        with self._lock:
+            if sock is not None and sock is not self._sock:
+                return  # an old connection's reader
+            self._fatal = self._fatal or fatal
+            if self._dead is None:
+                self._dead = reason
+            pending, self._pending = list(self._pending.values()), {}
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(2)
+        for job in pending:
+            job._q.put((_LOST, reason))
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._pending.pop(rid, None)
+
+    def _reap(self) -> None:
+        """After a loss: keep a pool that still answers, otherwise make sure every process of
+        the old one is gone (only the processes seen at attach; a newer pool is left alone)."""
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._sock = None
+        if not self._fatal and launch.ping(self.dir, timeout=3.0) is not None:
+            return
+        launch.kill_processes(launch.wait_gone(self._procs, 5.0), grace=3.0)
+        if self._launched is not None:
+            with contextlib.suppress(Exception):
+                self._launched.popen.wait(timeout=5.0)
+        info = launch.PoolInfo.read(self.dir)
+        if info is not None and not info.alive():
+            launch.remove_pool_files(self.dir, info.instance)
+        self._procs, self._launched = [], None
+
+    def _kill(self, reason: str) -> None:
+        """Kill the pool now (it stopped answering)."""
+        with self._lock:
+            self._fatal = True
+            launch.kill_processes(self._procs, grace=3.0)
+            self._mark_dead(reason, fatal=True)
+
+    # ---- requests
+    def _send(self, mtype: str, params: Mapping[str, Any] | None, tensors: Mapping[str, torch.Tensor] | None = None,
+              track: bool = True, ensure: bool = True) -> Job | None:
+        """Send a request (``ensure``: start or re-attach the pool first; otherwise skip the send,
+        returning None, when not connected)."""
+        if ensure:
+            self._ensure()
+        elif self._sock is None or self._dead is not None:
+            return None
+        rid = uuid.uuid4().hex
+        try:
+            header = protocol.make_request(mtype, rid, params)
+            protocol.parse_request(header, dict(tensors or {}))
+            payload = protocol.tensors_to_payload(tensors)
+        except protocol.ProtocolError as e:
+            raise BadInputError(str(e)) from None
+        job = Job(self, rid, mtype)
+        with self._lock:
+            sock = self._sock
+            if track:
+                self._pending[rid] = job
+        try:
+            with self._send_lock:
+                protocol.send_frame(sock, header, payload)
+        except (OSError, protocol.ProtocolError) as e:
+            self._mark_dead(f"sending {mtype} failed: {e}", sock=sock)
+            raise PoolFatalError(self._with_log(f"sending {mtype} to the pool failed: {e}")) from e
+        return job
+
+    def submit(self, mtype: str, params: Mapping[str, Any] | None = None,
+               tensors: Mapping[str, torch.Tensor] | None = None) -> Job:
+        """Send a request; returns its :class:`Job` at once (starting the pool if needed).
+
+        Raises:
+            BadInputError: unknown type or params that break its schema (checked locally).
+            PoolFatalError / PoolStartError: the pool is unreachable and could not be restarted.
+        """
+        return self._send(mtype, params, tensors)
+
+    def request(self, mtype: str, params: Mapping[str, Any] | None = None,
+                tensors: Mapping[str, torch.Tensor] | None = None, on_progress: ProgressCallback | None = None,
+                timeout: float | None = None, should_cancel: Callable[[], bool] | None = None,
+                poll_interval: float = 0.1) -> tuple[dict, dict]:
+        """``submit`` + ``wait``: returns ``(result, tensors)``; raises as :meth:`Job.wait`."""
+        return self.submit(mtype, params, tensors).wait(timeout=timeout, poll_interval=poll_interval,
+                                                        should_cancel=should_cancel, on_progress=on_progress)
+
+    def status(self, timeout: float = 10.0) -> dict:
+        """Per-rank devices, memory (bytes) and models, the queue and the current job."""
+        return self.request("status", timeout=timeout)[0]
+
+    def cancel(self, job_id: str, timeout: float = 10.0) -> dict:
+        """Cancel a job by id (any client's): ``{"found": bool, "state": "queued"|"running"|None}``."""
+        return self.request("cancel", {"job_id": job_id}, timeout=timeout)[0]
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the pool (queued jobs cancelled, the running one stopped at its next step), wait
+        up to ``timeout`` seconds for its processes to exit, then kill what remains."""
+        with self._lock:
+            procs, launched, instance = list(self._procs), self._launched, self.pool.get("instance")
+        if self._sock is not None and self._dead is None:
+            with contextlib.suppress(PoolError):
+                self.request("shutdown", {"reason": "client shutdown"}, timeout=10.0)
+        launch.kill_processes(launch.wait_gone(procs, timeout), grace=5.0)
+        if launched is not None:
+            with contextlib.suppress(Exception):
+                launched.popen.wait(timeout=5.0)
+        if instance is not None:
+            info = launch.PoolInfo.read(self.dir)
+            if info is not None and not info.alive():
+                launch.remove_pool_files(self.dir, instance)
+        self.close()
+
+    def close(self) -> None:
+        """Close this connection (the pool keeps running; a with-owner pool stops with its owner).
+        Jobs still waiting on it fail with PoolFatalError."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+            self._dead, self._fatal, self._procs, self._launched = None, False, [], None
+            pending, self._pending = list(self._pending.values()), {}
+        for job in pending:
+            job._q.put((_LOST, "the client was closed"))
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(2)
+            sock.close()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

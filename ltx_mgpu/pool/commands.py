@@ -1,0 +1,155 @@
+"""``python -m ltx_mgpu pool start|stop|status``: the pool from the command line.
+
+* ``pool start [--gpus 0,1|cpu|all] [--nproc N] [--detach] [--runtime-dir D]``: start a pool
+  (or report the one already running). ``--detach`` leaves it running after the command exits
+  (lifetime ``detached``); without it the command stays in the foreground and the pool stops
+  when the command ends (Ctrl-C).
+* ``pool stop``: shut the pool down (gracefully, then by signal) and remove its files.
+* ``pool status [--json]``: per-rank devices, memory and models, the queue and current job.
+
+``stop`` and ``status`` without ``--gpus``/``--nproc`` act on every pool under the runtime
+base directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ltx_mgpu.pool import launch
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", default=None,
+                   help="GPU indices like 0,1, 'all' (default: every visible GPU) or 'cpu' (CPU ranks on gloo)")
+    p.add_argument("--nproc", type=int, default=None, help="number of ranks (CPU pools; one per GPU otherwise)")
+    p.add_argument("--runtime-dir", default=None,
+                   help="base of the pool's private directory (default $LTX_MGPU_RUNTIME_DIR, $XDG_RUNTIME_DIR/"
+                        "ltx_mgpu or ~/.cache/ltx_mgpu/run)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``pool`` command (with ``start``, ``stop``, ``status``) to a subparsers object."""
+    pool = subparsers.add_parser("pool", help="start, stop or inspect the sidecar GPU pool")
+    sub = pool.add_subparsers(dest="pool_command", required=True)
+    p = sub.add_parser("start", help="start a pool (or report the running one)")
+    _add_common(p)
+    p.add_argument("--detach", action="store_true", help="keep the pool running after this command exits")
+    p.add_argument("--timeout", type=float, default=300.0, help="start-up timeout in seconds (default 300)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port to try first (default: a free one)")
+    p.set_defaults(func=cmd_start)
+    p = sub.add_parser("stop", help="stop the pool (every pool under the base dir without --gpus/--nproc)")
+    _add_common(p)
+    p.set_defaults(func=cmd_stop)
+    p = sub.add_parser("status", help="show ranks, memory, models and jobs (of every pool without --gpus/--nproc)")
+    _add_common(p)
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.set_defaults(func=cmd_status)
+
+
+def _spec(args: argparse.Namespace, lifetime: str = "detached") -> launch.PoolSpec:
+    return launch.resolve_spec(args.gpus, args.nproc, lifetime, args.runtime_dir)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}G"
+
+
+def format_status(status: dict) -> str:
+    """A human-readable table of a ``status`` answer."""
+    pool = status["pool"]
+    lines = [f"pool pid {pool['torchrun_pid']}  ltx_mgpu {pool['version']}  {pool['world_size']} rank(s) on "
+             f"{pool['device']}{' GPUs ' + ','.join(map(str, pool['gpus'])) if pool['gpus'] else ''}  "
+             f"lifetime {pool['lifetime']}  dir {pool['dir']}",
+             f"{'rank':>4} {'pid':>8} {'device':<8} {'alloc':>8} {'reserved':>8} {'total':>8} {'rss':>8}  models"]
+    for r in status["ranks"]:
+        m = r.get("memory", {})
+        models = ", ".join(f"{k} ({_gib(v.get('bytes'))})" for k, v in r.get("models", {}).items()) or "-"
+        lines.append(f"{r['rank']:>4} {r['pid']:>8} {r['device']:<8} {_gib(m.get('allocated')):>8} "
+                     f"{_gib(m.get('reserved')):>8} {_gib(m.get('total')):>8} {_gib(m.get('rss')):>8}  {models}")
+    cur = status.get("current")
+    if cur:
+        prog = cur.get("progress") or {}
+        lines.append(f"running: {cur['type']} {cur['id']} {prog.get('phase', '')} "
+                     f"{prog.get('step', '?')}/{prog.get('total', '?')} ({cur['elapsed']:.1f}s)")
+    else:
+        lines.append("running: -")
+    lines.append(f"queued: {', '.join(j['type'] + ' ' + j['id'] for j in status['queue']) or '-'}")
+    return "\n".join(lines)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from ltx_mgpu.client import PoolClient
+
+    lifetime = "detached" if args.detach else "with-owner"
+    spec = _spec(args, lifetime)
+    live = launch.find_live_pool(spec.dir) if spec.dir.is_dir() else None
+    if live is not None:
+        print(f"a pool is already running: pid {live.pid}, {live.nproc} rank(s) on {live.device}, "
+              f"lifetime {live.lifetime}, dir {spec.dir}")
+        return 0
+    client = PoolClient.connect(gpus=args.gpus, nproc=args.nproc, lifetime=lifetime,
+                                runtime_dir=args.runtime_dir, startup_timeout=args.timeout,
+                                master_port=args.master_port)
+    print(f"started pool pid {client.pid}: {spec.nproc} rank(s) on {spec.device}, lifetime {lifetime}, "
+          f"socket {spec.dir / launch.SOCKET_NAME}, log {spec.dir / launch.LOG_NAME}", flush=True)
+    if args.detach:
+        client.close()
+        return 0
+    print("running in the foreground; Ctrl-C stops the pool", flush=True)
+    try:
+        while launch.find_live_pool(spec.dir) is not None:
+            time.sleep(1.0)
+        print("the pool exited", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        client.shutdown()
+        print("pool stopped")
+        return 0
+
+
+def _live_pools(args: argparse.Namespace) -> list[launch.PoolInfo]:
+    """The live pool of ``--gpus``/``--nproc``, or, when neither is given, every live pool
+    under the runtime base directory."""
+    if args.gpus is None and args.nproc is None:
+        base = launch.runtime_base(args.runtime_dir)
+        dirs = sorted(p.parent for p in base.glob(f"*/{launch.INFO_NAME}")) if base.is_dir() else []
+    else:
+        dirs = [_spec(args).dir]
+    return [info for d in dirs if d.is_dir() and (info := launch.find_live_pool(d)) is not None]
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    pools = _live_pools(args)
+    if not pools:
+        print(f"no pool is running under {launch.runtime_base(args.runtime_dir)}")
+        return 0
+    for info in pools:
+        launch.stop(Path(info.dir))
+        print(f"stopped pool pid {info.pid} ({info.dir})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ltx_mgpu.client import PoolClient, PoolError
+
+    pools = _live_pools(args)
+    if not pools:
+        print(f"no pool is running under {launch.runtime_base(args.runtime_dir)}")
+        return 1
+    code = 0
+    for info in pools:
+        client = PoolClient(launch.PoolSpec(tuple(info.gpus), info.nproc, info.lifetime, Path(info.dir)), start=False)
+        try:
+            status = client.status()
+        except PoolError as e:
+            print(f"error: the pool in {info.dir} (pid {info.pid}) does not answer: {e}", file=sys.stderr)
+            code = 1
+            continue
+        finally:
+            client.close()
+        print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return code

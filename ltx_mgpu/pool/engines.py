@@ -1,0 +1,322 @@
+"""The engine registry and the job context every handler receives.
+
+An engine handles one job type on **every** rank (SPMD):
+``handler(ctx: JobContext, params: dict, tensors: dict[str, Tensor]) -> (result: dict, tensors: dict)``.
+``params`` passed the protocol schema on rank 0 and reach every rank identically; input
+tensors arrive on CPU on every rank. Only rank 0's return value is sent to the client (other
+ranks may return ``({}, {})``); ``result`` must be JSON-serialisable and the tensors
+safetensors-compatible. Result tensors are sent after the handler returns, while the next job
+may already run: return fresh tensors, or clone a buffer that a later job modifies in place.
+
+Error contract (after the LTX-2 reference's ``RunnerError``):
+
+* raise :class:`BadInput` for a wrong request, **identically on every rank and before any
+  collective** (e.g. while validating ``params``): the client gets ``error{bad_input}`` and the
+  pool keeps serving;
+* call ``ctx.check_cancel()`` at step boundaries: it is a collective decision (rank 0 decides,
+  the control group broadcasts it) and raises :class:`JobCancelled` on every rank together;
+* anything else is fatal: the client gets ``error{fatal}`` and the pool exits (a collective
+  that one rank abandoned cannot be unwound).
+
+Engines register with :func:`register_engine`; the job types of other packages
+(``ENGINE_MODULES``) are imported on first use, so the pool runs without them.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ltx_mgpu import protocol
+
+Handler = Callable[["JobContext", dict, dict], "tuple[dict, dict]"]
+
+
+class BadInput(Exception):
+    """The request is wrong; raise it identically on every rank before any collective."""
+
+
+class JobCancelled(BaseException):
+    """Raised by :meth:`JobContext.check_cancel` on every rank together. A ``BaseException`` so a
+    handler's ``except Exception`` does not swallow it."""
+
+
+_ENGINES: dict[str, Handler] = {}
+#: Job types implemented outside ``ltx_mgpu.pool``: the module is imported on first use and is
+#: expected to call :func:`register_engine` for them.
+ENGINE_MODULES: dict[str, str] = {
+    "load_text_encoder": "ltx_mgpu.text.engine",
+    "encode": "ltx_mgpu.text.engine",
+    "load_transformer": "ltx_mgpu.denoise.engine",
+    "sample": "ltx_mgpu.denoise.engine",
+}
+
+
+def register_engine(job_type: str, handler: Handler | None = None):
+    """Register ``handler`` for ``job_type`` (usable as a decorator).
+
+    Raises:
+        ValueError: ``job_type`` is not a job request type in ``ltx_mgpu.protocol.REQUESTS``
+            (add its schema with ``protocol.register_request`` first).
+    """
+    schema = protocol.REQUESTS.get(job_type)
+    if schema is None or not schema.job:
+        raise ValueError(f"{job_type!r} is not a job request type; register its schema first")
+
+    def deco(fn: Handler) -> Handler:
+        _ENGINES[job_type] = fn
+        return fn
+
+    return deco(handler) if handler is not None else deco
+
+
+def resolve_engine(job_type: str) -> Handler:
+    """The handler for ``job_type``, importing its module on first use.
+
+    Raises:
+        BadInput: no engine for this type in this build (identical on every rank).
+    """
+    if job_type not in _ENGINES and job_type in ENGINE_MODULES:
+        module = ENGINE_MODULES[job_type]
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is None or not module.startswith(e.name):
+                raise
+    try:
+        return _ENGINES[job_type]
+    except KeyError:
+        raise BadInput(f"job type {job_type!r} is not available in this build of ltx_mgpu "
+                       f"(engines: {sorted(_ENGINES)})") from None
+
+
+# --------------------------------------------------------------------------- resident models
+
+def _describe(obj: Any) -> dict:
+    info: dict[str, Any] = {"type": type(obj).__name__}
+    if isinstance(obj, torch.nn.Module):
+        tensors = list(obj.parameters()) + list(obj.buffers())
+        info["bytes"] = int(sum(t.numel() * t.element_size() for t in tensors))
+        info["devices"] = sorted({str(t.device) for t in tensors})
+    elif isinstance(obj, torch.Tensor):
+        info["bytes"] = int(obj.numel() * obj.element_size())
+        info["devices"] = [str(obj.device)]
+    return info
+
+
+class ModelStore:
+    """Models resident in this rank across jobs (thread-safe: the stats thread reads it).
+
+    ``put(name, obj, info)`` replaces (and frees) any model of that name; ``info`` is a small
+    JSON-able description reported by ``status`` (default: type, bytes of parameters and
+    buffers, devices)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, Any] = {}
+        self._info: dict[str, dict] = {}
+
+    def put(self, name: str, obj: Any, info: dict | None = None) -> Any:
+        self.pop(name)
+        with self._lock:
+            self._items[name] = obj
+            self._info[name] = {**_describe(obj), **(info or {})}
+        return obj
+
+    def get(self, name: str, default: Any = None) -> Any:
+        with self._lock:
+            return self._items.get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._items
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        with self._lock:
+            self._info.pop(name, None)
+            return self._items.pop(name, default)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._items)
+
+    def describe(self) -> dict[str, dict]:
+        with self._lock:
+            return {k: dict(v) for k, v in self._info.items()}
+
+    def clear(self) -> list[str]:
+        """Drop every model; returns their names."""
+        with self._lock:
+            names = sorted(self._items)
+            self._items.clear()
+            self._info.clear()
+        return names
+
+
+def free_memory(device: torch.device) -> None:
+    """``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()`` (returns cached blocks)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- job context
+
+@dataclass(eq=False)
+class JobContext:
+    """What a handler gets on each rank.
+
+    ``device`` is this rank's device (``cuda:<local_rank>`` or ``cpu``); ``control_group`` is a
+    CPU gloo group for decisions and small messages; ``data_group`` carries tensors (NCCL on
+    GPU, gloo on CPU); ``models`` is the rank's resident :class:`ModelStore`. ``progress`` and
+    ``log`` speak through rank 0 (no-ops elsewhere)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    control_group: Any
+    data_group: Any
+    models: ModelStore
+    job_id: str
+    job_type: str
+    _emit_progress: Callable[[str, int, int], None] | None = None
+    _emit_log: Callable[[str, str], None] | None = None
+    _cancel_requested: Callable[[], bool] | None = None
+    checks: int = field(default=0)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def progress(self, phase: str, step: int, total: int) -> None:
+        """Report progress (``step`` of ``total`` in ``phase``) to the client. Call it on every
+        rank (it is not a collective); only rank 0's call is sent."""
+        if self._emit_progress is not None:
+            self._emit_progress(phase, step, total)
+
+    def log(self, message: str, level: str = "info") -> None:
+        """A log line: to the client from rank 0, to ``pool.log`` from every rank."""
+        print(f"[rank {self.rank}] {level}: {message}", flush=True)
+        if self._emit_log is not None:
+            self._emit_log(level, message)
+
+    def check_cancel(self) -> None:
+        """Collective step boundary: rank 0 decides continue/cancel and broadcasts it over the
+        control group; raises :class:`JobCancelled` on every rank together. Every rank must
+        call it the same number of times."""
+        flag = torch.zeros(1, dtype=torch.int32)
+        if self._cancel_requested is not None and self._cancel_requested():
+            flag[0] = 1
+        dist.broadcast(flag, src=0, group=self.control_group)
+        self.checks += 1
+        if int(flag[0]):
+            raise JobCancelled(f"job {self.job_id} cancelled")
+
+    def broadcast_json(self, value: Any = None, src: int = 0) -> Any:
+        """Send a JSON-able ``value`` from rank ``src`` to every rank over the control group
+        (e.g. a cache decision made once); returns it on every rank."""
+        return broadcast_json(value if self.rank == src else None, src, self.control_group, self.rank)
+
+
+def broadcast_json(value: Any, src: int, group: Any, rank: int) -> Any:
+    """JSON broadcast over a CPU group (length, then UTF-8 bytes); never pickles. For small
+    decisions and metadata; tensors belong on the data group."""
+    raw = json.dumps(value).encode() if rank == src else b""
+    n = torch.tensor([len(raw)], dtype=torch.int64)
+    dist.broadcast(n, src=src, group=group)
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if rank == src else torch.empty(int(n), dtype=torch.uint8)
+    if int(n):
+        dist.broadcast(buf, src=src, group=group)
+    return json.loads(bytes(buf.numpy()).decode()) if int(n) else None
+
+
+# --------------------------------------------------------------------------- built-in engines
+
+@register_engine("selftest")
+def selftest(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """Communication self-test and test driver.
+
+    First rank 0 broadcasts a JSON message over the control group (every rank checks it). Then
+    each of ``steps`` steps: check cancel, all-reduce a ``numel``-element float32 tensor filled
+    with ``rank + 1`` over the data group (expected sum ``W(W+1)/2``), sleep ``step_seconds``,
+    report progress. Options: ``result_bytes`` adds a uint8 tensor ``blob`` of that size to the
+    result (kept resident as ``selftest.blob`` for repeated benchmarks); ``echo`` returns the
+    input tensors; ``fail_rank``/``fail_step`` raise a RuntimeError on that rank at that step
+    (a deliberate fatal fault). Returns ``{"world_size", "steps_done", "allreduce_ok",
+    "control_ok", "expected", "allreduce_seconds", "device"}`` and tensors ``allreduce`` (last step) and the
+    optional ``blob`` / echoed tensors.
+
+    Raises:
+        BadInput: ``steps < 0``, ``step_seconds < 0``, ``numel`` outside 1..2**28 or
+            ``result_bytes`` outside 0..2**34.
+    """
+    steps, step_seconds = params["steps"], float(params.get("step_seconds", 0.0))
+    numel, result_bytes = params.get("numel", 1024), params.get("result_bytes", 0)
+    if steps < 0:
+        raise BadInput(f"selftest steps must be >= 0, got {steps}")
+    if step_seconds < 0:
+        raise BadInput(f"selftest step_seconds must be >= 0, got {step_seconds}")
+    if not 1 <= numel <= 1 << 28:
+        raise BadInput(f"selftest numel must be in 1..2**28, got {numel}")
+    if not 0 <= result_bytes <= 1 << 34:
+        raise BadInput(f"selftest result_bytes must be in 0..2**34, got {result_bytes}")
+    fail_rank, fail_step = params.get("fail_rank"), params.get("fail_step", 0)
+    message = {"job": ctx.job_id, "world_size": ctx.world_size}
+    if ctx.broadcast_json(message if ctx.is_main else None) != message:
+        raise RuntimeError(f"selftest: the control-group broadcast reached rank {ctx.rank} corrupted")
+    expected = ctx.world_size * (ctx.world_size + 1) / 2
+    ok, timings, x = True, [], None
+    for step in range(steps):
+        ctx.check_cancel()
+        if fail_rank == ctx.rank and fail_step == step:
+            raise RuntimeError(f"selftest: injected failure on rank {ctx.rank} at step {step}")
+        t0 = time.perf_counter()
+        x = torch.full((numel,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
+        dist.all_reduce(x, group=ctx.data_group)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        timings.append(time.perf_counter() - t0)
+        ok = ok and bool((x == expected).all())
+        if step_seconds:
+            time.sleep(step_seconds)
+        ctx.progress("selftest", step + 1, steps)
+    out: dict[str, torch.Tensor] = {}
+    if x is not None:
+        out["allreduce"] = x.cpu()
+    if result_bytes and ctx.is_main:
+        blob = ctx.models.get("selftest.blob")
+        if blob is None or blob.numel() != result_bytes:
+            pattern = torch.arange(251, dtype=torch.uint8)  # byte i is i % 251
+            blob = ctx.models.put("selftest.blob", pattern.repeat(-(-result_bytes // 251))[:result_bytes].clone())
+        out["blob"] = blob
+    if params.get("echo"):
+        out.update(tensors)
+    return {"world_size": ctx.world_size, "steps_done": len(timings), "allreduce_ok": ok, "control_ok": True,
+            "expected": expected,
+            "allreduce_seconds": timings[-64:], "device": str(ctx.device)}, out
+
+
+@register_engine("unload")
+def unload(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """Free resident models (``names``, or all when ``None``), run ``gc`` and empty the CUDA
+    cache. Returns ``{"unloaded": [...], "resident": [...]}`` (rank 0's view)."""
+    names = params.get("names")
+    if names is None:
+        freed = ctx.models.clear()
+    else:
+        freed = [n for n in names if ctx.models.pop(n, _MISSING) is not _MISSING]
+    free_memory(ctx.device)
+    return {"unloaded": freed, "resident": ctx.models.names()}, {}
+
+
+_MISSING = object()

@@ -1,0 +1,336 @@
+"""A pool's identity and private files: which GPUs, where its runtime directory is, what is in
+it, and process helpers that survive pid reuse.
+
+One pool serves one GPU set. Its runtime directory (mode 0700) is ``<base>/<key>``: ``<base>``
+is ``runtime_dir`` / ``$LTX_MGPU_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/ltx_mgpu``, else
+``<ltx_mgpu home>/run``; ``<key>`` is ``gpu-0-1`` or ``cpu-2`` (CPU ranks). It holds:
+
+* ``pool.sock`` (0600): the AF_UNIX socket, bound by rank 0 once every rank is up;
+* ``token`` (0600): a fresh ``secrets.token_hex(32)`` per launch; ``hello`` must present it;
+* ``pool.json`` (0600): pid and start time of torchrun, GPUs, nproc, versions, lifetime, owner,
+  rendezvous port (:class:`PoolInfo`);
+* ``pool.log`` (0600): torchrun's and every rank's output (the previous run's is ``pool.log.1``);
+* ``rank<r>.json``: each rank's pid, device, memory and models (refreshed about every second);
+  ``rank<r>.error``: why a rank failed;
+* ``launch.lock``: serialises start-or-attach between processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import psutil
+
+from ltx_mgpu.identity import home_dir
+
+LIFETIMES = ("with-owner", "detached")
+SOCKET_NAME, TOKEN_NAME, INFO_NAME, LOG_NAME, LOCK_NAME = "pool.sock", "token", "pool.json", "pool.log", "launch.lock"
+_UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL (Linux unix(7))
+
+
+class PoolError(RuntimeError):
+    """Base of every pool failure reported to clients."""
+
+
+class PoolStartError(PoolError):
+    """The pool did not start; the message ends with the tail of its log."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Which pool: ``gpus`` are physical CUDA indices (``()`` = CPU ranks on gloo), ``nproc``
+    ranks (one per GPU on CUDA), ``lifetime`` and the pool's runtime directory ``dir``."""
+
+    gpus: tuple[int, ...]
+    nproc: int
+    lifetime: str
+    dir: Path
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus else "cpu"
+
+    @property
+    def key(self) -> str:
+        return "gpu-" + "-".join(map(str, self.gpus)) if self.gpus else f"cpu-{self.nproc}"
+
+
+def runtime_base(runtime_dir: str | os.PathLike | None = None) -> Path:
+    """The base directory under which each GPU set gets its pool directory (see module doc)."""
+    if runtime_dir:
+        return Path(runtime_dir).expanduser().absolute()
+    env = os.environ.get("LTX_MGPU_RUNTIME_DIR")
+    if env:
+        return Path(env).expanduser().absolute()
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
+        return Path(xdg) / "ltx_mgpu"
+    return home_dir() / "run"
+
+
+def _visible_cuda_ids() -> list[str] | None:
+    """The caller's CUDA_VISIBLE_DEVICES as a list (None when unset)."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return None
+    return [x.strip() for x in cvd.split(",") if x.strip() and x.strip() != "-1"]
+
+
+def parse_gpus(gpus: str | Sequence[int] | None) -> tuple[int, ...] | None:
+    """``None``/``"all"`` -> None (every visible GPU), ``"cpu"``/``""``/``[]`` -> () (CPU ranks),
+    ``"0,1"`` / ``[0, 1]`` -> (0, 1).
+
+    Raises:
+        ValueError: not a comma-separated list of distinct non-negative integers.
+    """
+    if gpus is None or (isinstance(gpus, str) and gpus.strip().lower() == "all"):
+        return None
+    if isinstance(gpus, str):
+        text = gpus.strip().lower()
+        if text in ("", "cpu", "none"):
+            return ()
+        try:
+            ids = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"gpus must be 'all', 'cpu' or a list like '0,1', got {gpus!r}") from None
+    else:
+        ids = [int(x) for x in gpus]
+    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        raise ValueError(f"gpus must be distinct non-negative indices, got {list(ids)}")
+    return tuple(ids)
+
+
+def resolve_spec(gpus: str | Sequence[int] | None = None, nproc: int | None = None,
+                 lifetime: str = "with-owner", runtime_dir: str | os.PathLike | None = None) -> PoolSpec:
+    """Turn user choices into a :class:`PoolSpec`.
+
+    ``gpus`` are indices as the caller sees them (mapped through its ``CUDA_VISIBLE_DEVICES``);
+    ``None`` means every visible GPU, or CPU ranks when torch sees no GPU. ``nproc`` defaults
+    to the number of GPUs (1 on CPU) and must equal it on GPUs (one rank per GPU).
+
+    Raises:
+        ValueError: bad gpus / nproc / lifetime, or a GPU index the caller cannot see.
+    """
+    if lifetime not in LIFETIMES:
+        raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
+    ids = parse_gpus(gpus)
+    if ids is None:
+        import torch
+
+        ids = tuple(range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
+    visible = _visible_cuda_ids()
+    if ids and visible is not None:
+        if max(ids) >= len(visible):
+            raise ValueError(f"GPU {max(ids)} is not visible (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+        if not all(v.isdigit() for v in visible):
+            raise ValueError("CUDA_VISIBLE_DEVICES holds UUIDs; give the pool GPU indices with it unset")
+        ids = tuple(int(visible[i]) for i in ids)
+    if ids:
+        nproc = len(ids) if nproc is None else int(nproc)
+        if nproc != len(ids):
+            raise ValueError(f"nproc={nproc} but {len(ids)} GPU(s) given: the pool runs one rank per GPU")
+    else:
+        nproc = 1 if nproc is None else int(nproc)
+        if nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {nproc}")
+    spec = PoolSpec(ids, nproc, lifetime, Path("."))
+    spec = PoolSpec(ids, nproc, lifetime, runtime_base(runtime_dir) / spec.key)
+    sock = spec.dir / SOCKET_NAME
+    if len(os.fsencode(sock)) > _UNIX_PATH_MAX:
+        raise ValueError(f"socket path {sock} is longer than {_UNIX_PATH_MAX} bytes; pass a shorter "
+                         "runtime_dir (--runtime-dir) or set $LTX_MGPU_RUNTIME_DIR")
+    return spec
+
+
+# --------------------------------------------------------------------------- files
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` (and missing parents) with mode 0700 and check we own it.
+
+    Raises:
+        PermissionError: it belongs to another user.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"runtime directory {path} belongs to uid {st.st_uid}, not to you; "
+                              "choose another runtime_dir")
+    if st.st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Atomically write ``data`` to ``path`` with mode 0600 (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_token(dir: Path) -> str:
+    """The pool's token. Raises FileNotFoundError when no pool was launched there."""
+    return (dir / TOKEN_NAME).read_text().strip()
+
+
+def log_tail(dir: Path, nbytes: int = 6000, start: int = 0) -> str:
+    """The last ``nbytes`` of ``pool.log`` after byte offset ``start`` ('' when absent)."""
+    try:
+        with open(dir / LOG_NAME, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(start, size - nbytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """Contents of ``pool.json`` (written by the launcher): ``pid``/``create_time`` identify the
+    torchrun process, ``gpus`` are physical indices, ``start_time`` is Unix seconds."""
+
+    pid: int
+    create_time: float
+    gpus: list
+    nproc: int
+    device: str
+    version: str
+    protocol: int
+    start_time: float
+    lifetime: str
+    owner_pid: int | None
+    master_port: int
+    instance: str
+    dir: str
+
+    @classmethod
+    def read(cls, dir: Path) -> PoolInfo | None:
+        """Parse ``dir/pool.json``; ``None`` when missing or unreadable."""
+        try:
+            data = json.loads((dir / INFO_NAME).read_text())
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def write(self) -> None:
+        write_private(Path(self.dir) / INFO_NAME, json.dumps(asdict(self), indent=1).encode())
+
+    def alive(self) -> bool:
+        """Whether the torchrun process still runs (same pid *and* start time; zombies are dead)."""
+        return same_process(self.pid, self.create_time)
+
+
+def same_process(pid: int | None, create_time: float | None) -> bool:
+    """True when ``pid`` runs and started at ``create_time`` (guards against pid reuse)."""
+    if not pid:
+        return False
+    try:
+        p = psutil.Process(pid)
+        return (p.status() != psutil.STATUS_ZOMBIE
+                and (create_time is None or abs(p.create_time() - create_time) < 0.05))
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def rank_records(dir: Path) -> list[dict]:
+    """The ``rank<r>.json`` records present (pid, create_time, device, memory...), by rank."""
+    out = []
+    for p in sorted(dir.glob("rank*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            rec = json.loads(p.read_text())
+            if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+                out.append(rec)
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def remove_pool_files(dir: Path, instance: str | None = None) -> None:
+    """Remove socket, token, pool.json and rank files. With ``instance`` given, only when
+    ``pool.json`` still belongs to that instance (a newer pool's files are left alone)."""
+    if instance is not None:
+        info = PoolInfo.read(dir)
+        if info is not None and info.instance != instance:
+            return
+    names = [SOCKET_NAME, TOKEN_NAME, INFO_NAME] + [p.name for p in dir.glob("rank*.json")]
+    names += [p.name for p in dir.glob("rank*.error")]
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dir / name)
+
+
+@contextlib.contextmanager
+def launch_lock(dir: Path, timeout: float = 300.0) -> Iterator[None]:
+    """Hold ``dir/launch.lock`` (flock) so only one process starts or attaches at a time.
+
+    Raises:
+        TimeoutError: another process held it for ``timeout`` seconds.
+    """
+    ensure_private_dir(dir)
+    fd = os.open(dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process holds {dir / LOCK_NAME} (starting a pool?) "
+                                       f"for over {timeout:.0f}s") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# --------------------------------------------------------------------------- processes
+
+def is_alive(p: psutil.Process) -> bool:
+    """Whether ``p`` (the same process, not a reused pid) runs; a zombie counts as gone."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` seconds for ``procs`` to exit (reaping our own children);
+    returns those still alive. Unlike ``psutil.wait_procs`` a zombie that is not our child
+    (its parent is a non-reaping init) counts as gone at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(p.pid, os.WNOHANG)  # reap it if it is our child
+        alive = [p for p in procs if is_alive(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def kill_processes(procs: list[psutil.Process], grace: float = 5.0) -> None:
+    """SIGTERM ``procs``, wait up to ``grace`` seconds, SIGKILL the survivors, wait for them."""
+    alive = []
+    for p in procs:
+        if is_alive(p):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+                alive.append(p)
+    alive = wait_gone(alive, grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    wait_gone(alive, 5.0)

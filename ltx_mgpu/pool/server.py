@@ -1,0 +1,380 @@
+"""Rank 0's socket server: authentication, a FIFO job queue, per-connection event streams.
+
+Threads: one accepts connections; each connection has a reader (frames -> requests) and a
+writer (an outbound queue, so a slow client never blocks the job loop). The job loop itself
+runs on rank 0's main thread (``ltx_mgpu.pool.worker``) and talks to this module through
+:meth:`Server.next_job`, the ``emit_*`` methods, :meth:`Server.finish` and :meth:`Server.fail`.
+
+Rules (see ``ltx_mgpu.protocol``): the first frame must be ``hello`` with the pool's token
+(within ``HELLO_TIMEOUT`` seconds, tiny, no tensors); a wrong token, a malformed, oversized,
+truncated or unknown frame gets an ``error`` event and the connection is closed, while the
+server keeps serving the others. ``status``, ``cancel`` and ``shutdown`` are answered at once,
+even while a job runs. Jobs run one at a time in arrival order; cancelling a queued job removes
+it; cancelling the running one raises ``JobCancelled`` at its next step boundary. A client
+that disconnects has its queued jobs dropped and its running job cancelled.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hmac
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ltx_mgpu import protocol
+from ltx_mgpu.protocol import ConnectionClosed, ProtocolError, SchemaError
+
+log = logging.getLogger("ltx_mgpu.pool.server")
+
+HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
+MAX_CONNECTIONS = 256
+
+
+@dataclass(eq=False)
+class Job:
+    """A queued or running job (server side). ``progress`` is the last reported
+    ``{"phase", "step", "total"}``; times are ``time.time()`` seconds."""
+
+    request: protocol.Request
+    conn: "Connection"
+    submitted: float = field(default_factory=time.time)
+    started: float | None = None
+    progress: dict | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def type(self) -> str:
+        return self.request.type
+
+
+class Connection:
+    """One client connection: a reader thread and a writer thread with an outbound queue."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, server: Server, sock: socket.socket):
+        self.server, self.sock, self.cid = server, sock, next(self._ids)
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = threading.Event()
+        self.authenticated = False
+        self.peer_pid: int | None = None
+        self._reader = threading.Thread(target=self._read_loop, name=f"conn{self.cid}-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"conn{self.cid}-writer", daemon=True)
+
+    def start(self) -> None:
+        self._writer.start()
+        self._reader.start()
+
+    # ---- writing
+    def send(self, header: dict, payload: protocol.Payload | None = None) -> None:
+        """Queue an event; silently dropped once the connection is closed."""
+        if not self.closed.is_set():
+            self.out.put((header, payload))
+
+    def close(self) -> None:
+        """Send what is queued, then close (asynchronously, on the writer thread)."""
+        self.out.put(None)
+
+    def join(self, timeout: float) -> None:
+        self._writer.join(timeout)
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                item = self.out.get()
+                if item is None:
+                    break
+                header, payload = item
+                try:
+                    protocol.send_frame(self.sock, header, payload)
+                except ProtocolError as e:  # an event broke the limits (checked before any byte went out)
+                    log.error("connection %d: event not sent: %s", self.cid, e)
+                    protocol.send_frame(self.sock, protocol.make_event(
+                        "error", header.get("id"), kind="bad_input", message=f"the answer could not be sent: {e}"))
+        except OSError:
+            pass
+        except BaseException:  # never let a writer die silently
+            log.exception("connection %d: writer failed", self.cid)
+        finally:
+            self.closed.set()
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+    # ---- reading
+    def _error(self, rid: str | None, message: str, kind: str = "bad_input") -> None:
+        self.send(protocol.make_event("error", protocol.valid_id(rid), kind=kind, message=message))
+
+    def _read_loop(self) -> None:
+        try:
+            self.sock.settimeout(HELLO_TIMEOUT)
+            header, tensors = protocol.recv_frame(self.sock, protocol.PREAUTH_LIMITS)
+            req = protocol.parse_request(header, tensors)
+            if req.type != "hello":
+                raise ProtocolError(f"the first request must be 'hello' with the pool's token, got {req.type!r}",
+                                    req.id)
+            if not hmac.compare_digest(req.params["token"].encode(), self.server.token.encode()):
+                raise ProtocolError("wrong token: read it from the pool's runtime directory", req.id)
+            self.authenticated = True
+            self.peer_pid = req.params.get("pid")
+            self.send(protocol.make_event("result", req.id, result=self.server.describe()))
+            self.sock.settimeout(None)
+            while True:
+                header, tensors = protocol.recv_frame(self.sock, self.server.limits)
+                try:
+                    req = protocol.parse_request(header, tensors)
+                except SchemaError as e:
+                    self._error(e.request_id, str(e))
+                    continue
+                try:
+                    self.server.handle(self, req)
+                except Exception as e:  # a bug answering one request must not drop the connection
+                    log.exception("connection %d: %s failed", self.cid, req.type)
+                    self._error(req.id, f"the pool could not answer {req.type}: {type(e).__name__}: {e}")
+        except ConnectionClosed:
+            pass
+        except ProtocolError as e:
+            self._error(e.request_id, str(e))
+        except socket.timeout:
+            self._error(None, f"no hello within {HELLO_TIMEOUT:.0f}s")
+        except OSError:
+            pass
+        except BaseException:
+            log.exception("connection %d: reader failed", self.cid)
+        finally:
+            self.close()
+            self.server.connection_closed(self)
+
+
+class Server:
+    """The AF_UNIX server of rank 0.
+
+    ``describe()`` gives the pool description for ``hello``; ``status_fn()`` returns the
+    per-rank part of ``status`` (a list of dicts). The socket is bound under a temporary name,
+    chmod 0600, listening, then renamed to ``socket_path``: when the path exists, it answers.
+    """
+
+    def __init__(self, socket_path: Path, token: str, describe: Callable[[], dict],
+                 status_fn: Callable[[], list], limits: protocol.Limits | None = None):
+        self.socket_path, self.token, self.describe, self.status_fn = Path(socket_path), token, describe, status_fn
+        self.limits = limits or protocol.Limits()
+        self._lock = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._current: Job | None = None
+        self._conns: set[Connection] = set()
+        self.stopping: str | None = None  # the reason, once a stop was requested
+        self._listener: socket.socket | None = None
+        self._ino: tuple[int, int] | None = None
+
+    # ---- lifecycle
+    def start(self) -> None:
+        """Bind, listen and start accepting."""
+        tmp = self.socket_path.with_name(f".{self.socket_path.name}.{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(os.fspath(tmp))
+        os.chmod(tmp, 0o600)
+        s.listen(64)
+        os.replace(tmp, self.socket_path)
+        st = os.stat(self.socket_path)
+        self._ino = (st.st_dev, st.st_ino)
+        self._listener = s
+        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS or self.stopping:
+                    sock.close()
+                    continue
+                conn = Connection(self, sock)
+                self._conns.add(conn)
+            conn.start()
+
+    def unlink_socket(self) -> None:
+        """Remove the socket file if it is still ours (a newer pool may have replaced it)."""
+        with contextlib.suppress(OSError):
+            st = os.stat(self.socket_path)
+            if (st.st_dev, st.st_ino) == self._ino:
+                os.unlink(self.socket_path)
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the accept thread
+            with contextlib.suppress(OSError):
+                self._listener.close()
+
+    def close(self, flush_timeout: float = 3.0) -> None:
+        """Stop accepting, flush every connection for up to ``flush_timeout`` s, close them."""
+        self.unlink_socket()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            c.close()
+        deadline = time.monotonic() + flush_timeout
+        for c in conns:
+            c.join(max(0.0, deadline - time.monotonic()))
+
+    # ---- requests (reader threads)
+    def handle(self, conn: Connection, req: protocol.Request) -> None:
+        """Dispatch one validated request from ``conn``."""
+        if req.type == "hello":
+            conn.send(protocol.make_event("result", req.id, result=self.describe()))
+        elif req.type == "status":
+            conn.send(protocol.make_event("result", req.id, result=self.status()))
+        elif req.type == "cancel":
+            conn.send(protocol.make_event("result", req.id, result=self.cancel(req.params["job_id"])))
+        elif req.type == "shutdown":
+            conn.send(protocol.make_event("result", req.id, result={"stopping": True}))
+            self.request_stop(req.params.get("reason") or "shutdown requested")
+        else:
+            self._submit(conn, req)
+
+    def _submit(self, conn: Connection, req: protocol.Request) -> None:
+        with self._lock:
+            if self.stopping:
+                conn._error(req.id, f"the pool is shutting down ({self.stopping})", kind="cancelled")
+                return
+            live = {j.id for j in self._queue} | ({self._current.id} if self._current else set())
+            if req.id in live:
+                conn._error(req.id, f"job id {req.id!r} is already queued or running; use a fresh id")
+                return
+            job = Job(req, conn)
+            self._queue.append(job)
+            position = len(self._queue) - 1 + (1 if self._current else 0)
+            conn.send(protocol.make_event("accepted", req.id, job=req.type, position=position))
+            self._lock.notify_all()
+
+    def cancel(self, job_id: str) -> dict:
+        """Cancel a queued (removed at once) or running (stops at its next step boundary) job.
+
+        Returns ``{"found", "state"}`` plus, for a running job, ``progress`` as last reported
+        before the cancel: the job reports at most one further step."""
+        with self._lock:
+            for job in self._queue:
+                if job.id == job_id:
+                    self._queue.remove(job)
+                    job.done = True
+                    job.conn._error(job.id, "cancelled while queued", kind="cancelled")
+                    return {"found": True, "state": "queued"}
+            if self._current is not None and self._current.id == job_id:
+                self._current.cancel.set()
+                return {"found": True, "state": "running", "progress": self._current.progress}
+        return {"found": False, "state": None}
+
+    def request_stop(self, reason: str) -> None:
+        """Begin a clean shutdown: queued jobs are cancelled, the running one is asked to stop,
+        and :meth:`next_job` returns ``None`` from now on (the job loop then broadcasts it)."""
+        with self._lock:
+            if self.stopping:
+                return
+            self.stopping = reason
+            while self._queue:
+                job = self._queue.popleft()
+                job.done = True
+                job.conn._error(job.id, f"the pool is shutting down ({reason})", kind="cancelled")
+            if self._current is not None:
+                self._current.cancel.set()
+            self._lock.notify_all()
+        log.info("stopping: %s", reason)
+
+    def connection_closed(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+            for job in [j for j in self._queue if j.conn is conn]:
+                self._queue.remove(job)
+            if self._current is not None and self._current.conn is conn:
+                self._current.cancel.set()
+
+    def status(self) -> dict:
+        """The ``status`` answer: pool description, per-rank records, queue and current job."""
+        now = time.time()
+        with self._lock:
+            cur = self._current
+            current = None if cur is None else {
+                "id": cur.id, "type": cur.type, "progress": cur.progress, "started": cur.started,
+                "elapsed": now - (cur.started or now), "cancelling": cur.cancel.is_set()}
+            queued = [{"id": j.id, "type": j.type, "position": i + (1 if cur else 0)}
+                      for i, j in enumerate(self._queue)]
+            nconn = len(self._conns)
+        return {"pool": self.describe(), "ranks": self.status_fn(), "current": current, "queue": queued,
+                "connections": nconn, "stopping": self.stopping}
+
+    # ---- the job loop (rank 0 main thread)
+    def next_job(self, timeout: float) -> Job | None:
+        """The next queued job (now running), or ``None`` after ``timeout`` s or when stopping."""
+        with self._lock:
+            if not self._queue and not self.stopping:
+                self._lock.wait(timeout)
+            if self.stopping or not self._queue:
+                return None
+            job = self._current = self._queue.popleft()
+            job.started = time.time()
+            return job
+
+    def cancel_requested(self, job: Job) -> bool:
+        return job.cancel.is_set() or bool(self.stopping)
+
+    def emit_progress(self, job: Job, phase: str, step: int, total: int) -> None:
+        job.progress = {"phase": phase, "step": int(step), "total": int(total)}
+        job.conn.send(protocol.make_event("progress", job.id, **job.progress))
+
+    def emit_log(self, job: Job, level: str, message: str, rank: int = 0) -> None:
+        job.conn.send(protocol.make_event("log", job.id, level=level, message=message, rank=rank))
+
+    def finish(self, job: Job, result: dict, tensors: dict | None) -> None:
+        """Send the job's ``result`` (and tensors) and mark it done."""
+        try:
+            header = protocol.make_event("result", job.id, result=result)
+            protocol.encode_header(header, self.limits)
+            payload = protocol.tensors_to_payload(tensors)
+            if payload is not None and payload.nbytes > self.limits.max_payload_bytes:
+                raise ProtocolError(f"{payload.nbytes} bytes of tensors exceed the "
+                                    f"{self.limits.max_payload_bytes}-byte payload limit")
+        except (ProtocolError, TypeError) as e:
+            self.fail(job, "bad_input", f"the {job.type} job produced a result that cannot be sent: {e}")
+            return
+        job.conn.send(header, payload)
+        self._done(job)
+
+    def fail(self, job: Job, kind: str, message: str, rank: int | None = None) -> None:
+        """Send the job's terminal ``error`` and mark it done."""
+        job.conn.send(protocol.make_event("error", job.id, kind=kind, message=message,
+                                          progress=job.progress, rank=rank))
+        self._done(job)
+
+    def _done(self, job: Job) -> None:
+        with self._lock:
+            job.done = True
+            if self._current is job:
+                self._current = None
+
+    def fail_all(self, message: str, flush_timeout: float = 3.0) -> None:
+        """Fatal end: ``error{fatal}`` to the running and queued jobs, then close everything."""
+        with self._lock:
+            self.stopping = self.stopping or "fatal error"
+            jobs = ([self._current] if self._current is not None else []) + list(self._queue)
+            self._queue.clear()
+        for job in jobs:
+            if not job.done:
+                self.fail(job, "fatal", message)
+        self.close(flush_timeout)

@@ -1,0 +1,72 @@
+"""Helpers shared by the pool tests: short private runtime dirs, raw protocol access, pid checks,
+and a clean-up that stops a pool and kills whatever of it remains."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from ltx_mgpu import protocol
+from ltx_mgpu.pool import launch
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def short_dir() -> Path:
+    """A fresh base directory with a short path (AF_UNIX paths are limited to 107 bytes)."""
+    return Path(tempfile.mkdtemp(prefix="lm-", dir="/tmp"))
+
+
+def pool_pids(client) -> list[tuple[int, float | None]]:
+    """(pid, create_time) of torchrun and every rank of the client's pool."""
+    pool = client.pool
+    return [(pool["torchrun_pid"], pool["torchrun_create_time"])] + [(r["pid"], r["create_time"]) for r in pool["ranks"]]
+
+
+def running(pids: list[tuple[int, float | None]]) -> list[int]:
+    """The pids (of those processes) still running; a zombie counts as gone."""
+    return [pid for pid, ct in pids if launch.same_process(pid, ct)]
+
+
+def wait_all_gone(pids, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := running(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def cleanup(base: Path) -> None:
+    """Stop every pool under ``base`` (gracefully, then by signal) and delete the directory."""
+    for d in base.glob("*/"):
+        with contextlib.suppress(Exception):
+            launch.stop(d, timeout=10.0)
+        for rec in launch.rank_records(d):  # ranks of a pool whose torchrun already died
+            with contextlib.suppress(psutil.Error):
+                if launch.same_process(rec["pid"], rec["create_time"]):
+                    psutil.Process(rec["pid"]).kill()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def raw_connect(dir: Path, timeout: float = 10.0) -> socket.socket:
+    return launch.open_socket(dir, timeout=timeout)
+
+
+def raw_hello(sock: socket.socket, dir: Path) -> dict:
+    return launch.hello(sock, launch.read_token(dir))
+
+
+def read_answer(sock: socket.socket, timeout: float = 10.0):
+    """The next frame's header, or None when the peer closed the connection."""
+    sock.settimeout(timeout)
+    try:
+        header, _ = protocol.recv_frame(sock)
+        return header
+    except (protocol.ConnectionClosed, ConnectionResetError, BrokenPipeError):
+        return None

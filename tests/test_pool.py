@@ -1,0 +1,288 @@
+"""One live 2-rank CPU pool (gloo) shared by the tests of this file: jobs, tensors, progress,
+cancel, bad input, status, memory, and hostile or broken clients that must not hurt it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import time
+
+import psutil
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ltx_mgpu import protocol
+from ltx_mgpu.client import BadInputError, JobCancelledError, PoolClient
+from ltx_mgpu.pool import engines, launch
+from pool_support import cleanup, raw_connect, raw_hello, read_answer, short_dir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base():
+    b = short_dir()
+    yield b
+    cleanup(b)
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    c = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, lifetime="with-owner", startup_timeout=120)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def pool_dir(client):
+    return client.dir
+
+
+def _serving(client):
+    result, tensors = client.request("selftest", {"steps": 1}, timeout=30)
+    assert result["allreduce_ok"] and result["world_size"] == 2
+    return result
+
+
+def test_selftest_allreduce_and_tensor_round_trip(client):
+    inputs = {"latent": torch.randn(2, 3, 4), "mask": torch.tensor([True, False]), "bf": torch.randn(5).bfloat16()}
+    seen = []
+    result, tensors = client.request("selftest", {"steps": 3, "echo": True, "numel": 16}, tensors=inputs,
+                                     on_progress=lambda *p: seen.append(p), timeout=60)
+    assert result["steps_done"] == 3 and result["allreduce_ok"] and result["control_ok"] and result["expected"] == 3.0
+    assert seen == [("selftest", 1, 3), ("selftest", 2, 3), ("selftest", 3, 3)]
+    assert torch.equal(tensors["allreduce"], torch.full((16,), 3.0))
+    for k, v in inputs.items():
+        assert tensors[k].dtype == v.dtype and torch.equal(tensors[k], v)
+
+
+def test_runtime_files_are_private(client, pool_dir):
+    assert stat.S_IMODE(os.stat(pool_dir).st_mode) == 0o700
+    for name in (launch.SOCKET_NAME, launch.TOKEN_NAME, launch.INFO_NAME, launch.LOG_NAME):
+        assert stat.S_IMODE(os.stat(pool_dir / name).st_mode) == 0o600, name
+    assert stat.S_ISSOCK(os.stat(pool_dir / launch.SOCKET_NAME).st_mode)
+    assert len(launch.read_token(pool_dir)) == 64
+
+
+def test_wrong_token_is_rejected_and_connection_closed(client, pool_dir):
+    with raw_connect(pool_dir) as s:
+        protocol.send_frame(s, protocol.make_request("hello", "h", {"token": "0" * 64}))
+        answer = read_answer(s)
+        assert answer["event"] == "error" and answer["kind"] == "bad_input" and "wrong token" in answer["message"]
+        assert read_answer(s) is None
+    with raw_connect(pool_dir) as s:  # anything before hello is refused too
+        protocol.send_frame(s, protocol.make_request("status", "s"))
+        answer = read_answer(s)
+        assert answer["event"] == "error" and "first request must be 'hello'" in answer["message"]
+        assert read_answer(s) is None
+    _serving(client)
+
+
+def test_unknown_type_closes_connection_but_schema_error_does_not(client, pool_dir):
+    with raw_connect(pool_dir) as s:
+        raw_hello(s, pool_dir)
+        protocol.send_frame(s, {"type": "selftest", "id": "p1", "params": {"steps": "three"}})
+        answer = read_answer(s)
+        assert answer["event"] == "error" and answer["id"] == "p1" and "selftest.steps must be int" in answer["message"]
+        protocol.send_frame(s, protocol.make_request("status", "st"))
+        assert read_answer(s)["event"] == "result"  # still open
+        protocol.send_frame(s, {"type": "bogus", "id": "b1", "params": {}})
+        answer = read_answer(s)
+        assert answer["event"] == "error" and "unknown request type 'bogus'" in answer["message"]
+        assert read_answer(s) is None
+    _serving(client)
+
+
+def _prefix(hlen, plen, magic=protocol.MAGIC, version=protocol.PROTOCOL_VERSION):
+    return struct.pack("!4sHHIQ", magic, version, 0, hlen, plen)
+
+
+_hostile = st.one_of(
+    st.binary(max_size=300),
+    st.builds(lambda h, rest: _prefix(len(h), 0) + h + rest, st.binary(max_size=100), st.binary(max_size=20)),
+    st.builds(lambda n, m: _prefix(n, m), st.integers(protocol.MAX_HEADER_BYTES + 1, 2**32 - 1), st.integers(0, 2**64 - 1)),
+    st.builds(lambda m: _prefix(2, m) + b"{}", st.integers(protocol.DEFAULT_MAX_PAYLOAD_BYTES + 1, 2**64 - 1)),
+    st.builds(lambda cut: protocol.encode_header({"type": "selftest", "id": "t", "params": {"steps": 1}})[:cut],
+              st.integers(0, 40)).map(lambda h: _prefix(60, 0) + h),
+    st.builds(lambda v: _prefix(2, 0, version=v) + b"{}", st.integers(0, 65535).filter(lambda v: v != 1)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=_hostile, authenticate=st.booleans())
+def test_hostile_frames_get_an_error_or_a_close_and_the_pool_keeps_serving(client, pool_dir, data, authenticate):
+    with raw_connect(pool_dir) as s:
+        if authenticate:
+            raw_hello(s, pool_dir)
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)  # a truncated frame ends here
+        except OSError:
+            pass  # the pool already refused and closed
+        answer = read_answer(s)
+        assert answer is None or (answer["event"] == "error" and answer["kind"] == "bad_input"), answer
+    assert client.status()["pool"]["world_size"] == 2
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-10, 10**12) | st.text(max_size=12),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(mtype=st.sampled_from(["status", "cancel", "hello", "bogus", ""]) | st.text(max_size=10),
+       rid=st.sampled_from(["ok-id", "", "bad id", None, 5]), params=st.dictionaries(st.text(max_size=8), _json, max_size=4),
+       extra=st.booleans())
+def test_malformed_messages_are_answered_with_an_error(client, pool_dir, mtype, rid, params, extra):
+    header = {"type": mtype, "id": rid, "params": params, **({"junk": 1} if extra else {})}
+    with raw_connect(pool_dir) as s:
+        raw_hello(s, pool_dir)
+        protocol.send_frame(s, header)
+        answer = protocol.parse_event(read_answer(s))  # always a well-formed event, never silence
+        well_formed = (mtype in ("status", "hello", "cancel") and rid == "ok-id" and not extra)
+        assert answer["event"] == ("error" if not well_formed else answer["event"])
+        if answer["event"] == "error":
+            assert answer["kind"] == "bad_input" and answer["message"]
+
+
+def test_hostile_clients_leave_the_pool_serving_jobs(client):
+    _serving(client)
+
+
+def test_bad_input_on_every_rank_keeps_the_pool_serving(client):
+    with pytest.raises(BadInputError, match="steps must be >= 0"):
+        client.request("selftest", {"steps": -1}, timeout=30)
+    with pytest.raises(BadInputError, match="numel must be in"):
+        client.request("selftest", {"steps": 1, "numel": 0}, timeout=30)
+    _serving(client)
+
+
+def test_job_type_without_engine_module_is_bad_input():
+    schema = protocol.register_request(protocol.MessageSchema("x_missing_engine", ()))
+    engines.ENGINE_MODULES["x_missing_engine"] = "ltx_mgpu.no_such_engine_module"
+    try:
+        with pytest.raises(engines.BadInput, match="not available in this build"):
+            engines.resolve_engine("x_missing_engine")
+    finally:
+        protocol.REQUESTS.pop(schema.name)
+        engines.ENGINE_MODULES.pop(schema.name)
+
+
+def test_model_store_replaces_describes_and_clears():
+    store = engines.ModelStore()
+    store.put("a", torch.nn.Linear(4, 2))
+    assert store.describe()["a"]["bytes"] == (4 * 2 + 2) * 4 and store.describe()["a"]["type"] == "Linear"
+    store.put("a", torch.zeros(3), info={"note": "x"})
+    assert store.names() == ["a"] and store.describe()["a"] == {"type": "Tensor", "bytes": 12, "devices": ["cpu"],
+                                                               "note": "x"}
+    assert store.clear() == ["a"] and "a" not in store
+
+
+def test_client_checks_schema_before_sending(client):
+    with pytest.raises(BadInputError, match="selftest.steps must be int"):
+        client.submit("selftest", {"steps": "x"})
+    with pytest.raises(BadInputError, match="unknown request type"):
+        client.submit("frobnicate", {})
+    _serving(client)
+
+
+def test_cancel_mid_job_stops_within_one_step_and_next_job_succeeds(client):
+    job = client.submit("selftest", {"steps": 200, "step_seconds": 0.05})
+    for ev in job.events(timeout=30):
+        if ev["event"] == "progress" and ev["step"] >= 3:
+            break
+    answer = client.cancel(job.id)
+    assert answer["found"] and answer["state"] == "running"
+    with pytest.raises(JobCancelledError, match="cancelled"):
+        job.wait(timeout=30)
+    # after the pool took the cancel (at step k) the job reports at most one more step
+    assert job.progress["step"] <= answer["progress"]["step"] + 1
+    assert _serving(client)["steps_done"] == 1
+
+
+def test_should_cancel_polling_and_queued_cancel(client):
+    first = client.submit("selftest", {"steps": 200, "step_seconds": 0.05})
+    queued = client.submit("selftest", {"steps": 1})
+    assert client.cancel(queued.id)["state"] == "queued"
+    with pytest.raises(JobCancelledError, match="while queued"):
+        queued.wait(timeout=30)
+    steps = []
+    with pytest.raises(JobCancelledError):
+        first.wait(timeout=60, poll_interval=0.02, on_progress=lambda ph, s, t: steps.append(s),
+                   should_cancel=lambda: len(steps) >= 2)
+    assert 2 <= first.progress["step"] < 200
+    _serving(client)
+
+
+def test_interrupt_raised_by_a_callback_cancels_the_job(client):
+    class Interrupt(BaseException):  # ComfyUI's InterruptProcessingException is a BaseException
+        pass
+
+    def on_progress(phase, step, total):
+        if step == 2:
+            raise Interrupt()
+
+    job = client.submit("selftest", {"steps": 200, "step_seconds": 0.05})
+    with pytest.raises(Interrupt):
+        job.wait(timeout=60, on_progress=on_progress)
+    assert job.cancel_sent
+    for _ in range(100):  # the pool drops the job at its next step boundary
+        if client.status()["current"] is None:
+            break
+        time.sleep(0.05)
+    assert client.status()["current"] is None
+    _serving(client)
+
+
+def test_status_while_a_job_runs(client):
+    job = client.submit("selftest", {"steps": 100, "step_seconds": 0.05})
+    for ev in job.events(timeout=30):
+        if ev["event"] == "progress" and ev["step"] >= 2:
+            break
+    status = client.status()
+    job.cancel()
+    with pytest.raises(JobCancelledError):
+        job.wait(timeout=30)
+    assert status["current"]["id"] == job.id and status["current"]["progress"]["step"] >= 2
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
+    for r in status["ranks"]:
+        assert r["device"] == "cpu" and r["memory"]["rss"] > 0 and r["memory"]["total"] > 0
+        assert psutil.pid_exists(r["pid"])
+    assert status["pool"]["torchrun_pid"] == client.pid
+
+
+def test_resident_models_and_unload(client):
+    client.request("selftest", {"steps": 0, "result_bytes": 1 << 20}, timeout=30)
+    status = client.status()
+    assert status["ranks"][0]["models"]["selftest.blob"]["bytes"] == 1 << 20
+    result, _ = client.request("unload", {"names": None}, timeout=30)
+    assert result["unloaded"] == ["selftest.blob"] and result["resident"] == []
+    assert client.status()["ranks"][0]["models"] == {}
+
+
+def test_ten_jobs_with_stable_memory(client):
+    procs = [psutil.Process(r["pid"]) for r in client.pool["ranks"]]
+    x = torch.randn(1 << 20)  # 4 MiB each way
+    client.request("selftest", {"steps": 2, "echo": True}, tensors={"x": x}, timeout=30)  # warm up
+    before = [p.memory_info().rss for p in procs]
+    for _ in range(10):
+        result, tensors = client.request("selftest", {"steps": 2, "echo": True}, tensors={"x": x}, timeout=30)
+        assert result["allreduce_ok"] and torch.equal(tensors["x"], x)
+    growth = [p.memory_info().rss - b for p, b in zip(procs, before)]
+    assert max(growth) < 24 << 20, growth  # 10 jobs moved 80 MiB per rank; (inputs reach every rank, outputs rank 0); none of it may stay
+
+
+def test_disconnecting_client_cancels_its_running_job(client, base):
+    other = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, start=False)
+    assert other.pid == client.pid  # attached, not a second pool
+    job = other.submit("selftest", {"steps": 100000, "step_seconds": 0.05})
+    for ev in job.events(timeout=30):
+        if ev["event"] == "progress":
+            break
+    other.close()
+    # the pool cancels the orphaned job, so this one runs (it would wait ~80 min otherwise)
+    assert client.request("selftest", {"steps": 1}, timeout=60)[0]["allreduce_ok"]

@@ -1,0 +1,161 @@
+"""Pool lifecycles with real processes: CLI start/attach/stop, rank death, fatal errors, busy
+ports and stale files, owner death. Every test has its own runtime dir and cleans it up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ltx_mgpu.client import PoolClient, PoolFatalError
+from ltx_mgpu.pool import launch
+from pool_support import ENV, cleanup, pool_pids, running, short_dir, wait_all_gone
+
+pytestmark = pytest.mark.slow
+REPO = launch.repo_root()
+
+
+@pytest.fixture
+def base():
+    b = short_dir()
+    yield b
+    cleanup(b)
+
+
+def _cli(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "ltx_mgpu", "pool", *args], cwd=REPO, env=ENV, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def test_cli_detached_pool_is_attached_not_duplicated_and_stays_until_stopped(base):
+    common = ["--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(base)]
+    out = _cli("start", "--detach", *common)
+    assert out.returncode == 0, out.stderr
+    info = launch.PoolInfo.read(base / "cpu-2")
+    assert f"started pool pid {info.pid}" in out.stdout and info.lifetime == "detached"
+    assert info.alive()  # the CLI has exited; the detached pool stays
+
+    first = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base)
+    second = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base)
+    assert first.pid == second.pid == info.pid
+    assert first.request("selftest", {"steps": 1}, timeout=30)[0]["allreduce_ok"]
+    again = _cli("start", "--detach", *common)
+    assert again.returncode == 0 and f"already running: pid {info.pid}" in again.stdout
+    status = _cli("status", *common)
+    assert status.returncode == 0 and f"pool pid {info.pid}" in status.stdout and "lifetime detached" in status.stdout
+    everything = _cli("status", "--runtime-dir", str(base))  # no --gpus: every pool under the base
+    assert everything.returncode == 0 and f"pool pid {info.pid}" in everything.stdout
+    pids = pool_pids(first)
+    first.close()
+    second.close()
+    assert len(running(pids)) == len(pids)  # still running after its clients left
+
+    stop = _cli("stop", *common)
+    assert stop.returncode == 0 and f"stopped pool pid {info.pid}" in stop.stdout
+    assert wait_all_gone(pids) == []
+    assert not (base / "cpu-2" / launch.SOCKET_NAME).exists() and launch.PoolInfo.read(base / "cpu-2") is None
+    assert _cli("status", *common).returncode == 1
+
+
+def test_kill_9_of_a_rank_mid_job_reports_fatal_and_next_request_gets_a_fresh_pool(base):
+    client = PoolClient.connect(gpus="cpu", nproc=4, runtime_dir=base, startup_timeout=120)
+    try:
+        result, tensors = client.request("selftest", {"steps": 1}, timeout=30)
+        assert result["world_size"] == 4 and result["expected"] == 10.0 and result["allreduce_ok"]
+        old = pool_pids(client)
+        job = client.submit("selftest", {"steps": 100000, "step_seconds": 0.05})
+        for ev in job.events(timeout=30):
+            if ev["event"] == "progress" and ev["step"] >= 2:
+                break
+        os.kill(client.pool["ranks"][2]["pid"], signal.SIGKILL)
+        with pytest.raises(PoolFatalError) as err:
+            for _ in job.events(timeout=10):  # PoolTimeoutError if the pool went silent for 10 s
+                pass
+            job.wait(timeout=5)
+        assert "pool" in str(err.value)
+
+        result, _ = client.request("selftest", {"steps": 1}, timeout=60)
+        assert result["allreduce_ok"] and result["world_size"] == 4
+        assert client.pid != old[0][0]
+        assert running(old) == []  # nothing of the old pool remains
+
+        # torchrun itself told to stop (SIGTERM) mid-job: rank 0 still tells the client why
+        old = pool_pids(client)
+        job = client.submit("selftest", {"steps": 100000, "step_seconds": 0.05})
+        next(ev for ev in job.events(timeout=30) if ev["event"] == "progress")
+        os.kill(client.pid, signal.SIGTERM)
+        with pytest.raises(PoolFatalError, match=r"terminated \(SIGTERM\)"):
+            for _ in job.events(timeout=10):
+                pass
+            job.wait(timeout=5)
+        assert client.request("selftest", {"steps": 1}, timeout=60)[0]["allreduce_ok"]
+        assert running(old) == []
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.parametrize("fail_rank", [1, 0])
+def test_unexpected_exception_is_fatal_and_the_pool_exits_cleanly(base, fail_rank):
+    client = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, startup_timeout=120)
+    try:
+        old = pool_pids(client)
+        with pytest.raises(PoolFatalError, match=f"injected failure on rank {fail_rank} at step 1"):
+            client.request("selftest", {"steps": 5, "fail_rank": fail_rank, "fail_step": 1}, timeout=30)
+        assert wait_all_gone(old) == []
+        assert not (client.dir / launch.SOCKET_NAME).exists() and launch.PoolInfo.read(client.dir) is None
+        assert client.request("selftest", {"steps": 1}, timeout=60)[0]["allreduce_ok"]
+        assert client.pid != old[0][0]
+    finally:
+        client.shutdown()
+
+
+def test_busy_rendezvous_port_and_stale_files_do_not_stop_a_start(base):
+    d = launch.ensure_private_dir(base / "cpu-2")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(d / launch.SOCKET_NAME))  # a socket file nobody listens on
+    stale.close()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    launch.PoolInfo(pid=dead.pid, create_time=0.0, gpus=[], nproc=2, device="cpu", version="0", protocol=1,
+                    start_time=0.0, lifetime="detached", owner_pid=None, master_port=1, instance="stale",
+                    dir=str(d)).write()
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        client = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, master_port=port, startup_timeout=120)
+        try:
+            assert client.request("selftest", {"steps": 1}, timeout=30)[0]["allreduce_ok"]
+            log = (d / launch.LOG_NAME).read_text()
+            assert f"attempt 1, master port {port}" in log and launch.is_port_conflict(log) and "attempt 2" in log
+            assert launch.PoolInfo.read(d).master_port != port
+        finally:
+            client.shutdown()
+    finally:
+        busy.close()
+
+
+def test_with_owner_pool_exits_when_its_owner_dies(base):
+    script = ("import json, sys\nfrom ltx_mgpu.client import PoolClient\n"
+              "c = PoolClient.connect(gpus='cpu', nproc=2, runtime_dir=sys.argv[1], startup_timeout=120)\n"
+              "print(json.dumps(c.pool), flush=True)\nsys.stdin.read()\n")
+    owner = subprocess.Popen([sys.executable, "-c", script, str(base)], cwd=REPO, env=ENV, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pool = json.loads(owner.stdout.readline())
+        assert pool["lifetime"] == "with-owner" and pool["owner_pid"] == owner.pid
+        pids = [(pool["torchrun_pid"], None)] + [(r["pid"], r["create_time"]) for r in pool["ranks"]]
+        assert len(running(pids)) == 3  # all running
+        owner.kill()
+        owner.wait()
+        assert wait_all_gone(pids) == []
+        assert launch.PoolInfo.read(base / "cpu-2") is None
+    finally:
+        owner.kill()
+        owner.wait()

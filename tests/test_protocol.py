@@ -1,0 +1,229 @@
+"""The wire protocol on its own (socket pairs, no pool): framing, tensors, limits, schemas."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ltx_mgpu import protocol
+from ltx_mgpu.protocol import Limits, ProtocolError, SchemaError
+
+
+def _pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return a, b
+
+
+def _send_async(sock, data: bytes, close: bool = True):
+    def run():
+        try:
+            sock.sendall(data)
+            if close:
+                sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the reader may have given up and closed first
+            pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _roundtrip(header, tensors=None, limits=None):
+    a, b = _pair()
+    with a, b:
+        payload = protocol.tensors_to_payload(tensors)
+        t = threading.Thread(target=protocol.send_frame, args=(a, header, payload, limits), daemon=True)
+        t.start()
+        out = protocol.recv_frame(b, limits)
+        t.join()
+    return out
+
+
+def _assert_same(got: dict, want: dict):
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k], v.detach().cpu()), k
+
+
+def test_frame_roundtrip_with_tensors_of_every_kind():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    with torch.inference_mode():
+        inference = torch.ones(3) * 2  # ComfyUI hands over inference tensors
+    tensors = {
+        "f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "f16": torch.randn(2, 2).half(),
+        "i64": torch.arange(-5, 5), "u8": torch.arange(256, dtype=torch.uint8), "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4), "transposed": base.t(), "alias_a": base,
+        "alias_b": base[1:3], "inference": inference, "f8": torch.randn(4).to(torch.float8_e4m3fn),
+    }
+    header = {"type": "selftest", "id": "x1", "params": {"steps": 1, "note": "ünïcode ✓"}}
+    got_header, got = _roundtrip(header, tensors)
+    assert got_header == header
+    _assert_same({k: v.float() if v.dtype == torch.float8_e4m3fn else v for k, v in got.items()},
+                 {k: v.float() if v.dtype == torch.float8_e4m3fn else v for k, v in tensors.items()})
+
+
+def test_payload_is_standard_safetensors():
+    tensors = {"b": torch.randn(5, 3), "a": torch.arange(7, dtype=torch.int32), "c": torch.randn(2).bfloat16()}
+    ours = protocol.tensors_to_payload(tensors).tobytes()
+    _assert_same(st_load(ours), tensors)  # the library parses what we write...
+    _assert_same(protocol.payload_to_tensors(st_save(tensors)), tensors)  # ...and we parse what it writes
+    hlen = struct.unpack("<Q", ours[:8])[0]
+    assert (8 + hlen) % 8 == 0 and json.loads(ours[8:8 + hlen])["a"]["dtype"] == "I32"
+
+
+def test_no_tensors_means_no_payload():
+    assert protocol.tensors_to_payload(None) is None and protocol.tensors_to_payload({}) is None
+    header, tensors = _roundtrip({"event": "result", "id": "r", "result": {}})
+    assert tensors == {}
+
+
+def test_tensor_helper_errors_name_the_problem():
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        protocol.tensors_to_payload({"x": [1, 2]})
+    with pytest.raises(TypeError, match="names must be non-empty strings"):
+        protocol.tensors_to_payload({1: torch.zeros(1)})
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(max_size=20), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                     max_leaves=20)
+_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float16])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(header=st.dictionaries(st.text(min_size=1, max_size=10), _json, max_size=5),
+       shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), max_size=4), dtype=_dtypes)
+def test_roundtrip_property(header, shapes, dtype):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": (torch.randint(0, 100, s, generator=gen)).to(dtype) for i, s in enumerate(shapes)}
+    got_header, got = _roundtrip(header, tensors)
+    assert got_header == header
+    _assert_same(got, tensors)
+
+
+def _prefix(header_len, payload_len, magic=protocol.MAGIC, version=protocol.PROTOCOL_VERSION, flags=0):
+    return struct.pack("!4sHHIQ", magic, version, flags, header_len, payload_len)
+
+
+def _recv_error(data: bytes, limits=None) -> str:
+    a, b = _pair()
+    with a, b:
+        _send_async(a, data)
+        b.settimeout(10)
+        with pytest.raises(ProtocolError) as e:
+            protocol.recv_frame(b, limits)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
+    (_prefix(2, 0, version=99) + b"{}", "protocol version 99"),
+    (_prefix(2, 0, flags=1) + b"{}", "flags"),
+    (_prefix(protocol.MAX_HEADER_BYTES + 1, 0), "over the 1048576-byte limit"),
+    (_prefix(10, 0) + b"{}", "truncated"),
+    (_prefix(2, 100) + b"{}" + b"x" * 10, "truncated"),
+    (_prefix(3, 0) + b"[1]", "JSON object"),
+    (_prefix(3, 0) + b"\xff\xfe{", "not UTF-8 JSON"),
+    (_prefix(3, 0) + b"NaN", "not UTF-8 JSON"),
+    (_prefix(2, 12) + b"{}" + b"not-a-tensor", "safetensors"),
+    (b"LTX", "truncated"),
+])
+def test_malformed_frames_raise_protocol_error(data, match):
+    assert match in _recv_error(data)
+
+
+def test_payload_limit_is_enforced_before_reading():
+    msg = _recv_error(_prefix(2, 1 << 20) + b"{}", Limits(max_payload_bytes=1000))
+    assert "over the 1000-byte limit" in msg
+    a, b = _pair()
+    with a, b, pytest.raises(ProtocolError, match="payload is"):
+        protocol.send_frame(a, {"x": 1}, protocol.tensors_to_payload({"t": torch.zeros(1000)}),
+                            Limits(max_payload_bytes=100))
+
+
+def test_clean_eof_is_connection_closed():
+    a, b = _pair()
+    a.close()
+    with b, pytest.raises(protocol.ConnectionClosed):
+        protocol.recv_frame(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_never_escapes_as_other_errors(data):
+    a, b = _pair()
+    with a, b:
+        _send_async(a, data)
+        b.settimeout(10)
+        try:
+            protocol.recv_frame(b)
+        except ProtocolError:
+            pass
+
+
+# --------------------------------------------------------------------------- schemas
+
+def test_requests_validate_envelope_and_params():
+    req = protocol.parse_request({"type": "selftest", "id": "a-1", "params": {"steps": 2, "step_seconds": 0.5}})
+    assert req.type == "selftest" and req.params["steps"] == 2 and req.schema.job
+    with pytest.raises(ProtocolError, match="unknown request type 'bogus'"):
+        protocol.parse_request({"type": "bogus", "id": "x"})
+    with pytest.raises(ProtocolError, match="request id"):
+        protocol.parse_request({"type": "status", "id": "has space"})
+    with pytest.raises(ProtocolError, match="unknown top-level keys"):
+        protocol.parse_request({"type": "status", "id": "x", "extra": 1})
+    with pytest.raises(ProtocolError, match="takes no tensors"):
+        protocol.parse_request({"type": "status", "id": "x"}, {"t": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("mtype, params, match", [
+    ("selftest", {}, "missing the required field 'steps'"),
+    ("selftest", {"steps": True}, "selftest.steps must be int"),
+    ("selftest", {"steps": 1.5}, "selftest.steps must be int"),
+    ("selftest", {"steps": 1, "colour": "red"}, "unknown field"),
+    ("hello", {"token": 5}, "hello.token must be str"),
+    ("load_text_encoder", {"source": "x", "placement": "everywhere"}, "must be one of"),
+    ("encode", {"prompts": ["a", 3]}, r"encode.prompts\[1\] must be str"),
+    ("cancel", {}, "missing the required field 'job_id'"),
+])
+def test_schema_errors_are_schema_errors(mtype, params, match):
+    with pytest.raises(SchemaError, match=match) as e:
+        protocol.parse_request({"type": mtype, "id": "rid", "params": params})
+    assert e.value.request_id == "rid"
+
+
+def test_engine_specific_requests_allow_extra_fields():
+    req = protocol.parse_request({"type": "encode", "id": "e", "params": {"prompts": ["a"], "max_tokens": 1024}})
+    assert req.params["max_tokens"] == 1024
+
+
+def test_events_validate():
+    ev = protocol.make_event("progress", "j1", phase="denoise", step=3, total=30)
+    assert protocol.parse_event(ev) == ev
+    with pytest.raises(ProtocolError, match="must be one of"):
+        protocol.make_event("error", "j1", kind="oops", message="m")
+    with pytest.raises(ProtocolError, match="unknown event"):
+        protocol.parse_event({"event": "nope", "id": "x"})
+    with pytest.raises(ProtocolError, match="missing"):
+        protocol.parse_event({"event": "progress", "id": "x", "phase": "a", "step": 1})
+
+
+def test_register_request_adds_a_job_type():
+    schema = protocol.register_request(protocol.MessageSchema(
+        "sample_test_only", (protocol.F("steps", ("int",)),), tensors=True))
+    try:
+        assert "sample_test_only" in protocol.job_types()
+        protocol.parse_request({"type": "sample_test_only", "id": "s", "params": {"steps": 3}},
+                               {"latent": torch.zeros(2)})
+    finally:
+        protocol.REQUESTS.pop(schema.name)
