@@ -1,0 +1,287 @@
+"""The LTX-2 sampler: ComfyUI's ``SamplerCustomAdvanced`` + ``CFGGuider`` + ``euler`` on ltx-core.
+
+It reproduces, for ComfyUI LATENT / CONDITIONING / SIGMAS inputs, what ComfyUI computes for
+``model_base.LTXAV`` (``ModelSamplingFlux`` + ``CONST``) — sources in ComfyUI:
+``comfy/sample.py`` (``prepare_noise``), ``comfy/samplers.py`` (``CFGGuider``, ``KSAMPLER``,
+``KSamplerX0Inpaint``, ``sampling_function`` / ``cfg_function``), ``comfy/model_sampling.py``
+(``CONST``), ``comfy/k_diffusion/sampling.py`` (``sample_euler``), ``comfy/model_base.py``
+(``LTXAV.process_timestep`` / ``scale_latent_inpaint``), ``comfy_extras/nodes_lt.py``
+(``LTXVScheduler``):
+
+1. noise: ``g = torch.manual_seed(seed)`` semantics (a fresh CPU generator), float32
+   ``randn`` of each latent's full shape — video first, then audio — cast to its dtype;
+   ``batch_index`` selects per-sample draws as ``prepare_noise``'s ``noise_inds`` does;
+2. ``x = sigma_0 * noise + (1 - sigma_0) * latent`` (CONST ``noise_scaling``), float32;
+3. per step ``i`` (Euler): with a LATENT ``noise_mask`` m, the model input is
+   ``x * m + latent * (1 - m)`` (LTXAV's ``scale_latent_inpaint`` returns the clean latent);
+   per-token timesteps ``m * sigma`` (``process_timestep``); ``denoised = x_in - sigma * v``
+   (CONST, v = ltx-core velocity, upcast to float32); CFG ``uncond + (cond - uncond) * cfg``
+   with both prompts in **one** batched forward (cfg == 1 -> one pass, ``cond * cfg``); then
+   ``denoised * m + latent * (1 - m)``; ``d = (x - denoised) / sigma``;
+   ``x += d * (sigma_next - sigma)``;
+4. ``x / (1 - sigma_last)`` (CONST ``inverse_noise_scaling``; exact for the usual 0).
+
+The velocity model is any callable with ``LTXModel.forward``'s signature, so
+:class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer` plugs in; every rank
+then runs this whole function in lockstep with identical inputs (SPMD).
+
+Known differences from ComfyUI: the noise mask is applied per token (ComfyUI applies the
+element-wise mask; identical whenever it is constant across a token's channels / mel bins, as
+every LTX node makes it); the cross-modal AdaLN timestep of a modality is the per-sample
+maximum of its token timesteps (ComfyUI: the maximum over the batch; identical when every
+sample has the same mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from ltx_core.components.schedulers import LTX2Scheduler
+from ltx_core.model.transformer.modality import Modality
+
+from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning, sampling_frame_rate
+from ltx_mgpu.denoise.latents import is_nested, latent_to_tokens, tokens_to_latent
+
+__all__ = ["SAMPLERS", "SamplingCancelled", "comfy_noise", "ltx2_sigmas", "resolve_sigmas", "sample"]
+
+SAMPLERS = ("euler",)
+
+
+class SamplingCancelled(RuntimeError):
+    """``should_stop()`` returned True at a step boundary; ``step`` steps of ``total`` were done."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"sampling cancelled after {step} of {total} steps")
+        self.step, self.total = step, total
+
+
+# --------------------------------------------------------------------------- sigmas and noise
+
+
+def ltx2_sigmas(
+    steps: int,
+    latent: dict | None = None,
+    *,
+    max_shift: float = 2.05,
+    base_shift: float = 0.95,
+    stretch: bool = True,
+    terminal: float = 0.1,
+) -> torch.Tensor:
+    """ComfyUI's ``LTXVScheduler`` via ltx-core's ``LTX2Scheduler``: float32 ``[steps + 1]``.
+
+    The shift is interpolated through (1024 tokens, base_shift) and (4096, max_shift) with
+    tokens = ``prod(latent["samples"].shape[2:])`` (the video shape of an audio-video LATENT),
+    or 4096 without a latent. Raises ValueError for ``steps < 1``.
+    """
+    if int(steps) < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    shape = None
+    if latent is not None:
+        samples = latent["samples"]
+        shape = samples.tensors[0].shape if is_nested(samples) else samples.shape
+    ref = torch.empty(shape, device="meta") if shape is not None else None
+    return LTX2Scheduler().execute(int(steps), latent=ref, max_shift=max_shift, base_shift=base_shift,
+                                   stretch=stretch, terminal=terminal).to(torch.float32)
+
+
+def resolve_sigmas(latent: dict, sigmas=None, steps: int | None = None, **scheduler) -> torch.Tensor:
+    """Float32 CPU sigmas from a ComfyUI SIGMAS input or, with ``steps``, :func:`ltx2_sigmas`.
+
+    Raises ValueError unless exactly one of ``sigmas`` / ``steps`` is given, or for sigmas that
+    are not 1-D and finite, a zero sigma before the last, or a last sigma of 1 or more.
+    """
+    if (sigmas is None) == (steps is None):
+        raise ValueError("give either sigmas (a ComfyUI SIGMAS tensor) or steps (for the LTX-2 scheduler), not both")
+    if steps is not None:
+        return ltx2_sigmas(steps, latent, **scheduler)
+    s = torch.as_tensor(sigmas).detach().to(device="cpu", dtype=torch.float32)
+    if s.ndim != 1:
+        raise ValueError(f"sigmas must be a 1-D tensor (ComfyUI SIGMAS), got shape {tuple(s.shape)}")
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("sigmas must be finite")
+    if s.numel() > 1 and bool((s[:-1] <= 0).any()):
+        raise ValueError("every sigma but the last must be > 0 (the Euler step divides by it)")
+    if s.numel() > 1 and float(s[-1]) >= 1:
+        raise ValueError(f"the last sigma must be < 1 (the result is divided by 1 - sigma), got {float(s[-1])}")
+    return s
+
+
+def comfy_noise(latent: dict, seed: int) -> list[torch.Tensor]:
+    """ComfyUI's ``prepare_noise(latent["samples"], seed, latent.get("batch_index"))``.
+
+    One CPU generator seeded with ``seed`` (``torch.manual_seed`` semantics, without touching the
+    global RNG) draws float32 ``randn`` of each tensor's full shape, video first then audio for a
+    NestedTensor, cast to the tensor's dtype. With ``batch_index`` (``noise_inds``) one
+    ``[1, ...]`` draw is made per index up to the largest and the batch picks its own.
+    Returns the noise tensors in LATENT order (one for a plain latent).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    samples = latent["samples"]
+    tensors = list(samples.tensors) if is_nested(samples) else [samples]
+    inds = latent.get("batch_index")
+    out = []
+    for t in tensors:
+        if inds is None:
+            out.append(torch.randn(t.shape, dtype=torch.float32, generator=gen, device="cpu").to(t.dtype))
+            continue
+        unique, inverse = np.unique(np.asarray(inds), return_inverse=True)
+        draws = {}
+        for i in range(int(unique[-1]) + 1):
+            n = torch.randn([1, *t.shape[1:]], dtype=torch.float32, generator=gen, device="cpu").to(t.dtype)
+            if i in unique:
+                draws[i] = n
+        out.append(torch.cat([draws[int(unique[j])] for j in inverse.reshape(-1)], dim=0))
+    return out
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One modality's sampling state on the model device (float32 tokens ``[B, T, C]``)."""
+
+    x: torch.Tensor
+    latent: torch.Tensor
+    timestep_mask: torch.Tensor  # [B, T]
+    mask: torch.Tensor | None  # [B, T, 1] when the LATENT has a noise_mask
+    positions: torch.Tensor
+    contexts: list  # per pass: [B, L, D] in the model dtype
+
+
+def _repeat_to_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """ComfyUI's ``repeat_to_batch_size`` (truncate, or tile along dim 0)."""
+    if x.shape[0] > batch:
+        return x[:batch]
+    if x.shape[0] < batch:
+        return x.repeat([math.ceil(batch / x.shape[0])] + [1] * (x.ndim - 1))[:batch]
+    return x
+
+
+def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype, velocity: Callable) -> dict:
+    """Denoised float32 tokens per modality at ``sigma`` (KSamplerX0Inpaint + CFG + CONST)."""
+    inputs = {k: (s.x * s.mask + s.latent * (1 - s.mask)) if s.mask is not None else s.x for k, s in streams.items()}
+    timesteps = {k: s.timestep_mask * sigma for k, s in streams.items()}
+    passes = len(next(iter(streams.values())).contexts)
+
+    def modality(k: str, idx: list[int]) -> Modality:
+        s, n = streams[k], len(idx)
+        ts = timesteps[k].repeat(n, 1)
+        return Modality(latent=inputs[k].to(dtype).repeat(n, 1, 1), sigma=ts.amax(dim=1), timesteps=ts,
+                        positions=s.positions.repeat(n, 1, 1, 1), context=torch.cat([s.contexts[i] for i in idx]))
+
+    def run(idx: list[int]) -> dict:
+        mods = {k: modality(k, idx) for k in streams}
+        vx, ax = velocity(mods.get("video"), mods.get("audio"), None)
+        outs = {"video": vx, "audio": ax}
+        return {k: (inputs[k].repeat(len(idx), 1, 1) - outs[k].float() * sigma).chunk(len(idx)) for k in streams}
+
+    batchable = all(len({tuple(c.shape) for c in s.contexts}) == 1 for s in streams.values())
+    if batchable:  # ComfyUI batches cond and uncond when their conditioning shapes match
+        den = run(list(range(passes)))
+    else:
+        parts = [run([i]) for i in range(passes)]
+        den = {k: [p[k][0] for p in parts] for k in streams}
+    out = {}
+    for k, s in streams.items():
+        d = den[k][1] + (den[k][0] - den[k][1]) * cfg if passes == 2 else den[k][0] * cfg
+        out[k] = d * s.mask + s.latent * (1 - s.mask) if s.mask is not None else d
+    return out
+
+
+@torch.no_grad()
+def sample(
+    model,
+    positive,
+    negative,
+    latent: dict,
+    *,
+    sigmas=None,
+    steps: int | None = None,
+    cfg: float = 1.0,
+    seed: int = 0,
+    sampler: str = "euler",
+    scheduler: dict | None = None,
+    velocity_model: Callable | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> dict:
+    """Sample an LTX-2 LATENT like ComfyUI's SamplerCustomAdvanced + CFGGuider + euler.
+
+    Args:
+        model: :class:`~ltx_mgpu.denoise.model.LTXDenoiser` (connectors, dtype, device).
+        positive / negative: ComfyUI CONDITIONING (``negative`` unused and may be None when
+            ``cfg`` is 1).
+        latent: ComfyUI LATENT: video ``[B, 128, F, H, W]``, audio ``{"samples": [B, 8, N, 16],
+            "type": "audio"}`` or a NestedTensor of both; optional ``noise_mask`` and
+            ``batch_index``.
+        sigmas: a ComfyUI SIGMAS tensor, or ``steps`` for the LTX-2 scheduler (``scheduler``:
+            its ``max_shift`` / ``base_shift`` / ``stretch`` / ``terminal`` options).
+        cfg: guidance scale; ``seed``: noise seed; ``sampler``: "euler".
+        velocity_model: ``f(video, audio, perturbations) -> (vx, ax)`` like ``LTXModel.forward``
+            (default ``model.transformer``; pass ``model.velocity_model(group)`` for SP).
+        on_step: called as ``on_step(step, total)`` after each step (step counts from 1).
+        should_stop: checked before every step; True raises :class:`SamplingCancelled`. Under
+            SP it must answer identically on every rank (rank 0 decides, then broadcast).
+    Returns:
+        A LATENT of the same structure: a copy of ``latent`` with denoised ``samples`` (the
+        input's dtype and device; ``noise_mask`` and other keys kept, as ComfyUI does).
+    Raises:
+        ValueError (incl. ConditioningError, LatentFormatError): bad inputs, before any model
+        call; SamplingCancelled: see ``should_stop``.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler {sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
+    use_cfg = not math.isclose(float(cfg), 1.0)
+    pos = parse_conditioning(positive, "positive")
+    if use_cfg and negative is None:
+        raise ConditioningError(f"cfg {cfg} needs a negative conditioning (or set cfg to 1)")
+    neg = parse_conditioning(negative, "negative") if use_cfg else None
+    state = latent_to_tokens(latent, sampling_frame_rate(pos, neg))
+    sig = resolve_sigmas(latent, sigmas, steps, **(scheduler or {}))
+    if sig.numel() == 0:
+        return dict(latent)
+    noise_tokens = latent_to_tokens({**latent, "samples": _like(latent["samples"], comfy_noise(latent, seed))},
+                                    state.frame_rate)
+    dev = model.device
+    sig = sig.to(dev)
+    mods = {k: getattr(state, k) for k in ("video", "audio") if getattr(state, k) is not None}
+    tcfg = model.config["transformer"]
+    for k, want in (("video", tcfg.get("in_channels", 128)), ("audio", tcfg.get("audio_in_channels", 128))):
+        if k in mods and mods[k].tokens.shape[-1] != want:
+            raise ValueError(f"the {k} latent has {mods[k].tokens.shape[-1]} channels per token, the model takes {want}")
+    ctxs = [model.preprocess_text_embeds(p.tensor, p.unprocessed) for p in ([pos, neg] if use_cfg else [pos])]
+    has_mask = latent.get("noise_mask") is not None
+    streams = {}
+    for i, (k, m) in enumerate(mods.items()):
+        lat = m.tokens.to(device=dev, dtype=torch.float32)
+        noise = getattr(noise_tokens, k).tokens.to(device=dev, dtype=torch.float32)
+        tmask = m.denoise_mask.to(device=dev, dtype=torch.float32)
+        b = lat.shape[0]
+        streams[k] = _Stream(
+            x=sig[0] * noise + (1.0 - sig[0]) * lat, latent=lat, timestep_mask=tmask,
+            mask=tmask.unsqueeze(-1) if has_mask else None, positions=m.positions.to(dev),
+            contexts=[_repeat_to_batch(c[0 if k == "video" else 1], b) for c in ctxs],
+        )
+    velocity = velocity_model if velocity_model is not None else model.transformer
+    total = sig.numel() - 1
+    for i in range(total):
+        if should_stop is not None and should_stop():
+            raise SamplingCancelled(i, total)
+        sigma, dt = sig[i], sig[i + 1] - sig[i]
+        denoised = _predict(streams, sigma, float(cfg), model.dtype, velocity)
+        for k, s in streams.items():
+            s.x = s.x + (s.x - denoised[k]) / sigma * dt
+        if on_step is not None:
+            on_step(i + 1, total)
+    out = {k: s.x / (1.0 - sig[-1]) for k, s in streams.items()}
+    return tokens_to_latent(state, out.get("video"), out.get("audio"))
+
+
+def _like(samples, tensors: Sequence[torch.Tensor]):
+    """``tensors`` in the structure of ``samples`` (a NestedTensor class instance, or a tensor)."""
+    return type(samples)(list(tensors)) if is_nested(samples) else tensors[0]
