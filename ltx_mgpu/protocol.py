@@ -372,6 +372,21 @@ for _s in (
 ):
     register_request(_s)
 
+# LTX-2 denoising (ltx_mgpu.pool.denoise_jobs; the tensor layout of ``sample`` is
+# ltx_mgpu.remote_denoise's).
+register_request(MessageSchema("load_transformer", (
+    F("checkpoint", ("str",)), F("dtype", ("str",), False, choices=("bf16", "fp16", "fp32")),
+    F("loras", ("list",), False, items="object"), F("max_tokens", ("int",), False),
+    F("attention_type", ("str", "null"), False, choices=("default", "pytorch", "xformers", "flash_attention_3")),
+    F("name", ("str",), False)),
+    doc="load an LTX-2 transformer (+ connectors, LoRAs fused) on every rank for sequence parallelism"))
+register_request(MessageSchema("sample", (
+    F("model", ("str",), False), F("positive", ("list",), items="object"),
+    F("negative", ("list", "null"), False, items="object"), F("latent", ("object",)),
+    F("steps", ("int", "null"), False), F("cfg", ("number",), False), F("seed", ("int",), False),
+    F("sampler", ("str",), False), F("scheduler", ("object", "null"), False)),
+    tensors=True, doc="denoise a ComfyUI LTX-2 LATENT with the SP sampler; progress every step"))
+
 for _s in (
     MessageSchema("accepted", (F("job", ("str",)), F("position", ("int",)))),
     MessageSchema("progress", (F("phase", ("str",)), F("step", ("int",)), F("total", ("int",)))),

@@ -1,33 +1,17 @@
-"""Load the LTX-2 denoiser (ltx-core 1.0.0's ``LTXModel`` + the two text embeddings connectors)
-from the files ComfyUI users have, with LoRAs fused, ready for the sampler.
-
-Sources (``../shared/notes/comfyui.md`` §9, ``ltx2-reference.md`` §2.2–2.7):
-
-* a **monolith** ``models/checkpoints/ltx-2*.safetensors``: the DiT under
-  ``model.diffusion_model.*`` (connectors under ``model.diffusion_model.{video,audio}_
-  embeddings_connector.*``), plus VAE / projection keys we ignore; ``config`` metadata;
-* a **transformer-only** file from ``models/diffusion_models/``: the same DiT keys, either
-  under ``model.diffusion_model.`` or with no prefix (ComfyUI's
-  ``unet_prefix_from_state_dict``: the prefix counts when more than 5 keys carry it), with or
-  without ``config`` metadata. Without it the transformer config is inferred from tensor
-  shapes (:func:`infer_transformer_config`).
+"""The loaded LTX-2 denoiser: ltx-core 1.0.0's ``LTXModel`` + the two text embeddings
+connectors, built from the files ComfyUI users have (see :mod:`ltx_mgpu.denoise.checkpoint` for
+the layouts, fp8 and LoRA handling), ready for the sampler.
 
 The transformer is built by ltx-core's ``SingleGPUModelBuilder`` + ``LTXModelConfigurator``
 (keys renamed by ``LTXV_MODEL_COMFY_RENAMING_MAP`` for the monolith prefix) with our
-:class:`StateDictLoader`, which reads one tensor at a time through safetensors' memory map
-straight onto the target device (N ranks never hold N host copies of the file), upcasts fp8
-(plain casts, ComfyUI ``scale_weight`` / ``weight_scale`` scaled fp8, ltx-core's
-``weight_scale`` fp8) and fuses LoRAs. The connectors are ltx-core ``Embeddings1DConnector``
-modules built with ComfyUI's ``LTXAVModel`` settings (double-precision RoPE, max position
-4096, theta 1e4, split RoPE unless the config says otherwise) so that
-``LTXDenoiser.preprocess_text_embeds`` matches ComfyUI's ``preprocess_text_embeds``.
+memory-mapped :class:`~ltx_mgpu.denoise.checkpoint.StateDictLoader`. The connectors are
+ltx-core ``Embeddings1DConnector`` modules built with ComfyUI's ``LTXAVModel`` settings
+(double-precision RoPE, max position 4096, theta 1e4, split RoPE unless the config says
+otherwise) so that ``LTXDenoiser.preprocess_text_embeds`` matches ComfyUI's
+``preprocess_text_embeds``.
 
-LoRA fusion follows ComfyUI (``comfy/lora.py``): ``W += strength * alpha/rank * (B @ A)`` in
-float32, then a plain cast to the model dtype; key forms ``diffusion_model.<m>``,
-``transformer.<m>`` and ``lora_unet_<m with _>``, each with ``lora_A/lora_B`` or
-``lora_down/lora_up`` and an optional ``alpha``. ltx-core 1.0.0's ``apply_loras`` is not used:
-it rejects float32 weights, ignores ``alpha``, knows only ``lora_A/B`` and leaves the
-connectors unfused. Fusion is deterministic, so every rank builds bit-identical weights.
+The checkpoint names are re-exported here (``from ltx_mgpu.denoise.model import
+inspect_checkpoint`` keeps working).
 """
 
 from __future__ import annotations
@@ -35,13 +19,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from ltx_core.loader.primitives import StateDict
 from ltx_core.loader.sd_ops import SDOps
 from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
 from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModel, LTXModelConfigurator
@@ -50,350 +32,32 @@ from ltx_core.text_encoders.gemma.embeddings_connector import Embeddings1DConnec
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
+from ltx_mgpu.denoise.checkpoint import (
+    CONNECTORS,
+    MONOLITH_PREFIX,
+    CheckpointError,
+    CheckpointInfo,
+    LoraSpec,
+    StateDictLoader,
+    count_blocks,
+    infer_transformer_config,
+    inspect_checkpoint,
+    load_loras,
+)
+
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "LTXDenoiser",
     "LoraSpec",
     "StateDictLoader",
+    "check_world_size",
     "export_transformer_only",
     "infer_transformer_config",
     "inspect_checkpoint",
     "load_ltx_model",
+    "meta_transformer",
 ]
-
-MONOLITH_PREFIX = "model.diffusion_model."
-CONNECTORS = ("video_embeddings_connector", "audio_embeddings_connector")
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Per-weight side tensors of the fp8 formats (ComfyUI legacy / ComfyUI quant / ltx-core).
-_AUX_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
-_LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_down.weight": "A", ".lora_B.weight": "B", ".lora_up.weight": "B", ".alpha": "alpha"}
-
-# Values ltx-core's LTXModelConfigurator requires (check_config_value) plus the LTX-2 constants
-# no tensor shape encodes; these are the values of every released LTX-2 / 2.3 config.
-_LTX2_FIXED = {
-    "dropout": 0.0, "attention_bias": True, "num_vector_embeds": None, "activation_fn": "gelu-approximate",
-    "num_embeds_ada_norm": 1000, "use_linear_projection": False, "only_cross_attention": False,
-    "cross_attention_norm": True, "double_self_attention": False, "upcast_attention": False,
-    "standardization_norm": "rms_norm", "norm_elementwise_affine": False, "qk_norm": "rms_norm",
-    "positional_embedding_type": "rope", "use_audio_video_cross_attention": True, "share_ff": False,
-    "av_cross_ada_norm": True, "use_middle_indices_grid": True, "norm_eps": 1e-6,
-    "positional_embedding_theta": 10000.0, "positional_embedding_max_pos": [20, 2048, 2048],
-    "audio_positional_embedding_max_pos": [20], "timestep_scale_multiplier": 1000,
-    "av_ca_timestep_scale_multiplier": 1000.0, "rope_type": "split", "frequencies_precision": "float64",
-    "causal_temporal_positioning": True, "connector_positional_embedding_max_pos": [4096],
-}
-#: Head sizes assumed when a checkpoint has no gate logits to count heads with (LTX-2.0):
-#: video 128, audio 64 (the 19B model: 32 x 128 / 32 x 64), connectors 128 (ComfyUI's default).
-ASSUMED_HEAD_DIMS = {"video": 128, "audio": 64, "connector": 128}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or LoRA file that cannot be loaded as an LTX-2 denoiser; says what to fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraSpec:
-    """A LoRA file (ComfyUI naming) and its strength (0 = not applied)."""
-
-    path: str
-    strength: float = 1.0
-
-
-@dataclasses.dataclass
-class CheckpointInfo:
-    """What :func:`inspect_checkpoint` learns from a file's header (no tensor is read).
-
-    Attributes:
-        path: the file.
-        prefix: the DiT key prefix (``"model.diffusion_model."``, ``"model."`` or ``""``).
-        config: ``{"transformer": {...}}`` for ``LTXModelConfigurator``.
-        config_source: ``"metadata"`` or ``"inferred"``.
-        version: ``"2.0"`` (caption projections in the DiT) or ``"2.3"``.
-        shapes: prefix-less DiT key -> shape (quantisation side tensors left out).
-    """
-
-    path: str
-    prefix: str
-    config: dict
-    config_source: str
-    version: str
-    shapes: dict[str, tuple[int, ...]]
-
-    @property
-    def has_connectors(self) -> bool:
-        return all(any(k.startswith(c + ".") for k in self.shapes) for c in CONNECTORS)
-
-
-# --------------------------------------------------------------------------- inspection
-
-
-def _detect_prefix(keys: Sequence[str]) -> str:
-    """ComfyUI's ``unet_prefix_from_state_dict`` + ``load_diffusion_model_state_dict`` rule."""
-    for prefix in (MONOLITH_PREFIX, "model."):
-        if sum(k.startswith(prefix) for k in keys) > 5:
-            return prefix
-    return ""
-
-
-def _count_blocks(shapes: Mapping, stem: str) -> int:
-    pat = re.compile(re.escape(stem) + r"(\d+)\.")
-    found = {int(m.group(1)) for k in shapes if (m := pat.match(k))}
-    return max(found) + 1 if found else 0
-
-
-def _heads(shapes: Mapping, attn: str, inner: int, head_dim_key: str, what: str) -> tuple[int, int]:
-    """(heads, head_dim) of attention module ``attn``: gate logits count heads; else assume."""
-    gate = shapes.get(f"{attn}.to_gate_logits.weight")
-    if gate is not None:
-        heads = gate[0]
-    else:
-        hd = ASSUMED_HEAD_DIMS[head_dim_key]
-        if inner % hd:
-            raise CheckpointError(
-                f"cannot infer the {what} attention heads: the checkpoint stores no config metadata and no gate "
-                f"logits (an LTX-2.0 layout), and its {what} width {inner} is not a multiple of the LTX-2 head size "
-                f"{hd}. Use the full checkpoint (models/checkpoints) or a file that keeps the 'config' metadata."
-            )
-        heads = inner // hd
-    if inner % heads:
-        raise CheckpointError(f"{what} width {inner} is not divisible by its {heads} heads (gate logits)")
-    return heads, inner // heads
-
-
-def infer_transformer_config(shapes: Mapping[str, Sequence[int]]) -> dict:
-    """The ``"transformer"`` config of an LTX-2 DiT from its (prefix-less) tensor shapes.
-
-    Read from shapes: layer counts, widths, in/out channels, caption projection (present ->
-    LTX-2.0 layout with ``caption_channels``; absent -> 2.3 ``caption_proj_before_connector``),
-    gated attention (``to_gate_logits``, whose rows also count the heads), cross-attention AdaLN
-    (``prompt_adaln_single``), connector geometry and register count. Assumed: the LTX-2
-    constants in ``_LTX2_FIXED`` (split float64 RoPE, theta 1e4, max positions [20, 2048, 2048] /
-    [20], timestep multipliers 1000) and, without gate logits, the head sizes
-    ``ASSUMED_HEAD_DIMS`` (video 128, audio 64, connector 128).
-
-    Raises:
-        CheckpointError: not an LTX-2 audio-video DiT, or the heads cannot be inferred.
-    """
-    need = ("adaln_single.emb.timestep_embedder.linear_1.bias", "audio_adaln_single.linear.weight",
-            "patchify_proj.weight", "audio_patchify_proj.weight", "transformer_blocks.0.attn2.to_k.weight")
-    missing = [k for k in need if k not in shapes]
-    if missing:
-        raise CheckpointError(
-            f"not an LTX-2 audio-video transformer: missing {', '.join(missing)} (after the key prefix). "
-            "Pick an LTX-2 / LTX-2.3 checkpoint."
-        )
-    cfg = dict(_LTX2_FIXED)
-    vin, ain = shapes["patchify_proj.weight"][0], shapes["audio_patchify_proj.weight"][0]
-    vh, vd = _heads(shapes, "transformer_blocks.0.attn1", vin, "video", "video")
-    ah, ad = _heads(shapes, "transformer_blocks.0.audio_attn1", ain, "audio", "audio")
-    cfg.update(
-        num_layers=_count_blocks(shapes, "transformer_blocks."),
-        num_attention_heads=vh, attention_head_dim=vd, audio_num_attention_heads=ah, audio_attention_head_dim=ad,
-        in_channels=shapes["patchify_proj.weight"][1], out_channels=shapes["proj_out.weight"][0],
-        audio_in_channels=shapes["audio_patchify_proj.weight"][1], audio_out_channels=shapes["audio_proj_out.weight"][0],
-        cross_attention_dim=shapes["transformer_blocks.0.attn2.to_k.weight"][1],
-        audio_cross_attention_dim=shapes["transformer_blocks.0.audio_attn2.to_k.weight"][1],
-        apply_gated_attention="transformer_blocks.0.attn1.to_gate_logits.weight" in shapes,
-        cross_attention_adaln="prompt_adaln_single.linear.weight" in shapes,
-    )
-    if "caption_projection.linear_1.weight" in shapes:
-        cfg["caption_channels"] = shapes["caption_projection.linear_1.weight"][1]
-    else:
-        cfg.update(caption_proj_before_connector=True, caption_projection_first_linear=False,
-                   caption_projection_second_linear=False, caption_proj_input_norm=False)
-    for side, conn in (("", "video_embeddings_connector"), ("audio_", "audio_embeddings_connector")):
-        q = shapes.get(f"{conn}.transformer_1d_blocks.0.attn1.to_q.weight")
-        if q is None:
-            continue
-        h, d = _heads(shapes, f"{conn}.transformer_1d_blocks.0.attn1", q[0], "connector", f"{conn}")
-        cfg[f"{side}connector_num_attention_heads"], cfg[f"{side}connector_attention_head_dim"] = h, d
-        cfg[f"{side}connector_num_layers"] = _count_blocks(shapes, f"{conn}.transformer_1d_blocks.")
-        if not side:
-            cfg["connector_apply_gated_attention"] = f"{conn}.transformer_1d_blocks.0.attn1.to_gate_logits.weight" in shapes
-            if f"{conn}.learnable_registers" in shapes:
-                cfg["connector_num_learnable_registers"] = shapes[f"{conn}.learnable_registers"][0]
-    return cfg
-
-
-def _version(tcfg: dict) -> str:
-    return "2.3" if tcfg.get("caption_proj_before_connector", False) else "2.0"
-
-
-def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
-    """Read a checkpoint's header: key layout, config (stored or inferred) and version.
-
-    Raises:
-        FileNotFoundError: no such file.
-        CheckpointError: not an LTX-2 DiT, unreadable config metadata, a caption-projection
-            variant ltx-core 1.0.0 cannot build, or shapes that do not determine the config.
-    """
-    path = str(path)
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    with safe_open(path, framework="pt", device="cpu") as f:
-        keys = list(f.keys())
-        meta = f.metadata() or {}
-        prefix = _detect_prefix(keys)
-        shapes = {
-            k[len(prefix):]: tuple(f.get_slice(k).get_shape())
-            for k in keys
-            if k.startswith(prefix) and not k.endswith(_AUX_SUFFIXES) and k[len(prefix):] != "scaled_fp8"
-        }
-    stored = None
-    if "config" in meta:
-        try:
-            stored = json.loads(meta["config"]).get("transformer")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise CheckpointError(f"{path}: the 'config' metadata is not a JSON object ({e})") from None
-    if stored:
-        tcfg, source = dict(stored), "metadata"
-        if "num_layers" not in tcfg:
-            tcfg["num_layers"] = _count_blocks(shapes, "transformer_blocks.")
-    else:
-        try:
-            tcfg, source = infer_transformer_config(shapes), "inferred"
-        except CheckpointError as e:
-            raise CheckpointError(f"{path}: no 'config' metadata, and {e}") from None
-    if tcfg.get("caption_proj_before_connector") and tcfg.get("caption_projection_first_linear", False):
-        raise CheckpointError(
-            f"{path}: caption_projection_first_linear=True is an LTX-2 variant ltx-core 1.0.0 cannot build"
-        )
-    return CheckpointInfo(path, prefix, {"transformer": tcfg}, source, _version(tcfg), shapes)
-
-
-# --------------------------------------------------------------------------- LoRA
-
-
-def _lora_aliases(weight_keys: Sequence[str]) -> dict[str, str]:
-    """ComfyUI's LoRA key map (``model_lora_keys_unet``): LoRA module name -> DiT weight key."""
-    out = {}
-    for k in weight_keys:
-        m = k[: -len(".weight")]
-        for alias in (f"diffusion_model.{m}", f"transformer.{m}", "lora_unet_" + m.replace(".", "_")):
-            out[alias] = k
-    return out
-
-
-def _load_loras(specs: Sequence[LoraSpec], weight_keys: Sequence[str]) -> dict[str, list]:
-    """DiT weight key -> [(A float32 [r, in], B float32 [out, r], scale)], on CPU.
-
-    ``scale = strength * alpha / rank`` (``alpha`` optional, as in ComfyUI). Strength-0 LoRAs
-    are skipped. Raises CheckpointError for a missing file, a key that is not a LoRA key of
-    this DiT (never silently dropped) or an incomplete A/B pair.
-    """
-    aliases = _lora_aliases(weight_keys)
-    out: dict[str, list] = {}
-    for spec in specs:
-        if spec.strength == 0:
-            continue
-        if not Path(spec.path).is_file():
-            raise CheckpointError(f"no LoRA file at {spec.path}")
-        parts: dict[str, dict] = {}
-        unknown = []
-        with safe_open(spec.path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
-                target = aliases.get(key[: -len(suffix)]) if suffix else None
-                if target is None:
-                    unknown.append(key)
-                    continue
-                parts.setdefault(target, {})[_LORA_SUFFIXES[suffix]] = f.get_tensor(key).float()
-        if unknown:
-            raise CheckpointError(
-                f"LoRA {spec.path}: {len(unknown)} key(s) match no weight of this LTX-2 transformer, e.g. "
-                f"{', '.join(unknown[:3])}. Is it a LoRA for this model version (LTX-2.0 vs 2.3)?"
-            )
-        for target, p in sorted(parts.items()):
-            if "A" not in p or "B" not in p:
-                raise CheckpointError(f"LoRA {spec.path}: {target} has only one of lora_A/lora_B (down/up)")
-            a, b = p["A"].flatten(1), p["B"].flatten(1)
-            alpha = float(p["alpha"]) / a.shape[0] if "alpha" in p else 1.0
-            out.setdefault(target, []).append((a, b, float(spec.strength) * alpha))
-    return out
-
-
-# --------------------------------------------------------------------------- state-dict loader
-
-
-def _comfy_quant_format(t: torch.Tensor, key: str) -> str:
-    """The ``format`` of a ComfyUI ``.comfy_quant`` tensor (JSON bytes as uint8)."""
-    try:
-        return str(json.loads(bytes(t.to(torch.uint8).tolist()).decode("utf-8")).get("format", "?"))
-    except (ValueError, AttributeError):
-        raise CheckpointError(f"{key}: unreadable comfy_quant metadata") from None
-
-
-class StateDictLoader:
-    """ltx-core ``StateDictLoader`` for an LTX-2 DiT file: mmap reads, fp8 upcast, LoRA fusion.
-
-    ``metadata(path)`` returns the (stored or inferred) config. ``load(path, sd_ops, device)``
-    reads the keys ``sd_ops`` keeps (minus ``exclude`` prefixes of the renamed key), one tensor
-    at a time onto ``device``: fp8 weights are multiplied by their scale (``scale_weight`` or
-    ``weight_scale``, broadcast) in float32, LoRA deltas are added in float32, and the result is
-    cast to ``dtype``. ``loaded_keys`` records the renamed keys of the last ``load``.
-    """
-
-    def __init__(self, info: CheckpointInfo, dtype: torch.dtype, loras: dict[str, list], exclude: tuple[str, ...] = ()):
-        self.info, self.dtype, self.loras, self.exclude = info, dtype, loras, exclude
-        self.loaded_keys: list[str] = []
-        self.fused: set[str] = set()
-
-    def metadata(self, path: str) -> dict:  # noqa: ARG002 - the protocol passes the path
-        return self.info.config
-
-    def load(self, path, sd_ops: SDOps | None = None, device: torch.device | None = None) -> StateDict:
-        device = device or torch.device("cpu")
-        paths = path if isinstance(path, (list, tuple)) else [path]
-        prefix, sd, dtypes, size = self.info.prefix, {}, set(), 0
-        for p in paths:
-            with safe_open(str(p), framework="pt", device="cpu") as f:
-                names = set(f.keys())
-                for key in f.keys():
-                    full = key[len(prefix):] if key.startswith(prefix) else None
-                    if full is None or key.endswith(_AUX_SUFFIXES) or full == "scaled_fp8":
-                        continue
-                    new = sd_ops.apply_to_key(key) if sd_ops is not None else full
-                    if new is None or new.startswith(self.exclude):
-                        continue
-                    t = self._tensor(f, names, key, full, device)
-                    sd[new] = t
-                    dtypes.add(t.dtype)
-                    size += t.nbytes
-        self.loaded_keys = list(sd)
-        return StateDict(sd=sd, device=device, size=size, dtype=dtypes)
-
-    def _tensor(self, f, names: set, key: str, full: str, device: torch.device) -> torch.Tensor:
-        t = f.get_tensor(key).to(device)
-        stem = key[: -len(".weight")] if key.endswith(".weight") else None
-        quant = stem is not None and f"{stem}.comfy_quant" in names
-        if quant and (fmt := _comfy_quant_format(f.get_tensor(f"{stem}.comfy_quant"), key)) not in ("float8_e4m3fn", "float8_e5m2"):
-            raise CheckpointError(f"{key} uses ComfyUI's '{fmt}' quantisation, which ltx_mgpu cannot load; use a bf16 or fp8 file")
-        if not (t.is_floating_point() or t.dtype in _FP8):
-            raise CheckpointError(f"{key} is stored as {t.dtype}; ltx_mgpu loads bf16/fp16/fp32 or fp8 weights")
-        deltas = self.loras.get(full, ())
-        scale = None
-        if t.dtype in _FP8 and stem is not None:
-            sk = next((s for s in (f"{stem}.weight_scale", f"{stem}.scale_weight") if s in names), None)
-            scale = f.get_tensor(sk).to(device=device, dtype=torch.float32) if sk else None
-        if scale is None and not deltas:
-            out = t.to(self.dtype)
-            # safetensors hands out CPU tensors over arbitrarily aligned buffers; a fresh allocation
-            # keeps kernels (and so results) independent of the file's byte layout.
-            return out.clone() if out.data_ptr() == t.data_ptr() else out
-        w = t.float()
-        if scale is not None:
-            if scale.numel() not in (1, w.shape[0]):
-                raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor per-row scaling")
-            w = w * (scale.reshape(-1, *([1] * (w.ndim - 1))) if scale.numel() > 1 else scale.reshape(()))
-        for a, b, s in deltas:
-            delta = torch.mm(b.to(device), a.to(device))
-            if delta.numel() != w.numel():
-                raise CheckpointError(f"a LoRA for {full} has shape {tuple(delta.shape)}, the weight {tuple(w.shape)}")
-            w = w + s * delta.reshape(w.shape)
-            self.fused.add(full)
-        return w.to(self.dtype)
-
 
 # --------------------------------------------------------------------------- the denoiser
 
@@ -458,7 +122,7 @@ def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device)
     with torch.device("meta"):
         conn = Embeddings1DConnector(
             attention_head_dim=q[0] // heads, num_attention_heads=heads,
-            num_layers=_count_blocks(shapes, "transformer_1d_blocks."), positional_embedding_theta=10000.0,
+            num_layers=count_blocks(shapes, "transformer_1d_blocks."), positional_embedding_theta=10000.0,
             positional_embedding_max_pos=[4096],
             num_learnable_registers=shapes["learnable_registers"][0] if "learnable_registers" in shapes else None,
             rope_type=LTXRopeType(t.get("rope_type", "split")), double_precision_rope=True,
@@ -504,7 +168,7 @@ def load_ltx_model(
     if attention_type is not None:
         info.config["transformer"]["attention_type"] = attention_type
     specs = tuple(s if isinstance(s, LoraSpec) else LoraSpec(str(s[0]), float(s[1])) for s in loras)
-    deltas = _load_loras(specs, [k for k in info.shapes if k.endswith(".weight")])
+    deltas = load_loras(specs, [k for k in info.shapes if k.endswith(".weight")])
     loader = StateDictLoader(info, dtype, deltas, exclude=tuple(c + "." for c in CONNECTORS))
     prefix = info.prefix
     sd_ops = LTXV_MODEL_COMFY_RENAMING_MAP if prefix == MONOLITH_PREFIX else (
@@ -532,6 +196,40 @@ def load_ltx_model(
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
     return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device,
                        int(max_tokens), info.path, specs)
+
+
+def meta_transformer(info: CheckpointInfo) -> LTXModel:
+    """The checkpoint's ``LTXModel`` on the meta device: no weight is read, no memory is used.
+
+    For checks that need only the config (head counts, model type) before any load.
+
+    Raises:
+        CheckpointError: the config does not build an ltx-core 1.0.0 LTX-2 transformer.
+    """
+    try:
+        with torch.device("meta"):
+            return LTXModelConfigurator.from_config(info.config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{info.path}: its {info.config_source} config does not describe an LTX-2 transformer ltx-core "
+            f"1.0.0 can build ({type(e).__name__}: {e}). Use a file with correct 'config' metadata."
+        ) from None
+
+
+def check_world_size(info: CheckpointInfo, world_size: int) -> None:
+    """Raise ``SequenceParallelConfigError`` unless ``world_size`` ranks can split this model.
+
+    The same check (and message: which GPU counts work) as ``SequenceParallelTransformer``
+    makes, from the config alone (:func:`meta_transformer`), so a pool can refuse a checkpoint
+    before reading its weights.
+
+    Raises:
+        SequenceParallelConfigError: ``world_size`` does not divide the video or audio heads.
+        CheckpointError: see :func:`meta_transformer`.
+    """
+    from ltx_mgpu.denoise.sequence_parallel import check_sequence_parallel_config
+
+    check_sequence_parallel_config(meta_transformer(info), int(world_size))
 
 
 # --------------------------------------------------------------------------- writing

@@ -53,10 +53,10 @@ _ENGINES: dict[str, Handler] = {}
 #: Job types implemented outside ``ltx_mgpu.pool``: the module is imported on first use and is
 #: expected to call :func:`register_engine` for them.
 ENGINE_MODULES: dict[str, str] = {
-    "load_text_encoder": "ltx_mgpu.text.engine",
-    "encode": "ltx_mgpu.text.engine",
-    "load_transformer": "ltx_mgpu.denoise.engine",
-    "sample": "ltx_mgpu.denoise.engine",
+    "load_text_encoder": "ltx_mgpu.pool.text_jobs",
+    "encode": "ltx_mgpu.pool.text_jobs",
+    "load_transformer": "ltx_mgpu.pool.denoise_jobs",
+    "sample": "ltx_mgpu.pool.denoise_jobs",
 }
 
 
