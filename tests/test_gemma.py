@@ -60,10 +60,11 @@ def test_detect_formats(gemma, tmp_path):
     (tmp_path / "nf4").mkdir()
     (tmp_path / "nf4" / "ltx_mgpu_nf4.json").write_text("{}")
     assert detect_gemma_format(tmp_path / "nf4") == "nf4_artifact"
-    with pytest.raises(NotImplementedError, match="NF4 artifact"):
+    from ltx_mgpu.text.nf4_artifact import NF4ArtifactError
+
+    with pytest.raises(NF4ArtifactError, match="not an ltx_mgpu NF4 manifest"):
         load_gemma_text_tower(tmp_path / "nf4")
-    with pytest.raises(NotImplementedError, match="ltx_mgpu.text.nf4"):
-        load_gemma_text_tower(gemma["snapshot"], weights="nf4")
+    assert load_gemma_text_tower(gemma["snapshot"], weights="nf4").weights == "nf4"
     with pytest.raises(ValueError, match="'bf16' or 'nf4'"):
         load_gemma_text_tower(gemma["snapshot"], weights="int4")
     with pytest.raises(FileNotFoundError):

@@ -164,7 +164,9 @@ class TextEncoderSpec:
     Attributes:
         gemma: a Gemma 3 HF snapshot directory, ComfyUI single file, or NF4 artifact.
         projection: an LTX-2 checkpoint or projection file (``text_embedding_projection.*``).
-        weights: ``"bf16"`` or ``"nf4"``.
+        weights: ``"bf16"`` or ``"nf4"``: what to make of a bf16 source. An NF4 artifact is
+            always loaded as NF4; :attr:`weights_mode` is what is actually loaded, and is what
+            enters the cache key (so NF4 and bf16 embeddings are never mixed).
         device: where Gemma runs (``"cpu"``, ``"cuda:0"``...).
         dtype: the compute dtype name (``"bfloat16"`` by default; ``"float32"`` on CPU
             for reference runs).
@@ -188,6 +190,18 @@ class TextEncoderSpec:
             raise ValueError(f"weights must be 'bf16' or 'nf4', got {self.weights!r}")
         self.dtype = str(parse_dtype(self.dtype)).removeprefix("torch.")
 
+    @property
+    def weights_mode(self) -> str:
+        """The weights actually loaded: ``"nf4"`` for an NF4 artifact whatever :attr:`weights`
+        says, else :attr:`weights` (reads the source's file names only).
+
+        Raises:
+            FileNotFoundError, GemmaFormatError: as ``detect_gemma_format``.
+        """
+        from ltx_mgpu.text.gemma_sources import detect_gemma_format
+
+        return "nf4" if detect_gemma_format(self.gemma) == "nf4_artifact" else self.weights
+
     def cache_key_parts(self):
         """The cache key components for this spec, computed from file contents without
         loading Gemma (digests are memoised by file stat)."""
@@ -197,7 +211,7 @@ class TextEncoderSpec:
         return CacheKeyParts(
             gemma_identity=gemma_identity(self.gemma),
             projection_identity=projection_identity(self.projection),
-            weights_mode=self.weights,
+            weights_mode=self.weights_mode,
             token_budget=self.token_budget,
             dtype=self.dtype,
         )
@@ -210,6 +224,9 @@ class TextEncoderSpec:
             dtype = parse_dtype(self.dtype)
             t0 = time.perf_counter()
             tower = load_gemma_text_tower(self.gemma, device=self.device, dtype=dtype, weights=self.weights)
+            if tower.weights != self.weights_mode:  # the cache key would name other weights than these
+                raise RuntimeError(f"{self.gemma}: loaded {tower.weights} weights, but the cache key says "
+                                   f"{self.weights_mode}; this is a bug in ltx_mgpu")
             proj_dtype = torch.float32 if tower.model.device.type == "cpu" else dtype
             projection = load_projection(self.projection, device=tower.model.device, dtype=proj_dtype,
                                          num_layers=tower.num_hidden_states)

@@ -8,7 +8,8 @@ and prompts tokenized by ``ltx_mgpu.text.tokenizer``. Their public names are re-
 Both bf16 sources go through transformers' own ``from_pretrained`` loader (meta-device init,
 weights assigned, RoPE ``inv_freq`` buffers computed in fp32), and every load is checked for
 missing text-tower keys: ``Gemma3TextModel.from_pretrained(<multimodal dir>)`` otherwise
-*silently* initialises random weights (../shared/notes/gemma-nf4.md §3.2).
+*silently* initialises random weights (../shared/notes/gemma-nf4.md §3.2). NF4 (an artifact, or
+``weights="nf4"``) is dispatched to ``ltx_mgpu.text.nf4``.
 """
 
 from __future__ import annotations
@@ -75,9 +76,11 @@ class GemmaTextTower:
         model: ``Gemma3TextModel`` in eval mode (weights in the requested dtype, RoPE buffers fp32).
         tokenizer: HF tokenizer: left padding, ``<bos>`` prepended, no ``<eos>``.
         config: the ``Gemma3TextConfig``.
-        format: ``"hf_snapshot"`` or ``"comfy_file"``.
+        format: ``"hf_snapshot"``, ``"comfy_file"`` or ``"nf4_artifact"`` (the source's format).
         path: the source path as given.
         files: the files whose bytes define the outputs (weights, config, tokenizer).
+        weights: what is loaded: ``"bf16"`` (plain weights) or ``"nf4"`` (bitsandbytes
+            ``Linear4bit`` projections; ``ltx_mgpu.text.nf4``), whatever was asked for.
     """
 
     model: Any
@@ -86,6 +89,7 @@ class GemmaTextTower:
     format: str
     path: Path
     files: tuple[Path, ...] = field(default=())
+    weights: str = "bf16"
 
     @functools.cached_property
     def identity(self) -> str:
@@ -245,33 +249,49 @@ def load_gemma_text_tower(
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str = "sdpa",
     weights: str = "bf16",
+    save_nf4_to: str | os.PathLike | None = None,
 ) -> GemmaTextTower:
     """Load only the Gemma 3 text tower (``Gemma3TextModel``) and its tokenizer.
 
     Args:
-        path: an HF snapshot directory or a ComfyUI single-file ``.safetensors``
-            (``ltx_mgpu.text.gemma_sources`` describes both).
+        path: an HF snapshot directory, a ComfyUI single-file ``.safetensors``
+            (``ltx_mgpu.text.gemma_sources`` describes both), or an ltx_mgpu NF4 artifact
+            directory (always loaded as NF4, whatever ``weights`` says: ``ltx_mgpu.text.nf4.load_nf4``).
         device: where the weights are placed.
         dtype: weight dtype; fp16/fp8 source weights are upcast to it (fp8 times its scale).
+            NF4 requires bf16.
         attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...
-        weights: ``"bf16"`` (plain weights in ``dtype``). ``"nf4"`` belongs to ``ltx_mgpu.text.nf4``.
+        weights: ``"bf16"`` (plain weights in ``dtype``) or ``"nf4"`` (quantized while loading:
+            ``ltx_mgpu.text.nf4.load_nf4_on_the_fly``).
+        save_nf4_to: with ``weights="nf4"`` from a bf16 source, also write the NF4 artifact here.
+
+    Returns:
+        The tower; ``tower.weights`` says what was actually loaded (``"nf4"`` for an artifact).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         GemmaFormatError: unsupported source, quantization or tokenizer (names the supported formats).
-        GemmaWeightsError: text-tower weights missing, mis-shaped or unexpected for the config.
-        NotImplementedError: ``weights="nf4"`` or an NF4 artifact (not handled by this loader).
-        ValueError: ``weights`` is neither ``"bf16"`` nor ``"nf4"``.
+        GemmaWeightsError: text-tower weights missing, mis-shaped or unexpected for the config
+            (``NF4ArtifactError`` for a damaged artifact).
+        ValueError: ``weights`` is neither ``"bf16"`` nor ``"nf4"``; NF4 with a dtype other than
+            bf16; ``save_nf4_to`` without ``weights="nf4"`` or with an artifact as source.
     """
     if weights not in ("bf16", "nf4"):
         raise ValueError(f"weights must be 'bf16' or 'nf4', got {weights!r}")
     p = Path(path)
     fmt = detect_gemma_format(p)
-    if fmt == "nf4_artifact" or weights == "nf4":
-        raise NotImplementedError(
-            f"{p}: NF4 weights (an ltx_mgpu NF4 artifact, or weights='nf4') are not loaded by this bf16 loader; "
-            "NF4 loading is provided by ltx_mgpu.text.nf4. Use weights='bf16' with the bf16 source for now."
-        )
+    if fmt == "nf4_artifact":
+        if save_nf4_to is not None:
+            raise ValueError(f"{p} is already an NF4 artifact; save_nf4_to applies to bf16 sources only")
+        from ltx_mgpu.text.nf4 import load_nf4
+
+        return load_nf4(p, device, dtype, attn_implementation)
+    if weights == "nf4":
+        from ltx_mgpu.text.nf4 import load_nf4_on_the_fly
+
+        return load_nf4_on_the_fly(p, device, dtype, attn_implementation, save_to=save_nf4_to)
+    if save_nf4_to is not None:
+        raise ValueError("save_nf4_to needs weights='nf4' (it saves the NF4 artifact made while loading)")
     load = _load_snapshot if fmt == "hf_snapshot" else _load_comfy
     return load(p, torch.device(device), dtype, attn_implementation)
 

@@ -9,7 +9,8 @@ Formats (:data:`SUPPORTED_FORMATS`):
   text keys ``model.layers.N.*`` (bf16, fp16, or fp8-e4m3 with optional per-tensor scales), the
   SentencePiece tokenizer embedded as a uint8 tensor ``spiece_model`` (or a tokenizer beside it).
 * ``"nf4_artifact"``: an ltx_mgpu NF4 artifact directory (``ltx_mgpu_nf4.json``); detected here,
-  loaded by ``ltx_mgpu.text.nf4``.
+  loaded by ``ltx_mgpu.text.nf4``. The manifest is written last, so a directory with NF4 shards
+  but no manifest (an interrupted quantization) is rejected with a message saying so.
 
 Everything here reads only file names, ``config.json`` and safetensors headers, never weights:
 the prompt cache keys on :func:`gemma_identity` before any model is loaded.
@@ -49,6 +50,8 @@ SUPPORTED_FORMATS = (
     "e4m3 weights), e.g. gemma_3_12B_it.safetensors; (3) an ltx_mgpu NF4 artifact directory (ltx_mgpu_nf4.json)."
 )
 NF4_MANIFEST = "ltx_mgpu_nf4.json"
+#: Name prefix of the temporary directory an NF4 artifact is built in (``ltx_mgpu.text.nf4_artifact``).
+NF4_PARTIAL_PREFIX = ".nf4-partial-"
 #: Safetensors header key where our tiny ComfyUI files store the text config (JSON).
 COMFY_CONFIG_METADATA_KEY = "ltx_mgpu_gemma_config"
 #: The files of a transformers tokenizer directory that define its behaviour.
@@ -96,6 +99,12 @@ def _detect_directory(p: Path) -> str:
                 f"('gemma3' or 'gemma3_text'). {SUPPORTED_FORMATS}"
             )
         return "hf_snapshot"
+    if p.name.startswith(NF4_PARTIAL_PREFIX) or any(p.glob("nf4-*.safetensors")):
+        raise GemmaFormatError(
+            f"{p}: an incomplete ltx_mgpu NF4 artifact (no {NF4_MANIFEST}, which quantize-nf4 writes last): the "
+            "quantization was interrupted or is still running. Delete it and run again: "
+            f"python -m ltx_mgpu quantize-nf4 SOURCE OUT_DIR. {SUPPORTED_FORMATS}"
+        )
     if has_config and (any(p.glob("*.bin")) or any(p.glob("*.pt"))):
         reason = "its weights are pickle files (.bin/.pt), which ltx_mgpu never loads; use a safetensors snapshot"
     elif not any(p.iterdir()):

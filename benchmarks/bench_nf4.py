@@ -1,0 +1,393 @@
+"""NF4 Gemma 3 benchmark: quantize, artifact size, resident memory, encode latency vs our bf16.
+
+Run on a GPU (the issue's numbers come from an H200)::
+
+    python benchmarks/bench_nf4.py --out benchmarks/results/nf4.json
+
+Smoke run on CPU (minutes, a few GB of RAM)::
+
+    python benchmarks/bench_nf4.py --device cpu --layers 1 --tokens 64 --batches 1 --warmup 0 --runs 1
+
+What it does, in one process (every ratio is within this run):
+
+1. builds a Gemma 3 12B-shaped ``Gemma3TextModel`` (48 layers, hidden 3840, 16/8 heads, head_dim
+   256, vocab 262208; ``gemma3_text_config``) with random bf16 weights on the device, a random
+   LTX-2.3 projection (188160 -> 4096 + 2048) and the tiny Gemma's tokenizer, and times **our
+   bf16 encode** (``PromptEncoder.encode_tokens``: Gemma forward + LTX-2.3 feature extraction +
+   copy to host) for each ``--batches`` x ``--tokens``, with CUDA events (median of ``--runs``
+   after ``--warmup``), and its peak memory;
+2. **quantizes** it to an NF4 artifact under ``--tmp``. ``--quantize-from memory`` (default):
+   the in-memory GPU model, tensor by tensor (``quantize_nf4_model``; the time includes
+   moving the NF4 tensors to the host and writing the shards), and separately the time of
+   ``quantize_4bit`` alone over all 336 weights. ``--quantize-from disk``: the bf16 model is
+   first saved as a snapshot under ``--tmp`` (23.5 GB written), then ``python -m ltx_mgpu
+   quantize-nf4`` runs in a subprocess, which reports its own time and peak RSS (streaming);
+3. frees the bf16 model, **loads the artifact** (``load_nf4``: time, resident device memory);
+4. times each **variant** of the NF4 forward (``--variants``), with the same encode:
+
+   * ``bnb``: bitsandbytes ``Linear4bit`` as loaded (per-Linear dequant + cuBLAS on H200);
+   * ``layer-<m>``: idea (a), each decoder layer's 7 weights dequantized once per forward into
+     one reused bf16 buffer, then ``F.linear``; ``<m>`` is the dequant kernel: ``bnb``
+     (bitsandbytes' CUDA kernel), ``lut`` (idea (b), the byte-LUT, eager PyTorch) or
+     ``lut-compiled`` (the byte-LUT through ``torch.compile``, one compiled call per layer);
+     ``-prefetch`` dequantizes the next layer on a side stream into a second buffer;
+   * ``linear-<m>[-prefetch]``: the same per projection: each weight dequantized just before its
+     GEMM into one reused buffer sized for the largest weight (118 MB; two with prefetch);
+
+   and, per variant, the peak memory of our encode (total, and without the projection's
+   weights, which are not Gemma's) and of a plain forward (``model(..., output_hidden_states=True)``,
+   the "plain transformers + bitsandbytes" measure of the issue), the largest difference of its
+   features from the ``bnb`` variant's, and the cosine of its features to the bf16 ones;
+5. times the dequantization alone of one layer's 7 weights with each kernel (GB/s counts the
+   packed bytes + scales read and the bf16 written).
+
+Memory is printed in GB (1e9 B) and GiB (2^30 B). Goals (issue 3): peak <= 8.2 GB at 1x1024,
+time <= 1.2x our bf16 at 1x1024 and <= 1.05x at 8x1024.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
+from ltx_mgpu.text.features import Projection  # noqa: E402
+from ltx_mgpu.text.gemma import GemmaTextTower  # noqa: E402
+from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
+
+GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
+#: variant name -> (FastDequant method, scope, prefetch), None for bitsandbytes' Linear4bit.
+VARIANTS = {
+    "bnb": None,
+    "layer-bnb": ("bnb", "layer", False),
+    "layer-lut": ("lut", "layer", False),
+    "layer-lut-compiled": ("lut_compiled", "layer", False),
+    "layer-bnb-prefetch": ("bnb", "layer", True),
+    "layer-lut-compiled-prefetch": ("lut_compiled", "layer", True),
+    "linear-bnb": ("bnb", "linear", False),
+    "linear-lut-compiled": ("lut_compiled", "linear", False),
+    "linear-bnb-prefetch": ("bnb", "linear", True),
+    "linear-lut-compiled-prefetch": ("lut_compiled", "linear", True),
+}
+GOALS = {"peak_gb_1": 8.2, "ratio_1": 1.2, "ratio_8": 1.05}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(device, fn, warmup, runs):
+    """Median and all times of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
+def _peak(device, fn):
+    """Peak allocated device bytes while ``fn`` runs (None on CPU)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def _allocated(device):
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _gb(n):
+    return "n/a" if n is None else f"{n / 1e9:.2f} GB / {n / 2**30:.2f} GiB"
+
+
+def _token_cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1]),
+                                                 dim=-1).mean().item()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=GEMMA_12B["layers"])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    ap.add_argument("--quantize-from", choices=["memory", "disk"], default="memory")
+    ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where the artifact (and snapshot) go")
+    ap.add_argument("--keep", action="store_true", help="keep the artifact directory")
+    ap.add_argument("--out", default=None, help="write raw results as JSON here (updated as it goes)")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+
+    import bitsandbytes
+    import transformers
+    from transformers import Gemma3TextModel
+
+    from ltx_mgpu.assets import tiny_gemma_dir
+    from ltx_mgpu.text.nf4 import load_nf4, nf4_linears, quantize_nf4_model
+    from ltx_mgpu.text.nf4_artifact import artifact_bytes, read_manifest
+    from ltx_mgpu.text.nf4_dequant import FastDequant, dequantize_nf4
+
+    device = torch.device(args.device)
+    work = Path(tempfile.mkdtemp(prefix="bench-nf4-", dir=args.tmp))
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "transformers": transformers.__version__,
+               "bitsandbytes": bitsandbytes.__version__, "layers": args.layers, "tokens": args.tokens,
+               "bf16": {}, "nf4": {}, "dequant_ms": {}}
+
+    def save():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
+    try:
+        # ---- 1. bf16 model, projection, inputs
+        torch.manual_seed(0)
+        dims = dict(GEMMA_12B, layers=args.layers)
+        config = gemma3_text_config(**dims)
+        t0 = time.perf_counter()
+        with torch.device(device):
+            model = Gemma3TextModel._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+        results["bf16_build_seconds"] = time.perf_counter() - t0
+        n_states, d = dims["layers"] + 1, dims["hidden"]
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        proj_w = {
+            "video_aggregate_embed.weight": torch.randn(4096, d * n_states, generator=gen) * 0.002,
+            "video_aggregate_embed.bias": torch.zeros(4096),
+            "audio_aggregate_embed.weight": torch.randn(2048, d * n_states, generator=gen) * 0.002,
+            "audio_aggregate_embed.bias": torch.zeros(2048),
+        }
+        proj_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        projection = Projection("2.3", d, n_states, {k: v.to(device, proj_dtype) for k, v in proj_w.items()})
+        del proj_w
+        proj_bytes = sum(p.numel() * p.element_size() for p in projection.parameters())
+        tok_dir = tiny_gemma_dir(work / "assets")
+        batches = [int(b) for b in args.batches.split(",")]
+        inputs = {}
+        for b in batches:
+            ids = torch.randint(4, dims["vocab"], (b, args.tokens), generator=gen)
+            ids[:, 0] = 2
+            inputs[b] = (ids, torch.ones_like(ids))
+
+        tower = GemmaTextTower(model, None, config, "random", Path("random-12b"))
+        encoder = PromptEncoder(tower, projection)
+        resident_bf16 = sum(p.numel() * p.element_size() for p in model.parameters())
+        results["bf16"]["resident_bytes"] = resident_bf16
+        ref_features = {}
+        for b in batches:
+            ids, mask = inputs[b]
+            med, times = _time(device, lambda: encoder.encode_tokens(ids, mask), args.warmup, args.runs)
+            peak = _peak(device, lambda: encoder.encode_tokens(ids, mask))
+            results["bf16"][f"{b}x{args.tokens}"] = {"median_ms": med, "times_ms": times, "peak_bytes": peak}
+            print(f"bf16 {b}x{args.tokens}: {med:.2f} ms, peak {_gb(peak)}", flush=True)
+            if b == batches[0]:
+                ref_features[b] = torch.stack([e.tensor for e in encoder.encode_tokens(ids, mask)])
+        save()
+
+        # ---- 2. quantize
+        artifact = work / "gemma3-12b-shaped-nf4"
+        if args.quantize_from == "memory":
+            import bitsandbytes.functional as bf
+
+            _sync(device)
+            t0 = time.perf_counter()
+            quantize_nf4_model(model, artifact, tok_dir, device, name="random-12b")
+            _sync(device)
+            results["quantize_and_write_seconds"] = time.perf_counter() - t0
+            q_only = 0.0
+            for m_name, p in model.named_parameters():
+                if p.ndim == 2 and "layers." in m_name:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    bf.quantize_4bit(p.data, blocksize=64, compress_statistics=True, quant_type="nf4")
+                    _sync(device)
+                    q_only += time.perf_counter() - t0
+            results["quantize_only_seconds"] = q_only
+            print(f"quantize (from the in-memory bf16 model on {device.type}) + write: "
+                  f"{results['quantize_and_write_seconds']:.1f} s; quantize_4bit alone: {q_only:.2f} s", flush=True)
+        else:
+            snap = work / "bf16-snapshot"
+            model.save_pretrained(snap, max_shard_size="5GB")
+            for f in tok_dir.glob("tokenizer*"):
+                shutil.copy(f, snap)
+            cmd = [sys.executable, "-m", "ltx_mgpu", "quantize-nf4", str(snap), str(artifact), "--device", str(device)]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+            results["quantize_from_disk_seconds"] = time.perf_counter() - t0
+            results["quantize_from_disk_output"] = proc.stdout
+            print(proc.stdout + proc.stderr[-2000:], flush=True)
+            shutil.rmtree(snap, ignore_errors=True)
+            if proc.returncode:
+                raise RuntimeError("quantize-nf4 failed")
+        size = artifact_bytes(artifact)
+        expected = 0.0
+        for p in read_manifest(artifact)["parameters"].values():
+            n = math.prod(p["shape"])
+            expected += n / 2 + n / 64 + 4 * math.ceil(n / 64 / 256) if p["dtype"] == "nf4" else 2 * n
+        results.update(artifact_bytes=size, artifact_expected_bytes=expected)
+        print(f"artifact: {_gb(size)} (from parameter counts: {_gb(expected)}, {size / expected - 1:+.2%})", flush=True)
+        save()
+
+        # ---- 3. free bf16, load NF4
+        del encoder, tower, model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        before = _allocated(device)
+        t0 = time.perf_counter()
+        nf4 = load_nf4(artifact, device)
+        _sync(device)
+        results["nf4"]["load_seconds"] = time.perf_counter() - t0
+        resident = None if before is None else _allocated(device) - before
+        results["nf4"]["resident_bytes"] = resident
+        print(f"load_nf4: {results['nf4']['load_seconds']:.1f} s, resident {_gb(resident)} "
+              f"(bf16 was {_gb(resident_bf16)})", flush=True)
+        encoder = PromptEncoder(nf4, projection)
+
+        # ---- 4. variants
+        base_features = None
+        for name in variants:
+            spec = VARIANTS[name]
+            fast = None
+            row = results["nf4"][name] = {}
+            try:
+                if spec is not None:
+                    fast = FastDequant(nf4.model, *spec)
+                ids, mask = inputs[batches[0]]
+                t0 = time.perf_counter()
+                feats = torch.stack([e.tensor for e in encoder.encode_tokens(ids, mask)])
+                _sync(device)
+                row["first_call_seconds"] = time.perf_counter() - t0  # includes torch.compile
+                if base_features is None and name == "bnb":
+                    base_features = feats
+                row["max_abs_diff_vs_bnb"] = None if base_features is None else (feats - base_features).abs().max().item()
+                row["feature_cosine_vs_bf16"] = _token_cosine(feats, ref_features[batches[0]])
+                for b in batches:
+                    ids, mask = inputs[b]
+                    med, times = _time(device, lambda: encoder.encode_tokens(ids, mask), args.warmup, args.runs)
+                    peak = _peak(device, lambda: encoder.encode_tokens(ids, mask))
+
+                    def plain():
+                        with torch.inference_mode():
+                            nf4.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                      output_hidden_states=True, use_cache=False)
+
+                    plain_peak = _peak(device, plain)
+                    bf16_ms = results["bf16"][f"{b}x{args.tokens}"]["median_ms"]
+                    row[f"{b}x{args.tokens}"] = {
+                        "median_ms": med, "times_ms": times, "ratio_vs_bf16": med / bf16_ms, "peak_bytes": peak,
+                        "peak_without_projection_bytes": None if peak is None else peak - proj_bytes,
+                        "plain_forward_peak_bytes": plain_peak}
+                    print(f"nf4 {name} {b}x{args.tokens}: {med:.2f} ms = {med / bf16_ms:.3f}x bf16; encode peak "
+                          f"{_gb(peak)} (without the projection's weights {_gb(None if peak is None else peak - proj_bytes)}); "
+                          f"plain forward peak {_gb(plain_peak)}", flush=True)
+            except Exception as exc:  # one failing variant (e.g. no Triton) must not stop the others
+                row["error"] = repr(exc)
+                print(f"nf4 {name}: FAILED {exc!r}", flush=True)
+            finally:
+                if fast is not None:
+                    fast.remove()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            save()
+
+        # ---- 5. dequant alone, one layer
+        lins = [m for n, m in nf4_linears(nf4.model).items() if n.startswith("layers.0.")]
+        numel = sum(m.out_features * m.in_features for m in lins)
+        buf = torch.empty(numel, dtype=torch.bfloat16, device=device)
+        read = sum(m.weight.numel() + m.weight.quant_state.absmax.numel() for m in lins)
+        for method in ("bnb", "lut", "lut_compiled"):
+            def run(method=method):
+                start = 0
+                for m in lins:
+                    n = m.out_features * m.in_features
+                    dequantize_nf4(m.weight, buf[start:start + n], method)
+                    start += n
+            try:
+                med, _ = _time(device, run, max(args.warmup, 1), args.runs)
+                results["dequant_ms"][method] = med
+                print(f"dequant one layer ({numel / 1e6:.0f} M weights) with {method}: {med:.3f} ms, "
+                      f"{(read + 2 * numel) / med / 1e6:.0f} GB/s", flush=True)
+            except Exception as exc:
+                results["dequant_ms"][method] = repr(exc)
+                print(f"dequant {method}: FAILED {exc!r}", flush=True)
+        save()
+
+        # ---- summary
+        print(f"\n{'variant':<30}{'batch':>6}{'ms':>10}{'x bf16':>8}{'encode peak GB':>16}{'w/o proj GB':>13}"
+              f"{'plain GB':>10}{'GiB plain':>10}")
+        rows = [("bf16", b, results["bf16"][f"{b}x{args.tokens}"]) for b in batches]
+        rows += [(n, b, results["nf4"][n][f"{b}x{args.tokens}"]) for n in variants for b in batches
+                 if f"{b}x{args.tokens}" in results["nf4"][n]]
+        for name, b, r in rows:
+            def g(k, scale=1e9):
+                return f"{r[k] / scale:.2f}" if r.get(k) is not None else "n/a"
+            print(f"{name:<30}{b:>6}{r['median_ms']:>10.2f}{r.get('ratio_vs_bf16', 1.0):>8.3f}{g('peak_bytes'):>16}"
+                  f"{g('peak_without_projection_bytes'):>13}{g('plain_forward_peak_bytes'):>10}"
+                  f"{g('plain_forward_peak_bytes', 2**30):>10}")
+        print(f"goals: peak <= {GOALS['peak_gb_1']} GB at 1x1024, <= {GOALS['ratio_1']}x bf16 at 1x1024, "
+              f"<= {GOALS['ratio_8']}x at 8x1024")
+        for n in variants:
+            r1, r8 = results["nf4"][n].get(f"1x{args.tokens}"), results["nf4"][n].get(f"8x{args.tokens}")
+            if not r1:
+                continue
+            peak = r1["peak_without_projection_bytes"]
+            verdict = [f"ratio 1x: {r1['ratio_vs_bf16']:.3f} ({'ok' if r1['ratio_vs_bf16'] <= GOALS['ratio_1'] else 'MISS'})"]
+            if r8:
+                verdict.append(f"ratio 8x: {r8['ratio_vs_bf16']:.3f} ({'ok' if r8['ratio_vs_bf16'] <= GOALS['ratio_8'] else 'MISS'})")
+            if peak is not None:
+                verdict.append(f"peak 1x w/o projection: {peak / 1e9:.2f} GB "
+                               f"({'ok' if peak / 1e9 <= GOALS['peak_gb_1'] else 'MISS'})")
+            print(f"  {n}: " + "; ".join(verdict))
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
