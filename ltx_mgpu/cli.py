@@ -1,8 +1,9 @@
 """``python -m ltx_mgpu``: the engine's command line.
 
 Subcommands: ``make-assets`` (build the embedded tiny models), ``encode`` (prompts ->
-LTX-2 embeddings through the cache), ``pool`` (start/stop/status of the sidecar pool,
-when available). Every subcommand prints what it did and exits non-zero with a one-line
+LTX-2 embeddings through the cache), ``quantize-nf4`` (a Gemma 3 source -> an NF4 artifact
+directory, which ``encode --gemma`` then loads), ``pool`` (start/stop/status of the sidecar
+pool, when available). Every subcommand prints what it did and exits non-zero with a one-line
 message on bad input.
 """
 
@@ -56,13 +57,66 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=args.weights, device=args.device,
                            dtype=args.dtype, truncate=not args.no_truncate)
     cache = None if args.no_cache else EmbeddingCache(args.cache or default_cache_dir())
-    embeddings, report = encode_prompts(spec, prompts, batch_size=args.batch_size, cache=cache)
+    if args.pool:
+        from ltx_mgpu.remote_text import encode_with_pool
+
+        embeddings, report, pool = encode_with_pool(spec, prompts, placement=args.placement, gpus=args.gpus,
+                                                    nproc=args.nproc, runtime_dir=args.runtime_dir, cache=cache,
+                                                    batch_size=args.batch_size)
+        print("pool: not contacted (every prompt cached)" if pool["pid"] is None else
+              f"pool: pid {pool['pid']}, {pool['world_size']} rank(s), placement {args.placement}, "
+              f"{'started for this run and stopped' if pool['started'] else 'attached'}")
+    else:
+        embeddings, report = encode_prompts(spec, prompts, batch_size=args.batch_size, cache=cache)
     out = save_embeddings(args.out, prompts, embeddings)
     for p, e in zip(prompts, embeddings):
         short = p if len(p) <= 60 else p[:57] + "..."
         print(f"  {e.num_tokens:5d} tokens x {e.tensor.shape[1]} (LTX-{e.version})  {short!r}")
     print(f"{report}")
     print(f"wrote {len(embeddings)} embedding(s) to {out}")
+    return 0
+
+
+def _peak_rss() -> int:
+    """Peak resident set size of this process in bytes: ``VmHWM`` from ``/proc/self/status`` (Linux;
+    reset at exec, unlike ``ru_maxrss``, which a child inherits from a large parent), else
+    ``getrusage`` (KiB on Linux, bytes on macOS)."""
+    import resource
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
+    import time
+
+    from ltx_mgpu.text.nf4 import quantize_nf4
+    from ltx_mgpu.text.nf4_artifact import artifact_bytes, read_manifest
+
+    def size(n: float) -> str:
+        return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+    rss_before = _peak_rss()
+    t0 = time.perf_counter()
+    try:
+        out = quantize_nf4(args.source, args.out_dir, device=args.device)
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - t0
+    peak = _peak_rss()
+    manifest = read_manifest(out)
+    n_nf4 = sum(1 for p in manifest["parameters"].values() if p["dtype"] == "nf4")
+    print(f"wrote NF4 artifact {out}: {size(artifact_bytes(out))} in {len(manifest['files'])} shard(s), "
+          f"{n_nf4} NF4 projection weights, quantized on {manifest['quantization']['device']} in {seconds:.1f} s")
+    print(f"peak RSS of this process: {size(peak)} (before quantizing: {size(rss_before)})")
+    print(f"use it with: python -m ltx_mgpu encode --gemma {out} ...")
     return 0
 
 
@@ -75,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", help="directory to build into (default: the ltx_mgpu cache)")
     p.set_defaults(func=_cmd_make_assets)
 
-    p = sub.add_parser("encode", help="encode prompts to LTX-2 embeddings (safetensors)")
+    p = sub.add_parser("encode", help="encode prompts to LTX-2 embeddings (safetensors); --pool: in the GPU pool")
     p.add_argument("--gemma", help="Gemma 3: HF snapshot dir, ComfyUI single file, or NF4 artifact dir")
     p.add_argument("--projection", help="LTX-2 checkpoint or text projection file (text_embedding_projection.*)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -90,7 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-truncate", action="store_true", help="fail on prompts over 1024 tokens")
     p.add_argument("--embedded-version", choices=["2.0", "2.3"], default="2.3",
                    help="layout of the embedded tiny checkpoint when --projection is not given")
+    p.add_argument("--pool", action="store_true",
+                   help="encode in the sidecar pool (attach to the running one, else start one for this run)")
+    p.add_argument("--gpus", default=None, help="with --pool: GPU indices like 0,1, 'all' (default) or 'cpu'")
+    p.add_argument("--nproc", type=int, default=None, help="with --pool: number of ranks (CPU pools)")
+    p.add_argument("--placement", choices=["single", "accelerate", "batch_parallel"], default="single",
+                   help="with --pool: where Gemma runs (default single: rank 0)")
+    p.add_argument("--runtime-dir", default=None, help="with --pool: base of the pool's private directory")
     p.set_defaults(func=_cmd_encode)
+
+    p = sub.add_parser("quantize-nf4", help="quantize a Gemma 3 text tower to an NF4 artifact directory")
+    p.add_argument("source", help="Gemma 3: HF snapshot dir or ComfyUI single file (bf16, fp16 or fp8)")
+    p.add_argument("out_dir", help="the artifact directory to create (must not exist)")
+    p.add_argument("--device", default=None,
+                   help="where to quantize: the device that will run it (default: cuda if available, else cpu)")
+    p.set_defaults(func=_cmd_quantize_nf4)
 
     try:
         from ltx_mgpu.pool import commands as pool_commands
@@ -106,6 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # transformers' per-load tqdm bars ("Loading weights") are noise here
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, ValueError) as e:

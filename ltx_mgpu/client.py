@@ -237,6 +237,11 @@ class PoolClient:
         """torchrun's pid (the pool's identity)."""
         return self.pool.get("torchrun_pid")
 
+    @property
+    def launched(self) -> bool:
+        """Whether this client started the pool it is connected to (rather than attaching)."""
+        return self._launched is not None
+
     def _with_log(self, message: str) -> str:
         tail = launch.log_tail(self.dir, 3000).strip()
         return f"{message}\n--- tail of {self.dir / launch.LOG_NAME} ---\n{tail}" if tail else message
@@ -393,6 +398,16 @@ class PoolClient:
         """``submit`` + ``wait``: returns ``(result, tensors)``; raises as :meth:`Job.wait`."""
         return self.submit(mtype, params, tensors).wait(timeout=timeout, poll_interval=poll_interval,
                                                         should_cancel=should_cancel, on_progress=on_progress)
+
+    def encode_prompts(self, encoder, prompts: Sequence[str], **kwargs: Any):
+        """Cache-aware prompt encoding through this pool: ``(embeddings, CacheReport)``. The cache
+        is read before the pool is contacted, so a fully cached request makes no pool call (and
+        an unconnected client starts no pool). See ``ltx_mgpu.remote_text.encode_prompts``
+        (``encoder``: a ``PoolTextEncoder`` or ``TextEncoderSpec``; ``cache``, ``batch_size``,
+        ``on_progress``, ``should_cancel``, ``timeout``, ``keep``)."""
+        from ltx_mgpu.remote_text import encode_prompts
+
+        return encode_prompts(self, encoder, prompts, **kwargs)
 
     def status(self, timeout: float = 10.0) -> dict:
         """Per-rank devices, memory (bytes) and models, the queue and the current job."""

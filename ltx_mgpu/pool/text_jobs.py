@@ -1,0 +1,354 @@
+"""The pool's text-encoding jobs: ``load_text_encoder`` and ``encode`` (DESIGN.md §4).
+
+Both run on every rank (SPMD, ``ltx_mgpu.pool.engines``). The placement logic and the
+embedding broadcast live in ``ltx_mgpu.text.placement`` (which knows nothing of the pool); this
+module validates requests, keeps the encoder resident and turns failures into ``bad_input``.
+
+Errors: every parameter, path, format and the projection/Gemma pairing is checked from file
+headers on every rank alike, before any collective (:func:`parse_load_request`). What only a
+holder can find out (a damaged weight file, out of memory, a prompt over the token budget with
+``truncate=False``) is *agreed*: each rank contributes a flag over the control group, and if any
+rank failed every rank raises the same :class:`BadInput` (the first failing rank's message), so
+the pool keeps serving.
+
+Resident state (``ctx.models``): ``text_encoder`` on every rank (a :class:`ResidentTextEncoder`;
+the holders' copy carries the model; ``status`` reports its ``key``, placement and bytes) and,
+after an ``encode`` with ``keep`` (the default), ``text_embeddings``: the last encode's
+embeddings on every rank's device, for a following job. A new load frees both first; ``unload``
+frees them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ltx_mgpu.pool.engines import BadInput, JobContext, broadcast_json, free_memory, register_engine
+from ltx_mgpu.text import placement as tp
+from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
+from ltx_mgpu.text.features import TOKEN_BUDGET
+from ltx_mgpu.text.sharding import describe_device_map
+
+TEXT_ENCODER = "text_encoder"
+EMBEDDINGS = "text_embeddings"
+_LOAD_FIELDS = ("source", "projection", "weights", "placement", "dtype", "max_memory", "token_budget", "truncate",
+                "key")
+_ENCODE_FIELDS = ("prompts", "batch_size", "expect", "keep", "verify")
+_MAX_KEY = 256
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """A validated ``load_text_encoder`` request (identical on every rank).
+
+    ``weights_mode`` is what is loaded (``nf4`` for an NF4 artifact whatever ``weights``
+    says); ``max_memory`` maps device index -> bytes (accelerate only); ``key`` is the
+    client's name for this configuration (by default the JSON of the other fields)."""
+
+    source: str
+    projection: str
+    weights: str
+    weights_mode: str
+    placement: str
+    dtype: str
+    token_budget: int
+    truncate: bool
+    max_memory: dict[int, int] | None
+    key: str
+    version: str
+    width: int
+
+
+def _path(params: dict, name: str, what: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str) or not value:
+        raise BadInput(f"load_text_encoder.{name} is required: {what}")
+    if not os.path.isabs(value):
+        raise BadInput(f"load_text_encoder.{name} must be an absolute path (the pool's working directory is not "
+                       f"yours), got {value!r}")
+    return value
+
+
+def _max_memory(value: Any, placement: str, devices: int) -> dict[int, int] | None:
+    if value is None:
+        return None
+    if placement != "accelerate":
+        raise BadInput(f"max_memory applies to placement 'accelerate' only, not {placement!r}")
+    if not isinstance(value, dict):
+        raise BadInput(f"max_memory must be an object {{device index: bytes or '70GiB'}}, got {type(value).__name__}")
+    from accelerate.utils import convert_file_size_to_int
+
+    out: dict[int, int] = {}
+    for k, v in value.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise BadInput(f"max_memory keys must be device indices like '0', got {k!r}")
+        try:
+            n = v if isinstance(v, int) and not isinstance(v, bool) else convert_file_size_to_int(v)
+        except (ValueError, TypeError, AttributeError):
+            n = -1
+        if not isinstance(n, int) or n <= 0:
+            raise BadInput(f"max_memory[{k!r}] must be a positive byte count or a size like '70GiB', got {v!r}")
+        out[int(k)] = n
+    if sorted(out) != list(range(devices)):
+        raise BadInput(f"max_memory must give every device of the pool a budget: indices 0..{devices - 1}, got "
+                       f"{sorted(out)}")
+    return out
+
+
+def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadRequest:
+    """Check a ``load_text_encoder`` request from headers only (no weights are read).
+
+    Raises:
+        BadInput: unknown fields; a missing or relative path; a path that does not exist or
+            is not a supported Gemma 3 source / LTX-2 projection; weights, placement or dtype
+            not supported (NF4 computes in bf16); a projection that does not fit the Gemma; a
+            bad ``max_memory``, ``token_budget``, ``truncate`` or ``key``.
+    """
+    unknown = sorted(set(params) - set(_LOAD_FIELDS))
+    if unknown:
+        raise BadInput(f"load_text_encoder has unknown field(s) {unknown}; known: {sorted(_LOAD_FIELDS)}")
+    source = _path(params, "source", "a Gemma 3 HF snapshot directory, ComfyUI single file or NF4 artifact")
+    projection = _path(params, "projection", "an LTX-2 checkpoint or text projection file")
+    weights = params.get("weights", "bf16")
+    placement = params.get("placement", "single")
+    if weights not in ("bf16", "nf4"):
+        raise BadInput(f"weights must be 'bf16' or 'nf4', got {weights!r}")
+    if placement not in tp.PLACEMENTS:
+        raise BadInput(f"placement must be one of {list(tp.PLACEMENTS)}, got {placement!r}")
+    try:
+        dtype = str(parse_dtype(params.get("dtype", "bfloat16"))).removeprefix("torch.")
+    except (ValueError, AttributeError) as e:
+        raise BadInput(f"load_text_encoder.dtype: {e}") from None
+    budget, truncate, key = params.get("token_budget", TOKEN_BUDGET), params.get("truncate", True), params.get("key")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise BadInput(f"token_budget must be a positive int (tokens), got {budget!r}")
+    if not isinstance(truncate, bool):
+        raise BadInput(f"truncate must be true or false, got {truncate!r}")
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY):
+        raise BadInput(f"key must be a string of 1..{_MAX_KEY} characters, got {key!r:.80}")
+    try:
+        gemma = tp.read_gemma_shape(source)
+        proj = tp.read_projection_shape(projection)
+        tp.check_pairing(gemma, proj, source, projection)
+    except (OSError, ValueError) as e:  # FileNotFoundError, GemmaFormatError, ProjectionFormatError, pairing
+        raise BadInput(str(e)) from None
+    weights_mode = "nf4" if gemma.format == "nf4_artifact" else weights
+    if weights_mode == "nf4" and dtype != "bfloat16":
+        raise BadInput(f"NF4 weights compute in bfloat16 (fp16 gives empty outputs for Gemma 3); got dtype {dtype!r}")
+    devices = world_size if device_type == "cuda" else 1
+    max_memory = _max_memory(params.get("max_memory"), placement, devices)
+    fields = dict(source=source, projection=projection, weights=weights, weights_mode=weights_mode,
+                  placement=placement, dtype=dtype, token_budget=budget, truncate=truncate, max_memory=max_memory)
+    if key is None:
+        key = json.dumps(fields, sort_keys=True, default=str)[:_MAX_KEY]
+    return LoadRequest(**fields, key=key, version=proj.version, width=proj.out_features)
+
+
+@dataclass(eq=False)
+class ResidentTextEncoder:
+    """The loaded text encoder as one rank knows it: the request, the model (holders only),
+    the broadcast dtype and, for ``accelerate``, the device map."""
+
+    request: LoadRequest
+    encoder: PromptEncoder | None
+    wire: torch.dtype
+    device_map: dict | None = None
+
+    def info(self) -> dict:
+        """``status`` entry: key, placement, weights, whether this rank holds Gemma, and the
+        bytes and devices of its weights (Gemma + projection)."""
+        info: dict[str, Any] = {"key": self.request.key, "placement": self.request.placement,
+                                "weights": self.request.weights_mode, "dtype": self.request.dtype,
+                                "version": self.request.version, "holds_model": self.encoder is not None,
+                                "bytes": 0, "devices": []}
+        if self.encoder is not None:
+            tensors = [*self.encoder.tower.model.parameters(), *self.encoder.tower.model.buffers(),
+                       *self.encoder.projection.parameters()]
+            info["bytes"] = int(sum(t.numel() * t.element_size() for t in tensors))
+            info["devices"] = sorted({str(t.device) for t in tensors})
+        if self.device_map:
+            info["layers"] = describe_device_map(self.device_map)
+        return info
+
+
+def _agree(ctx: JobContext, error: str | None) -> None:
+    """Collective over the control group: when any rank failed, every rank raises the same
+    BadInput carrying the first failing rank's message."""
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(ctx.world_size)]
+    dist.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32), group=ctx.control_group)
+    failed = [r for r, f in enumerate(flags) if int(f)]
+    if not failed:
+        return
+    message = broadcast_json(error if ctx.rank == failed[0] else None, failed[0], ctx.control_group, ctx.rank)
+    where = f" (on rank {failed[0]}{f' and {len(failed) - 1} more' if len(failed) > 1 else ''})" \
+        if ctx.world_size > 1 else ""
+    raise BadInput(f"{message}{where}")
+
+
+def _failure(e: BaseException, what: str) -> str:
+    traceback.print_exc()  # into pool.log, for the full story
+    return f"{what} failed: {type(e).__name__}: {e}"
+
+
+@register_engine("load_text_encoder")
+def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """Load Gemma 3 + the LTX-2 projection into the pool with a placement (every rank).
+
+    Params: ``source``, ``projection`` (absolute paths), ``weights`` (``bf16``|``nf4``),
+    ``placement`` (``single``|``accelerate``|``batch_parallel``), ``dtype`` (``bfloat16``;
+    ``float32`` for reference runs), ``max_memory`` (accelerate: ``{"0": bytes or "70GiB", ...}``
+    per pool GPU; the layer split follows it), ``token_budget`` (1024), ``truncate`` (true),
+    ``key`` (the client's name for this configuration, e.g. a digest of the files' contents;
+    default: the JSON of the other fields). A load equal to the resident one (key included) is
+    a no-op; otherwise the previous text encoder and embeddings are freed first, so a load that
+    fails leaves none loaded.
+
+    Returns (rank 0): ``{"key", "placement", "weights", "version", "width", "holders",
+    "reused", "seconds", "layers"}`` where ``layers`` maps device -> decoder layers (accelerate).
+
+    Raises:
+        BadInput: see :func:`parse_load_request`; a load that failed on any rank (agreed).
+    """
+    req = parse_load_request(params, ctx.world_size, ctx.device.type)
+    holders = tp.holder_ranks(req.placement, ctx.world_size)
+    summary = {"key": req.key, "placement": req.placement, "weights": req.weights_mode, "version": req.version,
+               "width": req.width, "holders": holders}
+    current = ctx.models.get(TEXT_ENCODER)
+    if current is not None and current.request == req:
+        return {**summary, "reused": True, "seconds": 0.0, "layers": describe_device_map(current.device_map)}, {}
+    ctx.models.pop(TEXT_ENCODER)
+    ctx.models.pop(EMBEDDINGS)
+    del current
+    free_memory(ctx.device)
+    ctx.progress("load_text_encoder", 0, 1)
+    t0 = time.perf_counter()
+    encoder, device_map, error = None, None, None
+    if ctx.rank in holders:
+        shard = None
+        if req.placement == "accelerate":
+            shard = ([torch.device("cuda", i) for i in range(ctx.world_size)] if ctx.device.type == "cuda"
+                     else [ctx.device])
+        try:
+            encoder, device_map = tp.load_prompt_encoder(
+                req.source, req.projection, weights=req.weights, dtype=req.dtype, device=ctx.device, shard_over=shard,
+                max_memory=req.max_memory, token_budget=req.token_budget, truncate=req.truncate)
+            wire = tp.wire_dtype(ctx.device.type, req.dtype)
+            loaded = getattr(encoder.tower, "weights", "bf16")
+            if encoder.projection.dtype != wire or loaded != req.weights_mode:
+                raise RuntimeError(f"loaded a {loaded} tower with a {encoder.projection.dtype} "
+                                   f"projection, expected {req.weights_mode} / {wire} (a bug in ltx_mgpu)")
+        except Exception as e:  # noqa: BLE001 - a local load failure leaves this rank consistent
+            encoder = device_map = None
+            error = _failure(e, f"loading the text encoder on {ctx.device}")
+            free_memory(ctx.device)
+    _agree(ctx, error)
+    state = ResidentTextEncoder(req, encoder, tp.wire_dtype(ctx.device.type, req.dtype), device_map)
+    ctx.models.put(TEXT_ENCODER, state, info=state.info())
+    seconds = time.perf_counter() - t0
+    if encoder is not None:
+        ctx.log(f"loaded Gemma ({encoder.tower.format}, {req.weights_mode}, {req.placement}) and the "
+                f"LTX-{req.version} projection in {seconds:.1f} s on {state.info()['devices']}")
+    ctx.progress("load_text_encoder", 1, 1)
+    return {**summary, "reused": False, "seconds": seconds, "layers": describe_device_map(device_map)}, {}
+
+
+def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, list[str], int, bool, bool]:
+    unknown = sorted(set(params) - set(_ENCODE_FIELDS))
+    if unknown:
+        raise BadInput(f"encode has unknown field(s) {unknown}; known: {sorted(_ENCODE_FIELDS)}")
+    state = ctx.models.get(TEXT_ENCODER)
+    if state is None:
+        raise BadInput("no text encoder is loaded in the pool; send load_text_encoder first")
+    expect = params.get("expect")
+    if expect is not None and expect != state.request.key:
+        raise BadInput(f"the pool's text encoder is {state.request.key!r:.120}, not the expected {expect!r:.120} "
+                       "(another client loaded a different one); load yours again")
+    batch_size, keep, verify = params.get("batch_size", 8), params.get("keep", True), params.get("verify", False)
+    if batch_size < 1:
+        raise BadInput(f"batch_size must be >= 1 (prompts per Gemma forward), got {batch_size}")
+    if not isinstance(keep, bool) or not isinstance(verify, bool):
+        raise BadInput(f"keep and verify must be true or false, got {keep!r} and {verify!r}")
+    return state, list(params["prompts"]), batch_size, keep, verify
+
+
+@register_engine("encode")
+def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """Encode prompts with the resident text encoder; afterwards every rank holds every prompt's
+    embedding (``ltx_mgpu.text.placement.replicate_embeddings``).
+
+    Params: ``prompts`` (list of str), ``batch_size`` (prompts per Gemma forward, default 8),
+    ``expect`` (the key the client loaded: a mismatch is bad input, so a client never gets
+    another configuration's embeddings), ``keep`` (default true: keep the embeddings resident as
+    ``text_embeddings`` on every rank), ``verify`` (a diagnostic of the broadcast: gather every
+    rank's SHA-256 of each embedding it holds to rank 0).
+
+    ``single``/``accelerate``: rank 0 encodes in sub-batches; ``batch_parallel``: each rank
+    its contiguous slice. Between sub-batches every rank passes ``check_cancel`` the same
+    number of times (the most any rank needs) and rank 0 reports ``progress("encode", k, n)``.
+
+    Returns (rank 0): ``{"count", "version", "dropped_tokens", "num_tokens", "owners",
+    "placement", "key", "wire_dtype", "broadcast_bytes", "seconds": {"encode", "broadcast"}}``
+    (plus ``rank_digests`` [rank][prompt] hex and ``consistent`` with ``verify``) and tensors
+    ``prompt_<i>``: ``[T_i, D]`` float32, prompt order.
+
+    Raises:
+        BadInput: no encoder loaded, an ``expect`` mismatch, bad parameters; a prompt over the
+            token budget with ``truncate=False`` or out of memory on any rank (agreed).
+        JobCancelled: at a sub-batch boundary.
+    """
+    state, prompts, batch_size, keep, verify = _encode_params(ctx, params)
+    req, count = state.request, len(prompts)
+    ctx.models.pop(EMBEDDINGS)
+    owners = tp.prompt_owners(count, ctx.world_size, req.placement)
+    per_rank = [owners.count(r) for r in range(ctx.world_size)]
+    rounds = max(1, max(math.ceil(n / batch_size) for n in per_rank))
+    mine = [i for i in range(count) if owners[i] == ctx.rank]
+    local, error = {}, None
+    t0 = time.perf_counter()
+    for k in range(rounds):
+        ctx.check_cancel()
+        chunk = mine[k * batch_size:(k + 1) * batch_size]
+        if chunk and error is None:
+            try:
+                out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size)
+            except (ValueError, torch.OutOfMemoryError) as e:  # PromptTooLongError is a ValueError
+                error = _failure(e, "encoding")
+                local.clear()
+                free_memory(ctx.device)
+            else:
+                local.update(zip(chunk, out))
+        ctx.progress("encode", k + 1, rounds)
+    _agree(ctx, error)
+    t_encode = time.perf_counter() - t0
+    ctx.check_cancel()
+    t0 = time.perf_counter()
+    held = tp.replicate_embeddings(local, owners, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                                   wire=state.wire, width=req.width, version=req.version, group=ctx.data_group)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    t_broadcast = time.perf_counter() - t0
+    del local
+    digests = tp.gather_digests(held, world_size=ctx.world_size, group=ctx.control_group) if verify else None
+    if keep:
+        ctx.models.put(EMBEDDINGS, held, info={"count": count, "bytes": held.nbytes, "version": req.version,
+                                                "devices": [str(ctx.device)], "job": ctx.job_id})
+    if not ctx.is_main:
+        return {}, {}
+    embeddings = held.prompt_embeddings()
+    result = {"count": count, "version": req.version, "dropped_tokens": [e.dropped_tokens for e in embeddings],
+              "num_tokens": [e.num_tokens for e in embeddings], "owners": owners, "placement": req.placement,
+              "key": req.key, "wire_dtype": str(state.wire).removeprefix("torch."), "broadcast_bytes": held.nbytes,
+              "seconds": {"encode": t_encode, "broadcast": t_broadcast}}
+    if digests is not None:
+        result["rank_digests"] = digests
+        result["consistent"] = all(d == digests[0] for d in digests)
+    return result, {f"prompt_{i}": e.tensor for i, e in enumerate(embeddings)}
+
