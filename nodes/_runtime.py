@@ -1,0 +1,274 @@
+"""What the node families share: the custom type names, the platform check, the pool handle
+(one :class:`ltx_mgpu.client.PoolClient` per GPU set for the whole ComfyUI process) and
+:class:`JobWatch`, which ties a pool job to the node's progress bar and to ComfyUI's Stop.
+
+Stop, step by step (``../shared/notes/comfyui.md`` §7): while a node waits on the pool,
+``JobWatch.should_cancel`` peeks ComfyUI's interrupt flag every 0.1 s; when it is set the client
+sends ``cancel`` and waits (``Job.wait``'s ``cancel_timeout``, 15 s) for the pool to stop the job
+at its next step boundary (the pool keeps serving); if the pool does not answer in time the
+client kills it and the next request starts a fresh one. Either
+way the node then raises ComfyUI's ``InterruptProcessingException`` (a ``BaseException``).
+A progress update itself may raise that exception (ComfyUI's progress hook checks the flag);
+``JobWatch.on_progress`` turns it back into the flag so the cancel above still happens.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _comfy
+
+__all__ = ["CATEGORY", "POOL", "TEXT_ENCODER", "MODEL", "JobWatch", "PoolHandle", "free_pool", "known_clients",
+           "pool_specs", "pool_status",
+           "pool_unavailable_reason", "require_pool"]
+
+CATEGORY = "LTX-2 Multi-GPU"
+#: Custom types passed between our nodes (ids carry the LTXMGPU prefix; core owns LTXV*).
+POOL, TEXT_ENCODER, MODEL = "LTXMGPU_POOL", "LTXMGPU_TEXT_ENCODER", "LTXMGPU_MODEL"
+
+
+def pool_unavailable_reason() -> str | None:
+    """Why the sidecar pool cannot run on this machine (None when it can): it needs Linux
+    (AF_UNIX sockets, ``fcntl`` locks, process sessions) and ``torch.distributed``."""
+    if not sys.platform.startswith("linux"):
+        return (f"LTX-2 Multi-GPU: the multi-GPU pool runs on Linux only (this is {sys.platform}); "
+                "use ComfyUI's own LTX-2 nodes here, or run ComfyUI on a Linux machine")
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return ("LTX-2 Multi-GPU: this torch build has no torch.distributed, which the pool needs; "
+                "install a torch build with distributed support (the official Linux wheels have it)")
+    try:
+        import ltx_mgpu.client  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - report any import failure as the reason
+        return f"LTX-2 Multi-GPU: the pool client could not be imported ({type(e).__name__}: {e}); " \
+               "reinstall the pack's requirements (pip install -r requirements.txt)"
+    return None
+
+
+def require_pool() -> None:
+    """Raise a clear ``RuntimeError`` when the pool cannot run here (see above)."""
+    reason = pool_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+# --------------------------------------------------------------------------- pool handle
+
+_CLIENTS: dict[str, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def known_clients() -> list:
+    """The pool clients this process created (one per GPU set), in creation order."""
+    with _CLIENTS_LOCK:
+        return list(_CLIENTS.values())
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    """The ``LTXMGPU_POOL`` value: which pool (GPU set, CPU ranks, lifetime) and whether to
+    ask ComfyUI to unload its own models before a pool job on ComfyUI's GPU.
+
+    Nothing starts here: the pool starts (or is attached to) on the first request that needs
+    it, so a fully cached prompt never starts one.
+
+    Raises (at construction):
+        RuntimeError: the pool cannot run on this platform.
+        ValueError: bad ``gpus`` / ``cpu_ranks`` / ``lifetime`` (the message names the fix).
+    """
+
+    gpus: str = "all"
+    cpu_ranks: int = 1
+    lifetime: str = "with-owner"
+    free_comfy_vram: bool = True
+    spec: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        require_pool()
+        from ltx_mgpu.pool import launch
+
+        ids = launch.parse_gpus(self.gpus)
+        if ids is None:
+            import torch
+
+            ids = () if not torch.cuda.is_available() or torch.cuda.device_count() == 0 else None
+        nproc = int(self.cpu_ranks) if ids == () else None
+        object.__setattr__(self, "spec", launch.resolve_spec(self.gpus, nproc, self.lifetime))
+
+    @property
+    def client(self):
+        """The process-wide :class:`PoolClient` of this GPU set (created unconnected)."""
+        from ltx_mgpu.client import PoolClient
+
+        key = str(self.spec.dir)
+        with _CLIENTS_LOCK:
+            client = _CLIENTS.get(key)
+            if client is None:
+                client = _CLIENTS[key] = PoolClient(self.spec)
+            return client
+
+    def shares_comfy_gpu(self) -> bool:
+        """Whether the pool's GPUs include the GPU ComfyUI computes on (True when ComfyUI is on
+        CUDA but its physical GPU cannot be told; False without ComfyUI or on its CPU)."""
+        index = _comfy.comfy_cuda_index()
+        return bool(self.spec.gpus) and index is not None and (index == -1 or index in self.spec.gpus)
+
+    def before_job(self) -> None:
+        """Free ComfyUI's own VRAM first when enabled and the pool uses ComfyUI's GPU."""
+        if self.free_comfy_vram and self.shares_comfy_gpu():
+            _comfy.unload_comfy_models()
+
+    def session(self) -> _Session:
+        """The client, wrapped so that :meth:`before_job` runs once, just before the first
+        request that reaches the pool (a fully cached encode never triggers it)."""
+        return _Session(self)
+
+    def describe(self) -> str:
+        """``"GPUs 0,1 (2 ranks)"`` / ``"CPU (2 ranks)"``."""
+        where = f"GPUs {','.join(map(str, self.spec.gpus))}" if self.spec.gpus else "CPU"
+        return f"{where} ({self.spec.nproc} rank{'s' if self.spec.nproc != 1 else ''})"
+
+
+class _Session:
+    """A :class:`PoolClient` proxy (what ``ltx_mgpu.remote_text`` / ``remote_denoise`` call:
+    ``request``, ``submit``, ``status``, ``spec``...) running ``handle.before_job()`` once."""
+
+    def __init__(self, handle: PoolHandle):
+        self._handle, self._client, self._prepared = handle, handle.client, False
+
+    def _prepare(self) -> None:
+        if not self._prepared:
+            self._prepared = True
+            self._handle.before_job()
+
+    def request(self, *args: Any, **kwargs: Any):
+        self._prepare()
+        return self._client.request(*args, **kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any):
+        self._prepare()
+        return self._client.submit(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+# --------------------------------------------------------------------------- observing pools
+
+_OBSERVERS: dict[str, Any] = {}
+
+
+def _observer(spec):
+    """A status-only client of the pool in ``spec.dir`` (``start=False``: it never starts one)."""
+    from ltx_mgpu.client import PoolClient
+
+    key = str(spec.dir)
+    with _CLIENTS_LOCK:
+        client = _OBSERVERS.get(key)
+        if client is None:
+            client = _OBSERVERS[key] = PoolClient(spec, start=False)
+        return client
+
+
+def pool_specs() -> list:
+    """The pools to report: every GPU set a Pool node configured in this process (started or
+    not) and every live pool under the runtime base directory (e.g. one started with
+    ``python -m ltx_mgpu pool start --detach``), without duplicates."""
+    from ltx_mgpu.pool import launch
+
+    specs = {str(c.spec.dir): c.spec for c in known_clients()}
+    base = launch.runtime_base()
+    if base.is_dir():
+        for path in sorted(base.glob(f"*/{launch.INFO_NAME}")):
+            info = launch.PoolInfo.read(path.parent)
+            if info is not None and str(path.parent) not in specs and info.alive():
+                specs[str(path.parent)] = launch.PoolSpec(tuple(info.gpus), info.nproc, info.lifetime, path.parent)
+    return list(specs.values())
+
+
+def pool_status(spec, timeout: float = 10.0) -> dict | None:
+    """The pool's ``status`` answer (ranks, memory, models, current job, queue), or None when
+    no pool runs for ``spec`` (none is started).
+
+    Raises:
+        ltx_mgpu.client.PoolError: the pool runs but does not answer.
+    """
+    from ltx_mgpu.pool import launch
+
+    if launch.find_live_pool(spec.dir) is None:
+        return None
+    return _observer(spec).status(timeout=timeout)
+
+
+def free_pool(spec, shutdown: bool = False, timeout: float = 60.0) -> dict:
+    """Make the pool of ``spec`` release every resident model (``unload``), or stop it.
+
+    Returns:
+        ``{"running": bool, "unloaded": [names], "stopped": bool}`` (nothing is started).
+    Raises:
+        ltx_mgpu.client.PoolError: the pool runs but does not answer.
+    """
+    from ltx_mgpu.pool import launch
+
+    if launch.find_live_pool(spec.dir) is None:
+        return {"running": False, "unloaded": [], "stopped": False}
+    if shutdown:
+        return {"running": True, "unloaded": [], "stopped": launch.stop(spec.dir)}
+    result, _ = _observer(spec).request("unload", {"names": None}, timeout=timeout)
+    return {"running": True, "unloaded": result["unloaded"], "stopped": False}
+
+
+# --------------------------------------------------------------------------- progress and Stop
+
+
+class JobWatch:
+    """Progress bar and Stop handling for the pool calls of one node execution.
+
+    Use as a context manager around the calls and pass ``should_cancel`` / ``on_progress``
+    to them. On leaving with ``JobCancelledError`` (the pool confirmed the cancel) or
+    ``PoolFatalError`` (the pool was killed after not confirming) while Stop was pressed, it
+    raises ComfyUI's interrupt exception instead.
+    """
+
+    def __init__(self, node_id: str | None):
+        self.node_id = node_id
+        self.interrupted = False
+        self._bar = None
+        self._phase: str | None = None
+
+    def should_cancel(self) -> bool:
+        if not self.interrupted and _comfy.processing_interrupted():
+            self.interrupted = True
+        return self.interrupted
+
+    def on_progress(self, phase: str, step: int, total: int) -> None:
+        if self.should_cancel():
+            return
+        try:
+            if self._bar is None or phase != self._phase:
+                self._bar, self._phase = _comfy.progress_bar(total, self.node_id), phase
+            self._bar.update_absolute(step, total)
+        except _comfy.interrupt_exception():
+            _comfy.interrupt_current_processing(True)  # ComfyUI's hook cleared it while raising
+            self.interrupted = True
+
+    def done(self) -> None:
+        """Fill the bar (a node whose pool call reported no progress)."""
+        if not self.interrupted and self._bar is None:
+            self.on_progress("done", 1, 1)
+
+    def __enter__(self) -> JobWatch:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not self.interrupted:
+            return False
+        from ltx_mgpu.client import JobCancelledError, PoolFatalError
+
+        if isinstance(exc, (JobCancelledError, PoolFatalError)):
+            _comfy.raise_interrupt()
+        return False

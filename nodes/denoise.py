@@ -1,0 +1,206 @@
+"""Denoising nodes: the LTX-2 transformer on every GPU of the pool, sequence-parallel sampling.
+
+* **Model Loader** (``LTXMGPU_ModelLoader``) -> ``LTXMGPU_MODEL``: a checkpoint from
+  ``models/checkpoints`` (monolith) or ``models/diffusion_models`` (transformer only), dtype,
+  LoRAs from ``models/loras`` (one ``file:strength`` per line), max tokens. Loads on every rank
+  (a full replica each; sequence parallelism splits the tokens, not the weights).
+* **SP Sampler** (``LTXMGPU_SPSampler``): model, positive / negative CONDITIONING, a ComfyUI
+  LTX-2 LATENT (video, audio, or the audio-video NestedTensor of ``LTXVConcatAVLatent``),
+  optional SIGMAS (``LTXVScheduler``, ``ManualSigmas``; else ``steps`` of the LTX-2 scheduler),
+  cfg, seed, sampler -> the denoised LATENT in the same structure, so ``LTXVSeparateAVLatent``,
+  ``VAEDecode`` and ``LTXVAudioVAEDecode`` take it unchanged. Noise is drawn as ComfyUI draws it
+  (CPU generator from the seed, video then audio).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _comfy
+from ._runtime import CATEGORY, MODEL, POOL, JobWatch, PoolHandle
+
+DTYPES = ("bf16", "fp16", "fp32")
+#: Samplers the pool implements (``ltx_mgpu.denoise.sampler.SAMPLERS``; not imported here, which
+#: would pull ltx-core into ComfyUI's process; a test keeps the two equal).
+SAMPLERS = ("euler",)
+MODEL_FOLDERS = ("checkpoints", "diffusion_models")
+
+
+def checkpoint_choices() -> list[str]:
+    """LTX-2 checkpoints (``models/checkpoints``) then transformer-only files (``models/diffusion_models``)."""
+    seen: list[str] = []
+    for folder in MODEL_FOLDERS:
+        seen += [f for f in _comfy.filename_list(folder) if f not in seen]
+    return seen
+
+
+def resolve_checkpoint(name: str) -> str:
+    """Absolute path of a :func:`checkpoint_choices` entry (checkpoints first) or absolute path.
+
+    Raises:
+        FileNotFoundError: in neither folder.
+    """
+    try:
+        return _comfy.full_path("checkpoints", name)
+    except FileNotFoundError:
+        try:
+            return _comfy.full_path("diffusion_models", name)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"LTX-2 checkpoint {name!r} is in neither models/checkpoints nor "
+                                    "models/diffusion_models; pick one from the list") from None
+
+
+def parse_loras(text: str) -> list[tuple[str, float]]:
+    """``file[:strength]`` per line (``#`` comments and empty lines skipped) -> ``[(path, strength)]``;
+    files are looked up in ``models/loras`` unless absolute; strength defaults to 1.0.
+
+    Raises:
+        ValueError: a strength that is not a number. FileNotFoundError: an unknown LoRA file.
+    """
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, strength = line, 1.0
+        head, sep, tail = line.rpartition(":")
+        if sep and head and "/" not in tail:
+            try:
+                name, strength = head.strip(), float(tail)
+            except ValueError:
+                raise ValueError(f"LoRA line {n} {raw.strip()!r}: strength {tail.strip()!r} is not a number; "
+                                 "write file.safetensors:0.8") from None
+        out.append((_comfy.full_path("loras", name), strength))
+    return out
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """The ``LTXMGPU_MODEL`` value: the pool and the ``load_transformer`` arguments (the
+    sampler re-sends them, so a model freed or a pool restarted since is loaded again)."""
+
+    pool: PoolHandle
+    checkpoint: str
+    dtype: str = "bf16"
+    loras: tuple[tuple[str, float], ...] = ()
+    max_tokens: int = 32768
+
+    def ensure_loaded(self, session, watch: JobWatch) -> dict:
+        """Load (or keep, when unchanged) the transformer on every rank; the load result."""
+        from ltx_mgpu.remote_denoise import remote_load_transformer
+
+        return remote_load_transformer(session, self.checkpoint, dtype=self.dtype, loras=list(self.loras),
+                                       max_tokens=self.max_tokens, should_cancel=watch.should_cancel)
+
+
+class LTXMGPUModelLoader:
+    """-> ``LTXMGPU_MODEL`` after the transformer is resident on every rank. Raises
+    FileNotFoundError (checkpoint, LoRA), ValueError (LoRA line), BadInputError (the pool
+    refused: format, heads not divisible by the GPU count...)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        choices = checkpoint_choices()
+        ckpt = {"tooltip": ("LTX-2 checkpoint: the single file from models/checkpoints (ltx-2*.safetensors) or a "
+                            "transformer-only file from models/diffusion_models. Every GPU loads a full copy.")}
+        if choices:
+            ckpt["default"] = choices[0]
+        return {
+            "required": {
+                "pool": (POOL, {"tooltip": "The pool to load the transformer into (from the Pool node)."}),
+                "ckpt_name": (choices, ckpt),
+                "dtype": (list(DTYPES), {"default": "bf16", "tooltip": (
+                    "Compute and weight dtype of the transformer in the pool (bf16 is the model's own; fp32 only "
+                    "for checks on small models).")}),
+                "loras": ("STRING", {"multiline": True, "default": "", "tooltip": (
+                    "LoRAs from models/loras, one per line as file.safetensors:strength (strength 1.0 if "
+                    "omitted); fused into the weights at load.")}),
+                "max_tokens": ("INT", {"default": 32768, "min": 64, "max": 1 << 20, "step": 64, "tooltip": (
+                    "Largest number of video latent tokens the sampler accepts ((frames-1)/8+1) x (height/32) x "
+                    "(width/32); 121 frames at 1280x704 are 14080. A larger latent is refused with a clear "
+                    "message.")}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    RETURN_TYPES = (MODEL,)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The LTX-2 transformer resident in the pool; connect it to the SP Sampler.",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Loads the LTX-2 transformer (and its text connectors, LoRAs fused) on every GPU of the pool "
+                   "for sequence-parallel sampling. Loading the same files again keeps the loaded model.")
+
+    def load(self, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
+             unique_id: str | None = None):
+        handle = ModelHandle(pool, resolve_checkpoint(ckpt_name), dtype, tuple(parse_loras(loras)), int(max_tokens))
+        with JobWatch(unique_id) as watch:
+            handle.ensure_loaded(pool.session(), watch)
+            watch.done()
+        return (handle,)
+
+
+class LTXMGPUSPSampler:
+    """-> LATENT: a copy of the input with denoised ``samples`` (nested parts rebuilt as ComfyUI's
+    NestedTensor, input dtype). Raises BadInputError (not an LTX-2 latent, too many tokens,
+    unsupported conditioning keys), ComfyUI's interrupt on Stop."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL, {"tooltip": "The LTX-2 transformer in the pool (from the Model Loader)."}),
+                "positive": ("CONDITIONING", {"tooltip": (
+                    "LTX-2 conditioning (Prompt Encode, optionally through LTXVConditioning for the frame rate).")}),
+                "negative": ("CONDITIONING", {"tooltip": "Negative conditioning (unused when cfg is 1)."}),
+                "latent": ("LATENT", {"tooltip": (
+                    "ComfyUI LTX-2 latent: EmptyLTXVLatentVideo, LTXVEmptyLatentAudio, or both through "
+                    "LTXVConcatAVLatent (a noise_mask from image-to-video nodes is honoured).")}),
+                "steps": ("INT", {"default": 20, "min": 1, "max": 10000, "tooltip": (
+                    "Denoising steps of the LTX-2 scheduler (shift from the latent's token count). Ignored when "
+                    "sigmas are connected.")}),
+                "cfg": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01, "tooltip": (
+                    "Classifier-free guidance scale; 1 skips the negative pass (distilled models).")}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
+                                 "tooltip": "Noise seed; the same seed gives the same noise as ComfyUI's RandomNoise."}),
+                "sampler": (list(SAMPLERS), {"default": SAMPLERS[0], "tooltip": (
+                    "Sampler run in the pool (flow-matching Euler).")}),
+            },
+            "optional": {
+                "sigmas": ("SIGMAS", {"tooltip": (
+                    "Optional noise schedule (LTXVScheduler, ManualSigmas, ...); replaces steps.")}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+    OUTPUT_TOOLTIPS = ("The denoised latent, same structure as the input (decode with LTXVSeparateAVLatent, "
+                       "VAEDecode, LTXVAudioVAEDecode).",)
+    FUNCTION = "sample"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Samples an LTX-2 latent with the transformer split across the pool's GPUs (sequence "
+                   "parallel); same result as one GPU up to floating-point order. Stop ends it within a step.")
+
+    def sample(self, model: ModelHandle, positive, negative, latent, steps: int, cfg: float, seed: int,
+               sampler: str, sigmas=None, unique_id: str | None = None):
+        from ltx_mgpu.remote_denoise import remote_sample
+
+        session = model.pool.session()
+        with JobWatch(unique_id) as watch:
+            loaded = model.ensure_loaded(session, watch)
+            out = remote_sample(session, positive, negative if float(cfg) != 1.0 else None, latent,
+                                model=loaded["model"], sigmas=sigmas, steps=None if sigmas is not None else int(steps),
+                                cfg=float(cfg), seed=int(seed), sampler=sampler, on_progress=watch.on_progress,
+                                should_cancel=watch.should_cancel)
+        return (_comfy.to_comfy_latent(out),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "LTXMGPU_ModelLoader": LTXMGPUModelLoader,
+    "LTXMGPU_SPSampler": LTXMGPUSPSampler,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "LTXMGPU_ModelLoader": "LTX-2 Multi-GPU Model Loader",
+    "LTXMGPU_SPSampler": "LTX-2 Multi-GPU SP Sampler",
+}

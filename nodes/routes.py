@@ -1,0 +1,106 @@
+"""HTTP routes on ComfyUI's server, for the web panel and scripts (also under ``/api/...``):
+
+* ``GET /ltx_mgpu/status``: :func:`status_payload` as JSON: whether the pool can run here, and
+  per pool its state, per-rank devices, memory and resident models, the current job with its
+  progress, and the queue.
+* ``POST /ltx_mgpu/free``: :func:`free_payload`; body ``{"stop": true}`` stops the pools instead
+  of unloading their models. ComfyUI's own ``POST /free`` cannot reach the pool's processes.
+
+Routes are registered only when ComfyUI's ``PromptServer`` exists (``register``); the payload
+functions are plain and never start a pool. Blocking pool calls run in a worker thread
+(``asyncio.to_thread``), never on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import _comfy
+from ._runtime import free_pool, pool_specs, pool_status, pool_unavailable_reason
+
+_REGISTERED = False
+
+
+def _spec_info(spec) -> dict:
+    return {"key": spec.key, "gpus": list(spec.gpus), "nproc": spec.nproc, "device": spec.device,
+            "lifetime": spec.lifetime, "dir": str(spec.dir)}
+
+
+def status_payload(timeout: float = 5.0) -> dict:
+    """What ``GET /ltx_mgpu/status`` answers::
+
+        {"available": bool, "message": str | None, "time": unix seconds,
+         "pools": [{"key", "gpus", "nproc", "device", "lifetime", "dir",
+                    "state": "not running" | "idle" | "busy" | "error", "error": str | None,
+                    "ranks": [{"rank", "pid", "device", "memory": {bytes...}, "models": {...}}],
+                    "current": {"id", "type", "progress": {"phase", "step", "total"}, "elapsed"} | None,
+                    "queue": [{"id", "type", "position"}]}]}
+    """
+    reason = pool_unavailable_reason()
+    out: dict[str, Any] = {"available": reason is None, "message": reason, "time": time.time(), "pools": []}
+    if reason is not None:
+        return out
+    from ltx_mgpu.client import PoolError
+
+    for spec in pool_specs():
+        entry = {**_spec_info(spec), "state": "not running", "error": None, "ranks": [], "current": None, "queue": []}
+        try:
+            status = pool_status(spec, timeout=timeout)
+        except PoolError as e:
+            entry.update(state="error", error=str(e).splitlines()[0])
+            status = None
+        if status is not None:
+            entry.update(state="busy" if status.get("current") else "idle", ranks=status.get("ranks", []),
+                         current=status.get("current"), queue=status.get("queue", []))
+        out["pools"].append(entry)
+    return out
+
+
+def free_payload(stop: bool = False) -> dict:
+    """What ``POST /ltx_mgpu/free`` answers: ``{"pools": [{"key", "running", "unloaded",
+    "stopped", "error"}]}`` after every running pool released its models (or stopped)."""
+    if pool_unavailable_reason() is not None:
+        return {"pools": []}
+    from ltx_mgpu.client import PoolError
+
+    pools = []
+    for spec in pool_specs():
+        entry = {"key": spec.key, "running": False, "unloaded": [], "stopped": False, "error": None}
+        try:
+            entry.update(free_pool(spec, shutdown=stop))
+        except PoolError as e:
+            entry["error"] = str(e).splitlines()[0]
+        pools.append(entry)
+    return {"pools": pools}
+
+
+def register() -> bool:
+    """Add the routes to ComfyUI's server (once); False when there is no server (no ComfyUI)."""
+    global _REGISTERED
+    server = _comfy.prompt_server()
+    if server is None or _REGISTERED:
+        return _REGISTERED
+    import asyncio
+
+    from aiohttp import web
+
+    routes = server.routes
+
+    @routes.get("/ltx_mgpu/status")
+    async def _status(request):
+        return web.json_response(await asyncio.to_thread(status_payload))
+
+    @routes.post("/ltx_mgpu/free")
+    async def _free(request):
+        body: dict = {}
+        if request.can_read_body:
+            try:
+                body = await request.json()
+            except ValueError:
+                return web.json_response({"error": "the body must be JSON like {\"stop\": false}"}, status=400)
+        stop = bool(body.get("stop", False)) if isinstance(body, dict) else False
+        return web.json_response(await asyncio.to_thread(free_payload, stop))
+
+    _REGISTERED = True
+    return True

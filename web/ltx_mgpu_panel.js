@@ -1,0 +1,115 @@
+// LTX-2 Multi-GPU: the pool panel's view (no ComfyUI imports, so it can be tested on its own).
+// Input: the JSON of GET /ltx_mgpu/status (nodes/routes.py status_payload).
+
+const GIB = 1024 ** 3;
+
+/** Bytes as "12.3 GiB" / "512 MiB" ("-" for null). */
+export function formatBytes(n) {
+  if (n === null || n === undefined || !Number.isFinite(n)) return "-";
+  if (n >= GIB) return `${(n / GIB).toFixed(1)} GiB`;
+  return `${Math.round(n / 1024 ** 2)} MiB`;
+}
+
+/**
+ * One memory bar per rank: {label, used, total, fraction (0..1), text, detail}.
+ * CUDA ranks: used = total - free (the whole GPU, other processes included), detail = what the
+ * rank's torch reserved. CPU ranks: the process's resident memory against the machine's RAM.
+ */
+export function rankBars(pool) {
+  return (pool.ranks || []).map((r) => {
+    const m = r.memory || {};
+    const cuda = String(r.device || "").startsWith("cuda");
+    const total = m.total ?? null;
+    const used = cuda ? (total !== null && m.free != null ? total - m.free : m.reserved ?? null) : m.rss ?? null;
+    const fraction = total && used !== null ? Math.min(1, Math.max(0, used / total)) : 0;
+    const models = Object.keys(r.models || {});
+    return {
+      label: `rank ${r.rank} · ${r.device}`,
+      used,
+      total,
+      fraction,
+      text: `${formatBytes(used)} / ${formatBytes(total)}`,
+      detail: cuda ? `torch reserved ${formatBytes(m.reserved)}` : "process RSS",
+      models,
+    };
+  });
+}
+
+/** "denoise 3/20" for a pool's current job, or "" when idle. */
+export function jobText(pool) {
+  const cur = pool.current;
+  if (!cur) return "";
+  const p = cur.progress || {};
+  const step = p.total ? ` ${p.step}/${p.total}` : "";
+  return `${cur.type}${p.phase && p.phase !== cur.type ? ` · ${p.phase}` : ""}${step}`;
+}
+
+/** Plain view model of a status payload (what the panel shows). */
+export function summarize(payload) {
+  if (!payload) return { message: "no status yet", pools: [], busy: false };
+  if (!payload.available) return { message: payload.message || "the pool cannot run here", pools: [], busy: false };
+  const pools = (payload.pools || []).map((p) => ({
+    key: p.key,
+    title: p.gpus && p.gpus.length ? `GPUs ${p.gpus.join(",")}` : `CPU × ${p.nproc}`,
+    state: p.state,
+    error: p.error || null,
+    job: jobText(p),
+    queued: (p.queue || []).length,
+    bars: rankBars(p),
+  }));
+  return {
+    message: pools.length ? null : "no pool yet: it starts with the first LTX-2 Multi-GPU job",
+    pools,
+    busy: pools.some((p) => p.state === "busy" || p.queued > 0),
+  };
+}
+
+function el(doc, tag, cls, text) {
+  const e = doc.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+/** Replace `container`'s content with the view of `payload`; `onFree` handles the Free button. */
+export function renderPanel(container, payload, onFree, doc = document) {
+  const view = summarize(payload);
+  container.replaceChildren();
+  container.classList.add("ltx-mgpu-panel");
+  const head = el(doc, "div", "ltx-mgpu-head");
+  head.append(el(doc, "span", "ltx-mgpu-title", "LTX-2 Multi-GPU pool"));
+  if (onFree && view.pools.some((p) => p.state === "idle" || p.state === "busy")) {
+    const btn = el(doc, "button", "ltx-mgpu-free", "Free");
+    btn.title = "Unload Gemma and the LTX-2 transformer from the pool's GPUs";
+    btn.addEventListener("click", () => onFree(btn));
+    head.append(btn);
+  }
+  container.append(head);
+  if (view.message) container.append(el(doc, "div", "ltx-mgpu-message", view.message));
+  for (const p of view.pools) {
+    const box = el(doc, "div", "ltx-mgpu-pool");
+    box.dataset.state = p.state;
+    const line = el(doc, "div", "ltx-mgpu-pool-head");
+    line.append(el(doc, "span", "ltx-mgpu-pool-title", p.title));
+    line.append(el(doc, "span", `ltx-mgpu-state ltx-mgpu-state-${p.state.replace(/\s+/g, "-")}`, p.state));
+    box.append(line);
+    if (p.error) box.append(el(doc, "div", "ltx-mgpu-error", p.error));
+    if (p.job) box.append(el(doc, "div", "ltx-mgpu-job", p.job + (p.queued ? ` (+${p.queued} queued)` : "")));
+    for (const b of p.bars) {
+      const row = el(doc, "div", "ltx-mgpu-rank");
+      const label = el(doc, "div", "ltx-mgpu-rank-label");
+      label.append(el(doc, "span", null, b.label), el(doc, "span", "ltx-mgpu-rank-mem", b.text));
+      const bar = el(doc, "div", "ltx-mgpu-bar");
+      bar.title = b.detail;
+      const fill = el(doc, "div", "ltx-mgpu-bar-fill");
+      fill.style.width = `${(b.fraction * 100).toFixed(1)}%`;
+      if (b.fraction > 0.9) fill.classList.add("ltx-mgpu-bar-high");
+      bar.append(fill);
+      row.append(label, bar);
+      if (b.models.length) row.append(el(doc, "div", "ltx-mgpu-models", b.models.join(", ")));
+      box.append(row);
+    }
+    container.append(box);
+  }
+  return view;
+}
