@@ -9,9 +9,11 @@ Prints one table, each number measured in this run:
   0 steps (queue, control broadcast to every rank, outcome all-gather, result); median over
   ``--repeat`` calls. Goal: <= 5 ms.
 * throughput of a ``--mb`` MB uint8 result (``selftest`` ``result_bytes``, resident in the pool
-  so only the transfer is timed): request -> tensors parsed by ``safetensors.torch.load`` in
-  this process. Goal: >= 1 GB/s. Beside it: the same frame over an in-process socket pair
-  (no pool), and a local memcpy of the same size into a fresh buffer (page faults included,
+  so only the transfer is timed): request -> tensors in this process (received with
+  ``recv_into`` into one buffer, parsed in place by ``ltx_mgpu.payload``). Goal: >= 1 GB/s.
+  Beside it: the same frame over an in-process socket pair (no pool); the same frame received
+  the way ``safetensors.torch.load`` needs it (one ``bytes``, then the library's copy), for
+  reference; and a local memcpy of the same size into a fresh buffer (page faults included,
   like the receive path) and into a reused, already-touched buffer.
 
 GB/s are 10^9 bytes per second.
@@ -23,6 +25,7 @@ import argparse
 import shutil
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load as st_load
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -55,14 +59,26 @@ def _best_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _socketpair_seconds(t: torch.Tensor, repeat: int) -> float:
+def _recv_with_library(sock: socket.socket) -> dict:
+    """One frame received as ``bytes`` and parsed by ``safetensors.torch.load`` (which copies):
+    the receive path before ``ltx_mgpu.payload``, kept here as the reference."""
+    prefix = sock.recv(protocol.PREFIX_SIZE, socket.MSG_WAITALL)
+    _, _, _, header_len, payload_len = struct.unpack("!4sHHIQ", prefix)
+    sock.recv(header_len, socket.MSG_WAITALL)
+    data = sock.recv(payload_len, socket.MSG_WAITALL)
+    assert len(data) == payload_len
+    return st_load(data)
+
+
+def _socketpair_seconds(t: torch.Tensor, repeat: int, receive=protocol.recv_frame) -> float:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
 
     def once():
         payload = protocol.tensors_to_payload({"blob": t})
         sender = threading.Thread(target=protocol.send_frame, args=(a, {"event": "x"}, payload))
         sender.start()
-        header, tensors = protocol.recv_frame(b)
+        out = receive(b)
+        tensors = out[1] if isinstance(out, tuple) else out
         sender.join()
         assert tensors["blob"].numel() == t.numel()
 
@@ -106,6 +122,7 @@ def main(argv=None) -> int:
         pool_s = _best_s(transfer, args.repeat)
         blob = torch.arange(251, dtype=torch.uint8).repeat(nbytes // 251 + 1)[:nbytes].clone()
         pair_s = _socketpair_seconds(blob, args.repeat)
+        library_s = _socketpair_seconds(blob, args.repeat, _recv_with_library)
         fresh_s = _best_s(lambda: torch.empty_like(blob).copy_(blob), args.repeat)
         dst = torch.empty_like(blob)
         dst.copy_(blob)
@@ -123,6 +140,7 @@ def main(argv=None) -> int:
         ("round trip: selftest, 0 steps (median)", f"{rt_job:8.2f} ms", "<= 5 ms"),
         (f"{args.mb:.0f} MB result through the pool", f"{gbs(pool_s):8.2f} GB/s", ">= 1 GB/s"),
         (f"{args.mb:.0f} MB frame, in-process socket pair", f"{gbs(pair_s):8.2f} GB/s", ""),
+        ("  same, bytes + safetensors.torch.load", f"{gbs(library_s):8.2f} GB/s", ""),
         (f"{args.mb:.0f} MB memcpy into a fresh buffer", f"{gbs(fresh_s):8.2f} GB/s", ""),
         (f"{args.mb:.0f} MB memcpy into a reused buffer", f"{gbs(warm_s):8.2f} GB/s", ""),
         ("pool / fresh memcpy", f"{fresh_s / pool_s:8.2f} x", ""),

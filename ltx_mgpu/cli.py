@@ -3,8 +3,9 @@
 Subcommands: ``make-assets`` (build the embedded tiny models), ``encode`` (prompts ->
 LTX-2 embeddings through the cache), ``quantize-nf4`` (a Gemma 3 source -> an NF4 artifact
 directory, which ``encode --gemma`` then loads), ``pool`` (start/stop/status of the sidecar
-pool, when available). Every subcommand prints what it did and exits non-zero with a one-line
-message on bad input.
+pool, when available), ``generate`` (prompt -> MP4 through the pool; ``ltx_mgpu.generate_cli``)
+and ``bench`` (the benchmarks this machine can run; ``ltx_mgpu.bench_cli``). Every subcommand
+prints what it did and exits non-zero with a one-line message on bad input.
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
         pool_commands = None
     if pool_commands is not None and hasattr(pool_commands, "register"):
         pool_commands.register(sub)
+        from ltx_mgpu import bench_cli, generate_cli
+
+        generate_cli.register(sub)
+        bench_cli.register(sub)
     return parser
 
 

@@ -8,8 +8,10 @@ A *frame* is a fixed 20-byte prefix, a JSON header and an optional payload::
     payload = a safetensors blob (named CPU tensors), at most ``Limits.max_payload_bytes``
               (default 8 GiB, ``$LTX_MGPU_MAX_PAYLOAD_BYTES``); absent when its length is 0
 
-Nothing received is ever unpickled: headers are JSON, payloads are parsed by
-``safetensors.torch.load``. Requests carry ``{"type", "id", "params"}``; events carry
+Nothing received is ever unpickled: headers are JSON; payloads are received with ``recv_into``
+into one buffer and parsed in place by :mod:`ltx_mgpu.payload` (strict safetensors header
+checks; received tensors are writable views into that buffer, see there for their lifetime).
+Requests carry ``{"type", "id", "params"}``; events carry
 ``{"event", "id", ...}`` (``id`` = the request they answer). Both are validated on receipt
 against the schemas below (type, required fields, field types); :func:`register_request`
 adds request types (``load_transformer`` and ``sample`` land there later).
@@ -33,7 +35,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
-from safetensors.torch import load as _st_load
+
+from ltx_mgpu.payload import Payload, PayloadError, parse_payload, tensors_to_payload
+
+__all__ = [
+    "MAGIC", "PROTOCOL_VERSION", "PREFIX_SIZE", "ERROR_KINDS", "ProtocolError", "ConnectionClosed", "SchemaError",
+    "Limits", "PREAUTH_LIMITS", "Payload", "tensors_to_payload", "payload_to_tensors", "encode_header", "send_frame",
+    "recv_frame", "F", "MessageSchema", "REQUESTS", "EVENTS", "register_request", "Request", "valid_id",
+    "parse_request", "make_request", "make_event", "parse_event", "job_types",
+]
 
 MAGIC = b"LTXM"
 #: Bump on any incompatible change of framing or schemas; both sides reject other versions.
@@ -80,94 +90,21 @@ class Limits:
 PREAUTH_LIMITS = Limits(max_header_bytes=PREAUTH_LIMITS_HEADER, max_payload_bytes=0)
 
 # --------------------------------------------------------------------------- tensors <-> payload
-
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-                     ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _code
+# The codec lives in ltx_mgpu.payload; these names are the protocol's public API.
 
 
-class Payload:
-    """Named tensors laid out in the safetensors format, ready to send without a copy.
-
-    ``parts`` are the buffers to write in order (the safetensors header, then each tensor's
-    bytes); ``nbytes`` is their total length. Built by :func:`tensors_to_payload`."""
-
-    __slots__ = ("parts", "nbytes", "_keep")
-
-    def __init__(self, parts: list, keep: list):
-        self.parts = parts
-        self.nbytes = sum(memoryview(p).nbytes for p in parts)
-        self._keep = keep
-
-    def tobytes(self) -> bytes:
-        """The whole safetensors blob as one ``bytes`` (a copy)."""
-        return b"".join(self.parts)
-
-
-def _prepare(name: str, t: Any) -> torch.Tensor:
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
-    if t.dtype not in _ST_DTYPES:
-        raise TypeError(f"{name!r} has dtype {t.dtype}, which safetensors cannot carry")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous()
-
-
-def tensors_to_payload(tensors: Mapping[str, torch.Tensor] | None) -> Payload | None:
-    """Lay named tensors out as a safetensors blob (header + raw bytes), without copying data
-    that already is contiguous CPU memory.
-
-    Tensors are detached, moved to CPU and made contiguous (a copy only when they are not);
-    tensors sharing memory (views of one another, ComfyUI's inference tensors) are fine. The
-    payload *refers* to the tensors' memory until it is sent: do not modify them meanwhile.
-    ``None`` or ``{}`` gives ``None`` (no payload). The output parses with
-    ``safetensors.torch.load``; received tensors are fresh CPU tensors that own their memory.
+def payload_to_tensors(payload: bytes | bytearray | memoryview | torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Parse a safetensors blob into named CPU tensors (:func:`ltx_mgpu.payload.parse_payload`:
+    strict header checks, views into a writable buffer, one copy of read-only ``bytes``).
 
     Raises:
-        TypeError: a name is not a string, a value is not a tensor, or its dtype is not one
-            safetensors supports.
+        ProtocolError: the blob is not valid safetensors (the message names the rule broken).
     """
-    if not tensors:
-        return None
-    header: dict[str, Any] = {}
-    keep: list = []
-    data: list = []
-    offset = 0
-    for name in sorted(tensors):
-        t = _prepare(name, tensors[name])
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        keep.append(t)
-        if nbytes:
-            data.append(t.reshape(-1).view(torch.uint8).numpy())
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-    return Payload([struct.pack("<Q", len(raw)) + raw, *data], keep)
-
-
-def payload_to_tensors(payload: bytes | None) -> dict[str, torch.Tensor]:
-    """Parse a safetensors blob (``bytes``) into named CPU tensors with ``safetensors.torch.load``.
-
-    Raises:
-        ProtocolError: the blob is not valid safetensors.
-    """
-    if not payload:
+    if payload is None or len(payload) == 0:
         return {}
     try:
-        return _st_load(bytes(payload) if not isinstance(payload, bytes) else payload)
-    except Exception as e:  # safetensors raises its own SafetensorError and others
+        return parse_payload(payload)
+    except PayloadError as e:
         raise ProtocolError(f"payload is not a valid safetensors blob: {e}") from None
 
 
@@ -214,22 +151,12 @@ def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Payload 
     return PREFIX_SIZE + len(raw) + n
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str, at_start: bool = False) -> bytes:
-    """Read exactly ``n`` bytes. On a blocking socket the read lands in one ``bytes`` with
-    ``MSG_WAITALL`` (no user-space copy); otherwise it is assembled in a buffer.
+def _recv_into(sock: socket.socket, view: memoryview, what: str, at_start: bool = False) -> None:
+    """Fill ``view`` (a writable byte buffer of the exact size) from ``sock`` with ``recv_into``:
+    the kernel writes straight into it, no user-space copy.
 
     Raises ConnectionClosed on EOF before any byte when ``at_start``, else ProtocolError."""
-    if n == 0:
-        return b""
-    first = b""
-    if sock.gettimeout() is None:
-        first = sock.recv(n, socket.MSG_WAITALL)
-        if len(first) == n:
-            return first
-    got = len(first)
-    buf = bytearray(n)
-    view = memoryview(buf)
-    view[:got] = first
+    n, got = view.nbytes, 0
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
@@ -237,7 +164,14 @@ def _recv_exact(sock: socket.socket, n: int, what: str, at_start: bool = False) 
                 raise ConnectionClosed("connection closed")
             raise ProtocolError(f"truncated frame: connection closed after {got} of {n} {what} bytes")
         got += k
-    return bytes(buf)
+
+
+def _recv_bytes(sock: socket.socket, n: int, what: str, at_start: bool = False) -> bytearray:
+    """``n`` bytes from ``sock`` in a fresh ``bytearray`` (for the prefix and the JSON header)."""
+    buf = bytearray(n)
+    if n:
+        _recv_into(sock, memoryview(buf), what, at_start)
+    return buf
 
 
 def recv_frame(sock: socket.socket, limits: Limits | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -251,7 +185,7 @@ def recv_frame(sock: socket.socket, limits: Limits | None = None) -> tuple[dict,
         OSError / socket.timeout: the socket failed or timed out.
     """
     limits = limits or Limits()
-    head = _recv_exact(sock, PREFIX_SIZE, "prefix", at_start=True)
+    head = _recv_bytes(sock, PREFIX_SIZE, "prefix", at_start=True)
     magic, version, flags, header_len, payload_len = _PREFIX.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not an ltx_mgpu frame (expected {MAGIC!r})")
@@ -265,14 +199,20 @@ def recv_frame(sock: socket.socket, limits: Limits | None = None) -> tuple[dict,
     if payload_len > limits.max_payload_bytes:
         raise ProtocolError(f"payload of {payload_len} bytes is over the {limits.max_payload_bytes}-byte "
                             "limit (raise $LTX_MGPU_MAX_PAYLOAD_BYTES on both sides)")
-    raw = _recv_exact(sock, header_len, "header")
+    raw = _recv_bytes(sock, header_len, "header")
     try:
         header = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ProtocolError(f"header is not UTF-8 JSON: {e!s:.200}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
-    payload = _recv_exact(sock, payload_len, "payload")
+    # The payload lands in one bytearray of the exact size (the kernel writes into it) and the
+    # tensors are views into it: no user-space copy. (A bytearray rather than torch.empty: as
+    # fast, and glibc hands its memory back like the bytes of before; torch's allocations of
+    # the same sizes stayed resident, ~20 MB more RSS after ten 4 MiB frames.)
+    payload = bytearray(payload_len)
+    if payload_len:
+        _recv_into(sock, memoryview(payload), "payload")
     try:
         tensors = payload_to_tensors(payload)
     except ProtocolError as e:
@@ -358,10 +298,14 @@ for _s in (
     MessageSchema("load_text_encoder", (
         F("source", ("str",)), F("projection", ("str", "null"), False),
         F("weights", ("str",), False, choices=("bf16", "nf4")),
-        F("placement", ("str",), False, choices=("single", "accelerate", "batch_parallel"))),
-        extra=True, doc="load Gemma 3 (+ the LTX-2 text projection) into the pool"),
-    MessageSchema("encode", (F("prompts", ("list",), items="str"), F("batch_size", ("int",), False)),
-                  extra=True, doc="encode prompts; every rank ends holding every embedding"),
+        F("placement", ("str",), False, choices=("single", "accelerate", "batch_parallel")),
+        F("dtype", ("str",), False), F("max_memory", ("object", "null"), False), F("token_budget", ("int",), False),
+        F("truncate", ("bool",), False), F("key", ("str", "null"), False)),
+        doc="load Gemma 3 (+ the LTX-2 text projection) into the pool (ltx_mgpu.pool.text_jobs checks the values)"),
+    MessageSchema("encode", (
+        F("prompts", ("list",), items="str"), F("batch_size", ("int",), False), F("expect", ("str", "null"), False),
+        F("keep", ("bool",), False), F("verify", ("bool",), False)),
+        doc="encode prompts; every rank ends holding every embedding"),
     MessageSchema("unload", (F("names", ("list", "null"), False, items="str"),),
                   doc="free resident models (all when names is null)"),
     MessageSchema("selftest", (

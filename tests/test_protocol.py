@@ -202,9 +202,25 @@ def test_schema_errors_are_schema_errors(mtype, params, match):
     assert e.value.request_id == "rid"
 
 
-def test_engine_specific_requests_allow_extra_fields():
-    req = protocol.parse_request({"type": "encode", "id": "e", "params": {"prompts": ["a"], "max_tokens": 1024}})
-    assert req.params["max_tokens"] == 1024
+def test_text_job_params_are_declared_and_unknown_ones_refused_at_receipt():
+    load = {"source": "/g", "projection": "/p", "weights": "nf4", "placement": "single", "dtype": "bfloat16",
+            "max_memory": {"0": "70GiB"}, "token_budget": 1024, "truncate": False, "key": "text:abc"}
+    assert protocol.parse_request({"type": "load_text_encoder", "id": "l", "params": load}).params == load
+    protocol.parse_request({"type": "load_text_encoder", "id": "l", "params": {"source": "/g", "key": None,
+                                                                                "max_memory": None}})
+    encode = {"prompts": ["a"], "batch_size": 2, "expect": "text:abc", "keep": False, "verify": True}
+    assert protocol.parse_request({"type": "encode", "id": "e", "params": encode}).params == encode
+    for mtype, params, match in [
+        ("encode", {"prompts": ["a"], "max_tokens": 1024}, r"unknown field\(s\) \['max_tokens'\]"),
+        ("load_text_encoder", {"source": "/g", "colour": "red"}, r"unknown field\(s\) \['colour'\]"),
+        ("load_text_encoder", {"source": "/g", "truncate": "no"}, "truncate must be bool"),
+        ("load_text_encoder", {"source": "/g", "token_budget": 1.5}, "token_budget must be int"),
+        ("load_text_encoder", {"source": "/g", "max_memory": [1]}, "max_memory must be object or null"),
+        ("encode", {"prompts": [], "keep": 1}, "keep must be bool"),
+        ("encode", {"prompts": [], "expect": 3}, "expect must be str or null"),
+    ]:
+        with pytest.raises(SchemaError, match=match):
+            protocol.parse_request({"type": mtype, "id": "x", "params": params})
 
 
 def test_events_validate():

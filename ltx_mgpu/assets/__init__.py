@@ -12,6 +12,9 @@ a fresh machine with no model downloads, and the layouts our loaders must accept
   encoder (``model.layers.N.*`` keys, the tokenizer embedded as ``spiece_model``).
 * ``tiny_ltx_checkpoint("2.0" | "2.3")``: LTX-2 monolith checkpoints built with ltx-core
   1.0.0's configurators, with ``text_embedding_projection.*`` sized to the tiny Gemma.
+* ``tiny_ltx_checkpoint_gemma270m("2.0" | "2.3")``: the same tiny transformer and VAE with the
+  text side sized for the real Gemma 3 270M (``assets.gemma270m``; 19 hidden states x 640), so
+  the real small Gemma can drive the tiny LTX-2 end to end (``python -m ltx_mgpu generate``).
 
 The tiny transformer's output is noise: these models prove plumbing and numerics, not
 quality.
@@ -38,6 +41,10 @@ TINY_GEMMA_HIDDEN = 64
 TINY_GEMMA_LAYERS = 6
 #: Number of hidden states the feature extractor consumes: embeddings + every layer.
 TINY_GEMMA_HIDDEN_STATES = TINY_GEMMA_LAYERS + 1
+#: The real Gemma 3 270M's text dimensions (its ``config.json``: hidden_size 640,
+#: num_hidden_layers 18 -> 19 hidden states), which ``tiny_ltx_checkpoint_gemma270m`` is sized for.
+GEMMA_270M_HIDDEN = 640
+GEMMA_270M_HIDDEN_STATES = 19
 
 
 def assets_dir(root: str | os.PathLike | None = None) -> Path:
@@ -102,11 +109,39 @@ def tiny_ltx_checkpoint(
     )
 
 
+def tiny_ltx_checkpoint_gemma270m(
+    version: Literal["2.0", "2.3"] = "2.3", root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED
+) -> Path:
+    """The tiny LTX-2 monolith with its text projection sized for the real Gemma 3 270M (built on
+    first use; about 5 MB).
+
+    The tiny checkpoints' ``text_embedding_projection`` takes the tiny Gemma's 7 x 64 hidden
+    states; the 270M has 19 x 640, so it needs this variant: ``text_embedding_projection`` takes
+    12160 features (2.3: -> 32 video + 16 audio; 2.0: -> 640, with 640-wide connectors), and
+    every other tensor (transformer, VAE) is the tiny checkpoint's. Its weights are random too:
+    the pair proves plumbing with a real tokenizer and a real Gemma, not quality.
+
+    Raises:
+        ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``.
+    """
+    from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint
+
+    if version not in ("2.0", "2.3"):
+        raise ValueError(f"version must be '2.0' or '2.3', got {version!r}")
+    return _ensure(
+        assets_dir(root) / f"tiny-ltx-{version}-gemma270m-seed{seed}.safetensors",
+        lambda p: build_tiny_ltx_checkpoint(p, version=version, seed=seed, gemma_hidden=GEMMA_270M_HIDDEN,
+                                            gemma_hidden_states=GEMMA_270M_HIDDEN_STATES),
+    )
+
+
 def make_assets(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> dict[str, Path]:
-    """Build every embedded model (idempotent); returns their paths by name."""
+    """Build every embedded model (idempotent); returns their paths by name. (The real Gemma 3
+    270M is not built here: see ``assets.gemma270m``.)"""
     return {
         "gemma_snapshot": tiny_gemma_dir(root, seed),
         "gemma_comfy_file": tiny_gemma_comfy_file(root, seed),
         "ltx_2.0": tiny_ltx_checkpoint("2.0", root, seed),
         "ltx_2.3": tiny_ltx_checkpoint("2.3", root, seed),
+        "ltx_2.3_gemma270m": tiny_ltx_checkpoint_gemma270m("2.3", root, seed),
     }

@@ -13,7 +13,9 @@ the same tensor key names and metadata, at toy sizes:
   ``Embeddings1DConnector`` (1 layer, 128 learnable registers as in production, registers
   stored float32).
 * ``text_embedding_projection.*``: the Gemma feature-extractor projection sized for the tiny
-  Gemma of :mod:`ltx_mgpu.assets` (hidden 64, 7 hidden states -> 448 input features).
+  Gemma of :mod:`ltx_mgpu.assets` (hidden 64, 7 hidden states -> 448 input features), or, with
+  ``gemma_hidden`` / ``gemma_hidden_states``, for another Gemma (the real Gemma 3 270M: 640 x 19
+  -> 12160; ``assets.tiny_ltx_checkpoint_gemma270m``).
 * ``vae.{encoder,decoder,per_channel_statistics}.*``: a tiny ltx-core video VAE with the real
   compression (32x spatial, 8x temporal; ``(1 + 8k)`` frames <-> ``1 + k`` latent frames),
   stored bfloat16 like the production VAE.
@@ -113,7 +115,15 @@ def _check_version(version: str) -> Version:
     return version  # type: ignore[return-value]
 
 
-def tiny_transformer_config(version: Version) -> dict:
+def _check_gemma(gemma_hidden: int, gemma_hidden_states: int = TINY_GEMMA_HIDDEN_STATES) -> None:
+    if gemma_hidden < TINY_V1_CONNECTOR_HEADS or gemma_hidden % TINY_V1_CONNECTOR_HEADS or gemma_hidden_states < 2:
+        raise ValueError(
+            f"gemma_hidden must be a positive multiple of {TINY_V1_CONNECTOR_HEADS} (the LTX-2.0 connector heads) "
+            f"and gemma_hidden_states >= 2; got {gemma_hidden} and {gemma_hidden_states}"
+        )
+
+
+def tiny_transformer_config(version: Version, gemma_hidden: int = TINY_GEMMA_HIDDEN) -> dict:
     """The ``"transformer"`` section of the tiny checkpoint's ``config`` metadata.
 
     The key set mirrors the production 19B (2.0) / 22B (2.3) configs, with toy sizes; pass
@@ -121,10 +131,16 @@ def tiny_transformer_config(version: Version) -> dict:
     ``torch.device("meta")``) or to ltx-core's connector configurators to build the same modules
     in memory. A fresh dict is returned on every call.
 
+    ``gemma_hidden`` (default: the tiny Gemma's 64) is ``caption_channels``, the Gemma hidden size
+    the text side is built for: for 2.0 it is also the connector width (4 heads x
+    ``gemma_hidden / 4``) and the caption projections' input; for 2.3 only the config value
+    changes (its connectors run at the transformer's inner dims).
+
     Raises:
-        ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``.
+        ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``; ``gemma_hidden`` not a multiple of 4.
     """
     version = _check_version(version)
+    _check_gemma(gemma_hidden)
     video_inner = TINY_VIDEO_HEADS * TINY_VIDEO_HEAD_DIM
     audio_inner = TINY_AUDIO_HEADS * TINY_AUDIO_HEAD_DIM
     cfg: dict = {
@@ -144,7 +160,7 @@ def tiny_transformer_config(version: Version) -> dict:
         "audio_in_channels": TINY_AUDIO_CHANNELS,
         "audio_out_channels": TINY_AUDIO_CHANNELS,
         "audio_cross_attention_dim": audio_inner,
-        "caption_channels": TINY_GEMMA_HIDDEN,
+        "caption_channels": gemma_hidden,
         "positional_embedding_theta": 10000.0,
         "positional_embedding_max_pos": [20, 2048, 2048],
         "audio_positional_embedding_max_pos": [20],
@@ -162,7 +178,7 @@ def tiny_transformer_config(version: Version) -> dict:
     if version == "2.0":
         cfg.update(
             connector_num_attention_heads=TINY_V1_CONNECTOR_HEADS,
-            connector_attention_head_dim=TINY_V1_CONNECTOR_HEAD_DIM,
+            connector_attention_head_dim=gemma_hidden // TINY_V1_CONNECTOR_HEADS,
         )
     else:
         cfg.update(
@@ -218,17 +234,21 @@ def tiny_vae_config() -> dict:
     }
 
 
-def tiny_ltx_config(version: Version) -> dict:
+def tiny_ltx_config(version: Version, gemma_hidden: int = TINY_GEMMA_HIDDEN) -> dict:
     """The full parsed ``config`` metadata: ``{"transformer": ..., "vae": ...}``."""
-    return {"transformer": tiny_transformer_config(version), "vae": tiny_vae_config()}
+    return {"transformer": tiny_transformer_config(version, gemma_hidden), "vae": tiny_vae_config()}
 
 
-def tiny_feature_extractor(version: Version) -> nn.Module:
-    """ltx-core's feature extractor sized for the tiny Gemma (meta-free, uninitialised weights).
+def tiny_feature_extractor(
+    version: Version, gemma_hidden: int = TINY_GEMMA_HIDDEN, gemma_hidden_states: int = TINY_GEMMA_HIDDEN_STATES
+) -> nn.Module:
+    """ltx-core's feature extractor sized for a Gemma with ``gemma_hidden_states`` hidden states of
+    width ``gemma_hidden`` (default: the tiny Gemma, 7 x 64; meta-free, uninitialised weights).
 
     2.0: ``FeatureExtractorV1(Linear(448 -> 64, bias=False), is_av=True)``; 2.3:
     ``FeatureExtractorV2(Linear(448 -> 32), embedding_dim=64, Linear(448 -> 16))``. Input: the
-    tiny Gemma's 7 hidden states ``[B, T, 64]`` and a ``[B, T]`` mask.
+    tiny Gemma's 7 hidden states ``[B, T, 64]`` and a ``[B, T]`` mask. For the real Gemma 3 270M
+    (19 x 640) the input width is 12160 and the 2.0 output width 640.
 
     ltx-core 1.0.0's ``EmbeddingsProcessorConfigurator`` hard-codes the Gemma-3-12B input width
     (3840 x 49 = 188160); use :func:`tiny_embeddings_processor_ops` to swap this module in.
@@ -236,12 +256,14 @@ def tiny_feature_extractor(version: Version) -> nn.Module:
     from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV1, FeatureExtractorV2
 
     version = _check_version(version)
+    _check_gemma(gemma_hidden, gemma_hidden_states)
+    feature_in = gemma_hidden * gemma_hidden_states
     if version == "2.0":
-        return FeatureExtractorV1(nn.Linear(TINY_FEATURE_IN, TINY_GEMMA_HIDDEN, bias=False), is_av=True)
+        return FeatureExtractorV1(nn.Linear(feature_in, gemma_hidden, bias=False), is_av=True)
     return FeatureExtractorV2(
-        video_aggregate_embed=nn.Linear(TINY_FEATURE_IN, TINY_VIDEO_HEADS * TINY_VIDEO_HEAD_DIM, bias=True),
-        embedding_dim=TINY_GEMMA_HIDDEN,
-        audio_aggregate_embed=nn.Linear(TINY_FEATURE_IN, TINY_AUDIO_HEADS * TINY_AUDIO_HEAD_DIM, bias=True),
+        video_aggregate_embed=nn.Linear(feature_in, TINY_VIDEO_HEADS * TINY_VIDEO_HEAD_DIM, bias=True),
+        embedding_dim=gemma_hidden,
+        audio_aggregate_embed=nn.Linear(feature_in, TINY_AUDIO_HEADS * TINY_AUDIO_HEAD_DIM, bias=True),
     )
 
 
@@ -307,26 +329,34 @@ def _materialise(
     return out
 
 
-def tiny_ltx_state_dict(version: Version, seed: int = 0) -> dict[str, torch.Tensor]:
+def tiny_ltx_state_dict(
+    version: Version,
+    seed: int = 0,
+    gemma_hidden: int = TINY_GEMMA_HIDDEN,
+    gemma_hidden_states: int = TINY_GEMMA_HIDDEN_STATES,
+) -> dict[str, torch.Tensor]:
     """Every tensor of the tiny monolith, keyed as in a real ComfyUI / ltx-core checkpoint.
 
     Transformer, connectors and projection are float32; ``vae.*`` is bfloat16. Modules are built
     by ltx-core's configurators under ``torch.device("meta")`` (so nothing is allocated for
     ltx-core's hard-coded 12B feature-extractor width) and every tensor is drawn afresh.
+    ``gemma_hidden`` / ``gemma_hidden_states`` size the text side (:func:`tiny_feature_extractor`,
+    :func:`tiny_transformer_config`); a tensor whose shape does not depend on them has the same
+    value whatever they are.
 
     Raises:
-        ValueError: bad ``version``.
+        ValueError: bad ``version`` or Gemma dims.
     """
     from ltx_core.model.transformer import LTXModelConfigurator
     from ltx_core.model.video_vae import VideoDecoderConfigurator, VideoEncoderConfigurator
     from ltx_core.text_encoders.gemma.encoders.encoder_configurator import EmbeddingsProcessorConfigurator
 
     version = _check_version(version)
-    config = tiny_ltx_config(version)
+    config = tiny_ltx_config(version, gemma_hidden)
     with torch.device("meta"):
         transformer = LTXModelConfigurator.from_config(config)
         processor = EmbeddingsProcessorConfigurator.from_config(config)
-        processor.feature_extractor = tiny_feature_extractor(version)
+        processor.feature_extractor = tiny_feature_extractor(version, gemma_hidden, gemma_hidden_states)
         encoder = VideoEncoderConfigurator.from_config(config)
         decoder = VideoDecoderConfigurator.from_config(config)
 
@@ -344,22 +374,31 @@ def tiny_ltx_state_dict(version: Version, seed: int = 0) -> dict[str, torch.Tens
     return sd
 
 
-def build_tiny_ltx_checkpoint(out_path: str | os.PathLike, version: Version, seed: int = 0) -> None:
+def build_tiny_ltx_checkpoint(
+    out_path: str | os.PathLike,
+    version: Version,
+    seed: int = 0,
+    gemma_hidden: int = TINY_GEMMA_HIDDEN,
+    gemma_hidden_states: int = TINY_GEMMA_HIDDEN_STATES,
+) -> None:
     """Write the tiny LTX-2 monolith to ``out_path`` (atomically: temp file + rename).
 
     Same ``(version, seed)`` -> byte-identical file (about 3 MB). Metadata: ``config`` (JSON
     string of :func:`tiny_ltx_config`) and ``model_version`` (``"2.0.0"`` / ``"2.3.0"``), the
-    two keys ltx-core 1.0.0 and ComfyUI read.
+    two keys ltx-core 1.0.0 and ComfyUI read. ``gemma_hidden`` / ``gemma_hidden_states`` size
+    ``text_embedding_projection`` (and, for 2.0, the connectors) for another Gemma than the tiny
+    one, e.g. 640 / 19 for the real Gemma 3 270M (``assets.tiny_ltx_checkpoint_gemma270m``); the
+    defaults give the tiny Gemma's file, unchanged.
 
     Raises:
-        ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``.
+        ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``; Gemma dims as :func:`tiny_feature_extractor`.
         OSError: the parent directory of ``out_path`` does not exist or is not writable.
     """
     version = _check_version(version)
     out_path = Path(out_path)
-    sd = tiny_ltx_state_dict(version, seed)
+    sd = tiny_ltx_state_dict(version, seed, gemma_hidden, gemma_hidden_states)
     metadata = {
-        "config": json.dumps(tiny_ltx_config(version), sort_keys=True),
+        "config": json.dumps(tiny_ltx_config(version, gemma_hidden), sort_keys=True),
         "model_version": _MODEL_VERSIONS[version],
     }
     data = _sort_metadata(save_to_bytes(sd, metadata=metadata))

@@ -29,7 +29,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ltx_mgpu import remote_denoise
 from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, inspect_checkpoint
@@ -42,7 +41,7 @@ from ltx_mgpu.denoise.sequence_parallel import (
     check_token_budget,
     valid_world_sizes,
 )
-from ltx_mgpu.pool.engines import BadInput, JobContext, broadcast_json, free_memory, register_engine
+from ltx_mgpu.pool.engines import BadInput, JobContext, free_memory, register_engine
 
 __all__ = ["DTYPES", "ResidentTransformer", "load_transformer", "sample_job"]
 
@@ -83,18 +82,6 @@ def _parse_loras(raw) -> tuple[LoraSpec, ...]:
             raise BadInput(f"no LoRA file at {item['path']}; pick a file from models/loras")
         specs.append(LoraSpec(item["path"], float(strength)))
     return tuple(specs)
-
-
-def _agree(ctx: JobContext, error: str | None) -> None:
-    """Control-group collective: if any rank has an ``error``, every rank raises the same
-    :class:`BadInput` (the first failing rank's message). No data-group collective runs before
-    it, so the pool keeps serving."""
-    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(ctx.world_size)]
-    dist.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32), group=ctx.control_group)
-    failed = [r for r, f in enumerate(flags) if int(f)]
-    if failed:
-        message = broadcast_json(error if ctx.rank == failed[0] else None, failed[0], ctx.control_group, ctx.rank)
-        raise BadInput(message + (f" (rank {failed[0]})" if ctx.world_size > 1 else ""))
 
 
 def _model_bytes(m: LTXDenoiser) -> int:
@@ -158,7 +145,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     if resident is not None and not isinstance(resident, ResidentTransformer):
         clash = (f"the name '{name}' belongs to another resident model ({type(resident).__name__}); "
                  "load the transformer under another name")
-    _agree(ctx, clash)
+    ctx.agree(clash)
     if isinstance(resident, ResidentTransformer) and resident.identity == identity:
         return _describe(name, resident, ctx.world_size, reused=True), {}
     if ctx.models.pop(name) is not None:  # free the old replica before reading the new one
@@ -177,7 +164,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     if error is not None:
         m = velocity = None
         free_memory(ctx.device)
-    _agree(ctx, error)
+    ctx.agree(error)
     resident = ResidentTransformer(m, velocity, identity)
     ctx.models.put(name, resident, {"kind": "ltx_transformer", "checkpoint": m.source, "version": m.version,
                                     "dtype": dtype_name, "bytes": _model_bytes(m), "devices": [str(m.device)]})

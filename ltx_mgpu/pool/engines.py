@@ -13,6 +13,9 @@ Error contract (after the LTX-2 reference's ``RunnerError``):
 * raise :class:`BadInput` for a wrong request, **identically on every rank and before any
   collective** (e.g. while validating ``params``): the client gets ``error{bad_input}`` and the
   pool keeps serving;
+* a failure only some ranks can see (a damaged file, out of memory on one GPU) is *agreed*:
+  every rank calls ``ctx.agree(error_or_None)`` at the same point, before any data-group
+  collective, and all raise the same :class:`BadInput` when any rank failed;
 * call ``ctx.check_cancel()`` at step boundaries: it is a collective decision (rank 0 decides,
   the control group broadcasts it) and raises :class:`JobCancelled` on every rank together;
 * anything else is fatal: the client gets ``error{fatal}`` and the pool exits (a collective
@@ -29,6 +32,7 @@ import importlib
 import json
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -222,10 +226,51 @@ class JobContext:
         if int(flag[0]):
             raise JobCancelled(f"job {self.job_id} cancelled")
 
+    def agree(self, error: BaseException | str | None, what: str | None = None) -> None:
+        """Collective over the control group: turn a failure some ranks saw into the same
+        :class:`BadInput` on every rank, so the pool keeps serving. Every rank must call it at
+        the same point of the job, and before any data-group collective that a failed rank
+        would skip.
+
+        ``error`` is this rank's outcome: ``None`` (it went well), a message for the client,
+        or the exception that failed it (its traceback goes to ``pool.log``; the message is
+        :func:`failure_message` of it and ``what``). An exception keeps the frames of its
+        traceback alive: where they hold memory (out of memory in a forward), format the
+        message inside the ``except`` block with :func:`failure_message` and pass the string.
+
+        Raises:
+            BadInput: on every rank, when any rank failed: the first failing rank's message,
+                followed by `` (on rank r)`` or `` (on rank r and k more)`` in a pool of
+                several ranks.
+        """
+        if isinstance(error, BaseException):
+            error = failure_message(error, what)
+        elif error is not None and not isinstance(error, str):
+            raise TypeError(f"agree() takes an exception, a message or None, not {type(error).__name__}")
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world_size)]
+        mine = torch.tensor([int(error is not None)], dtype=torch.int32)
+        dist.all_gather(flags, mine, group=self.control_group)
+        failed = [r for r, f in enumerate(flags) if int(f)]
+        if not failed:
+            return
+        message = broadcast_json(error if self.rank == failed[0] else None, failed[0], self.control_group, self.rank)
+        if self.world_size > 1:
+            more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+            message = f"{message} (on rank {failed[0]}{more})"
+        raise BadInput(message)
+
     def broadcast_json(self, value: Any = None, src: int = 0) -> Any:
         """Send a JSON-able ``value`` from rank ``src`` to every rank over the control group
         (e.g. a cache decision made once); returns it on every rank."""
         return broadcast_json(value if self.rank == src else None, src, self.control_group, self.rank)
+
+
+def failure_message(error: BaseException, what: str | None = None) -> str:
+    """``"<what> failed: <Type>: <text>"`` (``"<Type>: <text>"`` without ``what``) for a client,
+    after printing the exception's traceback to stderr (the pool's ``pool.log``)."""
+    traceback.print_exception(error)
+    text = f"{type(error).__name__}: {error}"
+    return f"{what} failed: {text}" if what else text
 
 
 def broadcast_json(value: Any, src: int, group: Any, rank: int) -> Any:

@@ -7,9 +7,9 @@ module validates requests, keeps the encoder resident and turns failures into ``
 Errors: every parameter, path, format and the projection/Gemma pairing is checked from file
 headers on every rank alike, before any collective (:func:`parse_load_request`). What only a
 holder can find out (a damaged weight file, out of memory, a prompt over the token budget with
-``truncate=False``) is *agreed*: each rank contributes a flag over the control group, and if any
-rank failed every rank raises the same :class:`BadInput` (the first failing rank's message), so
-the pool keeps serving.
+``truncate=False``) is *agreed* (``JobContext.agree``): each rank contributes a flag over the
+control group, and if any rank failed every rank raises the same :class:`BadInput` (the first
+failing rank's message), so the pool keeps serving.
 
 Resident state (``ctx.models``): ``text_encoder`` on every rank (a :class:`ResidentTextEncoder`;
 the holders' copy carries the model; ``status`` reports its ``key``, placement and bytes) and,
@@ -24,24 +24,23 @@ import json
 import math
 import os
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ltx_mgpu.pool.engines import BadInput, JobContext, broadcast_json, free_memory, register_engine
+from ltx_mgpu import protocol
+from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
-from ltx_mgpu.text.features import TOKEN_BUDGET
+from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
 from ltx_mgpu.text.sharding import describe_device_map
 
 TEXT_ENCODER = "text_encoder"
 EMBEDDINGS = "text_embeddings"
-_LOAD_FIELDS = ("source", "projection", "weights", "placement", "dtype", "max_memory", "token_budget", "truncate",
-                "key")
-_ENCODE_FIELDS = ("prompts", "batch_size", "expect", "keep", "verify")
+#: The request fields, declared once in the protocol's schemas (unknown ones are refused at receipt).
+_LOAD_FIELDS = tuple(f.name for f in protocol.REQUESTS["load_text_encoder"].fields)
+_ENCODE_FIELDS = tuple(f.name for f in protocol.REQUESTS["encode"].fields)
 _MAX_KEY = 256
 
 
@@ -179,25 +178,6 @@ class ResidentTextEncoder:
         return info
 
 
-def _agree(ctx: JobContext, error: str | None) -> None:
-    """Collective over the control group: when any rank failed, every rank raises the same
-    BadInput carrying the first failing rank's message."""
-    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(ctx.world_size)]
-    dist.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32), group=ctx.control_group)
-    failed = [r for r, f in enumerate(flags) if int(f)]
-    if not failed:
-        return
-    message = broadcast_json(error if ctx.rank == failed[0] else None, failed[0], ctx.control_group, ctx.rank)
-    where = f" (on rank {failed[0]}{f' and {len(failed) - 1} more' if len(failed) > 1 else ''})" \
-        if ctx.world_size > 1 else ""
-    raise BadInput(f"{message}{where}")
-
-
-def _failure(e: BaseException, what: str) -> str:
-    traceback.print_exc()  # into pool.log, for the full story
-    return f"{what} failed: {type(e).__name__}: {e}"
-
-
 @register_engine("load_text_encoder")
 def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Load Gemma 3 + the LTX-2 projection into the pool with a placement (every rank).
@@ -247,9 +227,9 @@ def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
                                    f"projection, expected {req.weights_mode} / {wire} (a bug in ltx_mgpu)")
         except Exception as e:  # noqa: BLE001 - a local load failure leaves this rank consistent
             encoder = device_map = None
-            error = _failure(e, f"loading the text encoder on {ctx.device}")
+            error = failure_message(e, f"loading the text encoder on {ctx.device}")
             free_memory(ctx.device)
-    _agree(ctx, error)
+    ctx.agree(error)
     state = ResidentTextEncoder(req, encoder, tp.wire_dtype(ctx.device.type, req.dtype), device_map)
     ctx.models.put(TEXT_ENCODER, state, info=state.info())
     seconds = time.perf_counter() - t0
@@ -320,13 +300,13 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
             try:
                 out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size)
             except (ValueError, torch.OutOfMemoryError) as e:  # PromptTooLongError is a ValueError
-                error = _failure(e, "encoding")
+                error = failure_message(e, "encoding")
                 local.clear()
                 free_memory(ctx.device)
             else:
                 local.update(zip(chunk, out))
         ctx.progress("encode", k + 1, rounds)
-    _agree(ctx, error)
+    ctx.agree(error)
     t_encode = time.perf_counter() - t0
     ctx.check_cancel()
     t0 = time.perf_counter()
@@ -335,14 +315,21 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     t_broadcast = time.perf_counter() - t0
-    del local
+    if not ctx.is_main:
+        del local
     digests = tp.gather_digests(held, world_size=ctx.world_size, group=ctx.control_group) if verify else None
     if keep:
         ctx.models.put(EMBEDDINGS, held, info={"count": count, "bytes": held.nbytes, "version": req.version,
                                                 "devices": [str(ctx.device)], "job": ctx.job_id})
     if not ctx.is_main:
         return {}, {}
-    embeddings = held.prompt_embeddings()
+    # Rank 0 returns its own prompts as its encoder gave them: float32 upcasts of the wire dtype
+    # (tp.wire_dtype), so bit for bit the broadcast copies (``verify`` checks it), without a
+    # device->host copy back (25 MB per 1024-token prompt; pageable on the H200 host: ~1.6 GB/s).
+    embeddings = [local[i] if i in local else
+                  PromptEmbedding(t.detach().to(device="cpu", dtype=torch.float32, copy=True), req.version, d)
+                  for i, (t, d) in enumerate(zip(held.tensors, held.dropped))]
+    del local
     result = {"count": count, "version": req.version, "dropped_tokens": [e.dropped_tokens for e in embeddings],
               "num_tokens": [e.num_tokens for e in embeddings], "owners": owners, "placement": req.placement,
               "key": req.key, "wire_dtype": str(state.wire).removeprefix("torch."), "broadcast_bytes": held.nbytes,

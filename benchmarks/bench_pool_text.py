@@ -1,0 +1,380 @@
+"""Prompt encode through the pool vs in-process: the pool's overhead (issue 4, goal <= 5 %).
+
+On one GPU (the issue's numbers come from an H200; the whole run takes about 5 minutes)::
+
+    python benchmarks/bench_pool_text.py --out benchmarks/results/pool_text_h200.json
+
+CPU smoke test with the tiny assets (seconds)::
+
+    python benchmarks/bench_pool_text.py --source tiny --device cpu
+
+Save cost only (builds and saves a ``--layers`` model, prints GB/s and the estimate for 48;
+on the 2-core CPU dev box: 0.28-0.42 GB/s, i.e. 55-84 s for the 23.5 GB snapshot)::
+
+    python benchmarks/bench_pool_text.py --device cpu --layers 1 --save-only
+
+What it does, in one process (every ratio is within this run):
+
+1. ``--source random`` (default): builds a Gemma 3 12B-shaped ``Gemma3TextModel``
+   (``gemma3_text_config``; 48 layers, hidden 3840, vocab 262208; ``--layers`` shrinks it)
+   with random bf16 weights on the device and saves it as a Hugging Face snapshot under
+   ``--tmp`` (23.5 GB at 48 layers, safetensors shards) with the tiny Gemma's SentencePiece
+   tokenizer (its ids, < 512, are valid ids of the 12B vocabulary), plus a random LTX-2.3
+   projection file (188160 -> 4096 + 2048, bf16, 2.3 GB). The projection is written first;
+   its write speed gives the printed estimate of the snapshot's save time. ``--snapshot`` /
+   ``--projection`` reuse files from an earlier ``--keep`` run. ``--source tiny``: the tiny
+   test assets (``ltx_mgpu.assets``), nothing is built.
+2. starts a one-rank pool on the device (``PoolClient.connect``, CPU: one gloo rank).
+3. for each ``--weights`` (``bf16``, ``nf4``: NF4 made at load from the same bf16 snapshot,
+   ``ltx_mgpu.text.nf4.load_nf4_on_the_fly``): loads it in-process
+   (``TextEncoderSpec(...).build()``) and in the pool (placement ``single``), times each
+   prompt set (``--batches`` x ``--tokens``-token prompts, every prompt exactly that many
+   tokens, BOS included), alternating the two paths run by run (``--warmup`` untimed rounds,
+   then the median of ``--runs``):
+
+   * ``in-process``: ``TextEncoderSpec.build().encode(prompts, batch_size)``;
+   * ``pool``: ``PoolClient.encode_prompts(encoder, prompts, cache=None)`` - what a ComfyUI
+     node does: the resident-encoder check (``status``), the ``encode`` job (Gemma forward,
+     the replication to every rank, kept resident), the float32 result over the socket;
+   * ``pool request``: the ``encode`` request alone, whose result gives the pool-side split
+     (``seconds.encode``: Gemma + features on rank 0; ``seconds.broadcast``: the replication);
+     the rest is the job's framing, the socket and the client.
+
+   It checks that the pool's embeddings equal the in-process ones (same kernels on the same
+   device: bitwise expected) and prints the overhead ``pool / in-process - 1``.
+
+Wall-clock times (``perf_counter``, each call returns CPU tensors, so it is synchronised).
+GB are 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
+
+GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
+GOAL_OVERHEAD = 0.05
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {message}", flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+# --------------------------------------------------------------------------- inputs
+
+def exact_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[str]:
+    """``count`` distinct prompts of random lowercase words that tokenize to exactly ``tokens``
+    ids, BOS included (so nothing is truncated and every row is ``tokens`` long).
+
+    Raises:
+        RuntimeError: no exact fit was found (a tokenizer without single-letter pieces).
+    """
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    rng = random.Random(seed)
+
+    def n(text: str) -> int:
+        return len(tokenizer(text)["input_ids"])
+
+    prompts = []
+    for _ in range(count):
+        words: list[str] = []
+        while n(" ".join(words)) < tokens:
+            words.append("".join(rng.choice(letters) for _ in range(rng.randint(2, 9))))
+        words.pop()
+        text = " ".join(words)
+        while n(text) < tokens:
+            have = n(text)
+            options = [text + sep + c for sep in (" ", "") for c in letters]
+            fits = [t for t in options if have < n(t) <= tokens]
+            if not fits:
+                raise RuntimeError(f"cannot reach exactly {tokens} tokens from {have}")
+            text = min(fits, key=lambda t: (tokens - n(t), t))
+        prompts.append(text)
+    if len(set(prompts)) != count:
+        raise RuntimeError("prompts are not distinct")
+    return prompts
+
+
+def write_projection(path: Path, layers: int, hidden: int, device: torch.device) -> tuple[float, int]:
+    """A random LTX-2.3 text projection file (bf16 ``text_embedding_projection.*``:
+    ``(layers + 1) x hidden`` -> 4096 video + 2048 audio; drawn on ``device``); returns
+    (seconds to write it, bytes)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    width = (layers + 1) * hidden
+
+    def weight(rows: int) -> torch.Tensor:
+        return (torch.randn(rows, width, generator=gen, device=device) * 0.002).bfloat16().cpu()
+
+    prefix = "text_embedding_projection."
+    tensors = {
+        prefix + "video_aggregate_embed.weight": weight(4096),
+        prefix + "video_aggregate_embed.bias": torch.zeros(4096, dtype=torch.bfloat16),
+        prefix + "audio_aggregate_embed.weight": weight(2048),
+        prefix + "audio_aggregate_embed.bias": torch.zeros(2048, dtype=torch.bfloat16),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    t0 = time.perf_counter()
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+    return time.perf_counter() - t0, path.stat().st_size
+
+
+def build_snapshot(out: Path, layers: int, device: torch.device, tokenizer_dir: Path) -> dict:
+    """Build the 12B-shaped random Gemma 3 text model on ``device`` and save it with
+    ``save_pretrained`` (bf16 safetensors, 5 GB shards) plus the tokenizer files of
+    ``tokenizer_dir``. Returns ``{"build_seconds", "save_seconds", "bytes"}``."""
+    from transformers import Gemma3TextModel
+
+    torch.manual_seed(0)
+    config = gemma3_text_config(**dict(GEMMA_12B, layers=layers))
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = Gemma3TextModel._from_config(config, dtype=torch.bfloat16).eval()
+    _sync(device)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(str(partial), max_shard_size="5GB")
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, partial / name)
+    os.replace(partial, out)
+    save_s = time.perf_counter() - t0
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"build_seconds": build_s, "save_seconds": save_s, "bytes": _dir_bytes(out)}
+
+
+def snapshot_bytes(layers: int = GEMMA_12B["layers"]) -> int:
+    """Weight bytes of a ``layers``-layer bf16 snapshot of the 12B shape (2 x the parameter
+    count: embedding, per layer q/k/v/o + gate/up/down + 4 norms + q/k norms, final norm);
+    23.5 GB at 48 layers."""
+    d, f, q, kv = GEMMA_12B["hidden"], GEMMA_12B["intermediate"], GEMMA_12B["heads"], GEMMA_12B["kv_heads"]
+    hd = GEMMA_12B["head_dim"]
+    layer = d * q * hd * 2 + d * kv * hd * 2 + 3 * d * f + 4 * d + 2 * hd
+    return 2 * (GEMMA_12B["vocab"] * d + layers * layer + d)
+
+
+# --------------------------------------------------------------------------- timing
+
+def alternate(fns: dict, warmup: int, runs: int) -> dict[str, list[float]]:
+    """Run each of ``fns`` in turn, ``warmup`` untimed rounds then ``runs`` timed rounds, so
+    slow drifts (clocks, other load) hit every variant alike. Returns name -> seconds."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x.tensor.float() - y.tensor.float()).abs().max()) for x, y in zip(a, b))
+
+
+def bench_weights(weights: str, args, gemma: Path, projection: Path, device: torch.device, client,
+                  prompt_sets: dict[int, list[str]], results: dict) -> None:
+    from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, ensure_text_encoder
+    from ltx_mgpu.text.encoder import TextEncoderSpec
+
+    row = results["weights"][weights] = {}
+    spec = TextEncoderSpec(str(gemma), str(projection), weights=weights, device=str(device), dtype="bfloat16")
+    t0 = time.perf_counter()
+    encoder = spec.build()
+    _sync(device)
+    row["in_process_load_seconds"] = time.perf_counter() - t0
+    log(f"{weights}: in-process load {row['in_process_load_seconds']:.1f} s")
+    remote = PoolTextEncoder.from_spec(spec, placement="single")
+    t0 = time.perf_counter()
+    key = remote.key()  # content digests of the files: hashed once, then memoised by stat
+    row["digest_seconds"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = ensure_text_encoder(client, remote, key, timeout=1800)
+    row["pool_load_seconds"] = time.perf_counter() - t0
+    log(f"{weights}: file digests {row['digest_seconds']:.1f} s (first use only); pool load "
+        f"{row['pool_load_seconds']:.1f} s ({(loaded or {}).get('weights', weights)})")
+
+    for batch, prompts in prompt_sets.items():
+        split: list[dict] = []
+
+        def in_process():
+            return encoder.encode(prompts, batch_size=batch)
+
+        def pool():
+            return client.encode_prompts(remote, prompts, cache=None, batch_size=batch, timeout=600)[0]
+
+        def pool_request():
+            result, tensors = client.request("encode", {"prompts": prompts, "batch_size": batch, "expect": key},
+                                             timeout=600)
+            split.append(result["seconds"])
+            return embeddings_from_result(result, tensors)
+
+        reference = in_process()
+        diff = _max_diff(reference, pool())
+        result_bytes = sum(e.tensor.numel() * e.tensor.element_size() for e in reference)
+        times = alternate({"in-process": in_process, "pool": pool, "pool request": pool_request},
+                          args.warmup, args.runs)
+        split = split[args.warmup:]
+        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        pool_encode = statistics.median(s["encode"] for s in split) * 1e3
+        pool_broadcast = statistics.median(s["broadcast"] for s in split) * 1e3
+        overhead = med["pool"] / med["in-process"] - 1
+        label = f"{batch}x{args.tokens}"
+        row[label] = {"median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
+                      "overhead": overhead, "pool_encode_ms": pool_encode, "pool_broadcast_ms": pool_broadcast,
+                      "max_abs_diff_pool_vs_in_process": diff,
+                      "result_bytes": result_bytes}
+        log(f"{weights} {label}: in-process {med['in-process']:.2f} ms, pool {med['pool']:.2f} ms "
+            f"({overhead:+.1%}), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
+            f"broadcast {pool_broadcast:.2f} + rest {med['pool request'] - pool_encode - pool_broadcast:.2f}; "
+            f"max |pool - in-process| = {diff:.3g}")
+    encoder = spec._encoder = None  # free the in-process model before the next weights mode
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    client.request("unload", {"names": None}, timeout=300)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", choices=["random", "tiny"], default="random",
+                    help="random: the 12B-shaped model saved as a snapshot (default); tiny: the test assets")
+    ap.add_argument("--device", default="cuda", help="cuda[:i] (default) or cpu")
+    ap.add_argument("--layers", type=int, default=GEMMA_12B["layers"], help="decoder layers of the random model")
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per prompt, BOS included (default 1024)")
+    ap.add_argument("--batches", default="1,8", help="prompt-set sizes, one Gemma forward each (default 1,8)")
+    ap.add_argument("--weights", default="bf16,nf4", help="weights modes to time (default bf16,nf4)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where the snapshot and projection go")
+    ap.add_argument("--snapshot", default=None, help="reuse this snapshot directory (with --projection)")
+    ap.add_argument("--projection", default=None, help="reuse this projection file (with --snapshot)")
+    ap.add_argument("--keep", action="store_true", help="keep the snapshot and projection for a later run")
+    ap.add_argument("--save-only", action="store_true", help="build and save the random model, print the cost, exit")
+    ap.add_argument("--out", default=None, help="write raw results as JSON here")
+    args = ap.parse_args(argv)
+    if args.runs < 5 and not args.save_only and args.source == "random":
+        ap.error("--runs must be >= 5 for a median worth reporting")
+    if bool(args.snapshot) != bool(args.projection):
+        ap.error("--snapshot and --projection go together")
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+
+    import transformers
+
+    from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
+    from ltx_mgpu.client import PoolClient
+
+    work = Path(tempfile.mkdtemp(prefix="bench-pool-text-", dir=args.tmp))
+    os.environ.setdefault("LTX_MGPU_HOME", str(work / "home"))  # the digest memo stays in the run's directory
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__, "transformers": transformers.__version__, "source": args.source,
+                     "layers": args.layers, "tokens": args.tokens, "weights": {}}
+    client = None
+    try:
+        tok_dir = tiny_gemma_dir(work / "assets")
+        if args.source == "tiny":
+            gemma, projection = tok_dir, tiny_ltx_checkpoint("2.3", work / "assets")
+        elif args.snapshot:
+            gemma, projection = Path(args.snapshot).resolve(), Path(args.projection).resolve()
+        else:
+            projection = work / "ltx23-projection-random.safetensors"
+            seconds, nbytes = write_projection(projection, args.layers, GEMMA_12B["hidden"], device)
+            rate = nbytes / seconds / 1e9
+            snap_bytes = snapshot_bytes(args.layers)
+            log(f"projection: {nbytes / 1e9:.2f} GB written in {seconds:.1f} s ({rate:.2f} GB/s); the "
+                f"{args.layers}-layer snapshot ({snap_bytes / 1e9:.1f} GB) should take ~{snap_bytes / 1e9 / rate:.0f} s "
+                "to save at that rate")
+            gemma = work / f"gemma3-12b-shaped-{args.layers}l-random"
+            info = build_snapshot(gemma, args.layers, device, tok_dir)
+            save_rate = info["bytes"] / info["save_seconds"] / 1e9
+            results["snapshot"] = {**info, "projection_bytes": nbytes, "projection_save_seconds": seconds}
+            log(f"snapshot: built in {info['build_seconds']:.1f} s, {info['bytes'] / 1e9:.2f} GB saved in "
+                f"{info['save_seconds']:.1f} s ({save_rate:.2f} GB/s, {1 / save_rate:.2f} s per GB); the 48-layer "
+                f"snapshot ({snapshot_bytes() / 1e9:.1f} GB) would take ~{snapshot_bytes() / 1e9 / save_rate:.0f} s")
+            if args.save_only:
+                return 0
+
+        from ltx_mgpu.text.gemma_sources import find_tokenizer_files
+        from ltx_mgpu.text.tokenizer import check_tokenizer, load_tokenizer
+
+        tokenizer = check_tokenizer(load_tokenizer(find_tokenizer_files(tok_dir)), tok_dir)
+        prompt_sets = {b: exact_prompts(tokenizer, b, args.tokens, seed=b) for b in map(int, args.batches.split(","))}
+
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            client = PoolClient.connect(gpus=[device.index], runtime_dir=work / "runtime")
+        else:
+            client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=work / "runtime")
+        results["pool_start_seconds"] = time.perf_counter() - t0
+        log(f"pool: 1 rank on {client.pool['device']} started in {results['pool_start_seconds']:.1f} s")
+        for weights in args.weights.split(","):
+            bench_weights(weights, args, gemma, projection, device, client, prompt_sets, results)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(results, indent=1))
+    finally:
+        if client is not None:
+            client.shutdown()
+            client.close()
+        if args.keep and args.source == "random" and not args.snapshot:
+            log(f"kept {work} (reuse: --snapshot {work}/gemma3-12b-shaped-{args.layers}l-random "
+                f"--projection {work}/ltx23-projection-random.safetensors)")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\n{'weights':<8}{'prompts':>10}{'in-process ms':>15}{'pool ms':>10}{'overhead':>10}"
+          f"{'pool encode':>13}{'broadcast':>11}{'rest':>8}  goal <= {GOAL_OVERHEAD:.0%}")
+    for weights, row in results["weights"].items():
+        for label, r in row.items():
+            if not isinstance(r, dict):
+                continue
+            med = r["median_ms"]
+            rest = med["pool request"] - r["pool_encode_ms"] - r["pool_broadcast_ms"]
+            verdict = "ok" if r["overhead"] <= GOAL_OVERHEAD else "MISS"
+            print(f"{weights:<8}{label:>10}{med['in-process']:>15.2f}{med['pool']:>10.2f}{r['overhead']:>+10.1%}"
+                  f"{r['pool_encode_ms']:>13.2f}{r['pool_broadcast_ms']:>11.2f}{rest:>8.2f}  {verdict}")
+    print(f"total wall time {time.perf_counter() - _T0:.0f} s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
