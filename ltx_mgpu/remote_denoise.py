@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ltx_mgpu.nested import is_nested
+
 __all__ = [
     "DEFAULT_MODEL",
     "RequestFormatError",
@@ -58,12 +60,6 @@ class RequestFormatError(ValueError):
     """Request tensors / params that do not form a LATENT, CONDITIONING or SIGMAS."""
 
 
-def _is_nested(x: Any) -> bool:
-    """ComfyUI's NestedTensor (duck-typed like ``ltx_mgpu.denoise.latents.is_nested``, which
-    this module cannot import without pulling ltx-core into ComfyUI's process)."""
-    return bool(getattr(x, "is_nested", False)) and isinstance(getattr(x, "tensors", None), (list, tuple))
-
-
 def _tensor(x: Any, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise RequestFormatError(f"{what} must be a tensor, got {type(x).__name__}")
@@ -75,7 +71,7 @@ def _tensor(x: Any, what: str) -> torch.Tensor:
 
 def _pack(value: Any, name: str, tensors: dict) -> tuple[str, int]:
     """Put a tensor or NestedTensor into ``tensors`` under ``name`` / ``name.i``; its tag."""
-    if _is_nested(value):
+    if is_nested(value):
         parts = list(value.tensors)
         for i, t in enumerate(parts):
             tensors[f"{name}.{i}"] = _tensor(t, f"{name} part {i}")
@@ -158,7 +154,7 @@ def latent_from_result(template: Mapping, spec: Mapping, tensors: Mapping[str, t
         RequestFormatError: the result does not have the template's structure.
     """
     src = template["samples"]
-    nested = _is_nested(src)
+    nested = is_nested(src)
     if (spec.get("samples") == "nested") != nested or (nested and spec.get("parts") != len(src.tensors)):
         raise RequestFormatError(f"the pool returned a {spec.get('samples')} latent of {spec.get('parts')} part(s) "
                                  "for a different input structure")

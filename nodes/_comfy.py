@@ -35,6 +35,8 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
+from ltx_mgpu.nested import NestedTensorLike, is_nested
+
 __all__ = [
     "MODEL_EXTENSIONS", "MODELS_DIR_ENV", "PROGRESS_HOOK", "InterruptProcessingException",
     "comfy_cuda_index", "directory_list", "filename_list", "full_path", "interrupt_current_processing",
@@ -198,51 +200,15 @@ def comfy_cuda_index() -> int | None:
 # --------------------------------------------------------------------------- latents
 
 
-class _FallbackNestedTensor:
-    """Stand-in for ``comfy.nested_tensor.NestedTensor``: tensors (video, audio) in one object.
-    ``shape`` / ``device`` / ``dtype`` are the first tensor's, as in ComfyUI."""
-
-    is_nested = True
-
-    def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.tensors = list(tensors)
-
-    def unbind(self) -> list[torch.Tensor]:
-        return self.tensors
-
-    def to(self, *args: Any, **kwargs: Any) -> _FallbackNestedTensor:
-        return type(self)([t.to(*args, **kwargs) for t in self.tensors])
-
-    def clone(self) -> _FallbackNestedTensor:
-        return type(self)([t.clone() for t in self.tensors])
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensors[0].shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensors[0].device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensors[0].dtype
-
-
 def nested_tensor_type() -> type:
     """ComfyUI's ``NestedTensor`` class, or the stand-in without ComfyUI."""
     mod = _module("comfy.nested_tensor")
-    return getattr(mod, "NestedTensor", _FallbackNestedTensor)
+    return getattr(mod, "NestedTensor", NestedTensorLike)
 
 
 def make_nested(tensors: Sequence[torch.Tensor]):
     """A NestedTensor (ComfyUI's class when loaded) of ``tensors`` (video first, then audio)."""
     return nested_tensor_type()(tuple(tensors))
-
-
-def is_nested(x: Any) -> bool:
-    """ComfyUI's NestedTensor or anything shaped like it (``is_nested`` + ``tensors``)."""
-    return bool(getattr(x, "is_nested", False)) and isinstance(getattr(x, "tensors", None), (list, tuple))
 
 
 def to_comfy_latent(latent: dict) -> dict:

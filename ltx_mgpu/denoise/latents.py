@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifier, get_pixel_coords
 from ltx_core.types import VIDEO_SCALE_FACTORS, AudioLatentShape, VideoLatentShape
 
+from ltx_mgpu.nested import NestedTensorLike, is_nested  # noqa: F401 - re-exported for callers
+
 __all__ = [
     "DEFAULT_FRAME_RATE",
     "LatentFormatError",
@@ -55,42 +57,6 @@ _VIDEO_PATCHIFIER = VideoLatentPatchifier(patch_size=1)
 
 class LatentFormatError(ValueError):
     """A LATENT that is not one of ComfyUI's LTX-2 layouts (video, audio, audio-video)."""
-
-
-class NestedTensorLike:
-    """Minimal stand-in for ``comfy.nested_tensor.NestedTensor``: a list of tensors.
-
-    ``tensors`` is the list (video first, then audio); ``shape`` / ``device`` / ``dtype``
-    report the first tensor's, as ComfyUI's class does.
-    """
-
-    is_nested = True
-
-    def __init__(self, tensors):
-        self.tensors = list(tensors)
-
-    def unbind(self) -> list[torch.Tensor]:
-        return self.tensors
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensors[0].shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensors[0].device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensors[0].dtype
-
-    def __repr__(self) -> str:
-        return f"NestedTensorLike({[tuple(t.shape) for t in self.tensors]})"
-
-
-def is_nested(x: Any) -> bool:
-    """True for ComfyUI's NestedTensor or ``NestedTensorLike`` (not for ``torch.nested``)."""
-    return bool(getattr(x, "is_nested", False)) and isinstance(getattr(x, "tensors", None), (list, tuple))
 
 
 @dataclasses.dataclass
