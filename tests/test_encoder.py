@@ -143,7 +143,7 @@ def test_cli_encode_embedded_default_then_cache_hits(tmp_path):
     env = {"LTX_MGPU_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "emb.safetensors"
     cmd = [sys.executable, "-m", "ltx_mgpu", "encode", "--prompt", "a red fox", "--prompt", "a lighthouse",
-           "--out", str(out)]
+           "--embedded-gemma", "tiny", "--out", str(out)]
     r1 = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r1.returncode == 0, r1.stderr
     assert "embedded default" in r1.stderr

