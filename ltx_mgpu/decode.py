@@ -320,6 +320,7 @@ class Mp4Writer:
             raise MediaError(f"audio must be mono or stereo, got {audio_channels} channels")
         self.path = Path(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".mp4", dir=self.path.parent)
+        os.fchmod(fd, _umask_mode())  # mkstemp makes 0600; an output file gets the usual mode
         os.close(fd)
         self._tmp = Path(tmp)
         self.codec = video_codec()
@@ -390,6 +391,7 @@ def save_latents(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
     data = _st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                     metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, _umask_mode())
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -398,3 +400,10 @@ def save_latents(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask_mode() -> int:
+    """``0o666`` less the process umask: the mode ``open()`` would give a new output file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask

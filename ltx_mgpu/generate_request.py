@@ -98,7 +98,7 @@ def validate_request(req: GenerateRequest) -> None:
     if not req.prompt.strip():
         raise ValueError("--prompt is empty; describe the video to generate")
     if req.frames < 1 or (req.frames - 1) % 8:
-        raise ValueError(f"--frames {req.frames}: LTX-2 takes 8k+1 frames (1, 9, 17, 25, ..., 121); "
+        raise ValueError(f"--frames {req.frames}: LTX-2 takes 8k+1 frames (1, 9, 17, 25, ...); "
                          f"use {_nearest(req.frames, 8, 1)}")
     for name, v in (("height", req.height), ("width", req.width)):
         if v < 32 or v % 32:

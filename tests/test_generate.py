@@ -106,7 +106,7 @@ def test_stop_mid_denoise_writes_nothing_and_the_attached_pool_keeps_serving(tmp
 
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "3"], "--gpus 3: sequence parallelism splits attention heads"),
-    (["--frames", "24"], "--frames 24: LTX-2 takes 8k+1 frames (1, 9, 17, 25, ..., 121); use 17 or 25"),
+    (["--frames", "24"], "--frames 24: LTX-2 takes 8k+1 frames (1, 9, 17, 25, ...); use 17 or 25"),
     (["--height", "250"], "--height 250: LTX-2 takes multiples of 32 pixels; use 224 or 256"),
     (["--width", "16"], "--width 16: LTX-2 takes multiples of 32 pixels; use 32"),
     (["--checkpoint", "x.safetensors"], "--checkpoint was given without --gemma"),
