@@ -163,9 +163,19 @@ def launch(spec: PoolSpec, *, owner_pid: int | None = None, master_port: int | N
     Raises:
         PoolStartError: torchrun exited or the pool was not ready within ``startup_timeout``
             seconds; the message carries the tail of ``pool.log``.
+        ValueError: GPUs were asked for but torch sees no CUDA GPU (checked before anything
+            starts, so the user gets one line naming the fix instead of a torchrun traceback).
     """
     if spec.lifetime == "with-owner" and owner_pid is None:
         raise ValueError("a with-owner pool needs owner_pid")
+    if spec.gpus:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"GPUs {','.join(map(str, spec.gpus))} requested, but torch sees no CUDA GPU (a CPU-only torch "
+                "build, or no driver). Run CPU ranks instead: --gpus cpu --nproc N."
+            )
     ensure_private_dir(spec.dir)
     remove_pool_files(spec.dir)
     shutil.rmtree(spec.dir / "elastic", ignore_errors=True)
