@@ -343,3 +343,21 @@ def test_cli_encode_pool_attaches_to_a_detached_pool(pool2, base, tiny_gemma_dir
     assert second.returncode == 0 and "pool: not contacted (every prompt cached)" in second.stdout
     assert "3 prompts: 3 cached, 0 encoded" in second.stdout
     assert launch.find_live_pool(base / "cpu-2").pid == pool2.pid  # attached, never a second pool
+
+
+def test_one_rank_pool_holds_the_encoders_own_tensors(tmp_path, tiny_gemma_dir, checkpoints):
+    """World size 1 moves nothing (no broadcast, no device copy) and still equals in-process."""
+    out = tmp_path / "ws1.safetensors"
+    common = ["--gemma", str(tiny_gemma_dir), "--projection", str(checkpoints["2.3"]), "--dtype", "float32",
+              "--no-cache", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]]
+    rt = short_dir()  # AF_UNIX paths are short; pytest's tmp_path may not be
+    try:
+        run = _cli("encode", "--pool", "--gpus", "cpu", "--nproc", "1", "--runtime-dir", str(rt), "--out", str(out),
+                   *common)
+    finally:
+        cleanup(rt)
+    assert run.returncode == 0, run.stderr
+    _, got = load_embeddings(out)
+    ref = _reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:2])
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.tensor, r.tensor, rtol=1e-5, atol=1e-5)
