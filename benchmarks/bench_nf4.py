@@ -53,7 +53,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import peak_bytes as _peak  # noqa: E402
+from benchmarks.timing import sync as _sync  # noqa: E402
+from benchmarks.timing import time_ms as _time  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma import GemmaTextTower  # noqa: E402
@@ -84,44 +86,6 @@ VARIANTS = {
     "linear-lut-compiled-prefetch": ("lut_compiled", "linear", True),
 }
 GOALS = {"peak_gb_1": 8.2, "ratio_1": 1.2, "ratio_8": 1.05}
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(device, fn, warmup, runs):
-    """Median and all times of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
-
-
-def _peak(device, fn):
-    """Peak allocated device bytes while ``fn`` runs (None on CPU)."""
-    if device.type != "cuda":
-        fn()
-        return None
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    _sync(device)
-    return torch.cuda.max_memory_allocated(device)
 
 
 def _allocated(device):

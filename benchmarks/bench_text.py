@@ -35,51 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import peak_bytes, time_ms  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower  # noqa: E402
 from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
 
 GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
-
-
-def _timer(device: torch.device):
-    if device.type == "cuda":
-        def run(fn, warmup, runs):
-            for _ in range(warmup):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(runs):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            return statistics.median(times), times
-    else:
-        def run(fn, warmup, runs):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(times), times
-    return run
-
-
-def _peak(device, fn):
-    if device.type != "cuda":
-        fn()
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated(device) / 1e9
 
 
 def main(argv=None) -> int:
@@ -120,7 +82,6 @@ def main(argv=None) -> int:
     projection = Projection("2.3", d, n_states, {k: v.to(device, proj_dtype) for k, v in weights.items()})
     tower = GemmaTextTower(model=model, tokenizer=None, config=config, format="random", path=Path("random-12b"))
     encoder = PromptEncoder(tower, projection)
-    timer = _timer(device)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "layers": dims["layers"], "tokens": args.tokens,
                "model_build_seconds": build_s, "variants": {}}
@@ -167,8 +128,9 @@ def main(argv=None) -> int:
                 c_err[mode] = max((c_out[i].tensor - ref_feat[i]).abs().max().item() for i in range(batch))
                 variants.append((f"compiled-{mode}", (lambda e: lambda: e.encode_tokens(ids, mask))(enc)))
         for name, fn in variants:
-            med, times = timer(fn, args.warmup, args.runs)
-            peak = _peak(device, fn)
+            med, times = time_ms(device, fn, args.warmup, args.runs)
+            peak = peak_bytes(device, fn)
+            peak = None if peak is None else peak / 1e9
             results["variants"][f"{name}/{batch}x{args.tokens}"] = {"median_ms": med, "times_ms": times, "peak_gb": peak}
             rows.append((name, batch, med, peak))
             print(f"{name} {batch}x{args.tokens}: {med:.2f} ms (peak {peak} GB)", flush=True)

@@ -11,7 +11,6 @@ forward, feature extraction + projection, device->host copy of the result).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,23 +19,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
+from benchmarks.timing import time_ms  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma import gemma3_text_config  # noqa: E402
 
 
 def _time(fn, runs=5):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(runs):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
+    return time_ms(torch.device("cuda"), fn, warmup=2, runs=runs)[0]
 
 
 def main(argv=None) -> int:

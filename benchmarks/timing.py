@@ -1,0 +1,51 @@
+"""Timing and memory probes shared by the benchmarks (one definition, so every table is
+measured the same way; see /work/.library/device/METHOD.md: warm up, device events, medians)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(device: torch.device, fn: Callable[[], object], warmup: int, runs: int) -> tuple[float, list[float]]:
+    """``(median, all times)`` of ``fn`` in milliseconds after ``warmup`` untimed calls: CUDA
+    events on a GPU (each run synchronised on its end event), ``time.perf_counter`` elsewhere."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
+def peak_bytes(device: torch.device, fn: Callable[[], object]) -> int | None:
+    """Peak allocated device memory in bytes while ``fn`` runs (``None`` off CUDA, where ``fn``
+    still runs once)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device)
