@@ -1,11 +1,14 @@
 """Where the time of a Gemma 3 12B-shaped encode goes (GPU profiler tables).
 
-    python benchmarks/profile_text.py --batch 8
+    python benchmarks/profile_text.py --batch 8 [--compile default@layers] [--attention]
 
 Builds the same random 12B-shaped text tower as ``bench_text.py`` and prints, for one
-forward of ``batch x tokens``: the top CUDA kernels (torch.profiler) of the plain forward
-with an attention mask and without one, and the time of each stage of our encode (Gemma
-forward, feature extraction + projection, device->host copy of the result).
+``batch x tokens`` encode: the time of each stage of our encode (Gemma forward, feature
+extraction + projection, device->host copy of the result, the whole ``encode_tokens``), for
+the eager tower and, with ``--compile MODE@SCOPE``, the compiled one; then the top CUDA
+kernels (torch.profiler) of the whole encode. ``--attention`` adds a micro-benchmark of the
+attention call alone (``[B, 16, T, 256]`` bf16, causal) for each SDPA backend, with and
+without an explicit mask, and for ``flex_attention``.
 """
 
 from __future__ import annotations
@@ -20,12 +23,73 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from benchmarks.timing import time_ms  # noqa: E402
+from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
-from ltx_mgpu.text.gemma import gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, encode_hidden_states  # noqa: E402
+from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
+
+DEV = torch.device("cuda")
 
 
 def _time(fn, runs=5):
-    return time_ms(torch.device("cuda"), fn, warmup=2, runs=runs)[0]
+    return time_ms(DEV, fn, warmup=2, runs=runs)[0]
+
+
+def stages(label: str, encoder: PromptEncoder, ids: torch.Tensor, mask: torch.Tensor, rows: int) -> None:
+    """Print the stage times and the kernel table of one encode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        t_fwd = _time(lambda: encode_hidden_states(encoder.tower, ids, mask))
+        hs = encode_hidden_states(encoder.tower, ids, mask)
+        md = mask.to(DEV)
+        t_feat = _time(lambda: encoder.projection(hs, md))
+        feats = encoder.projection(hs, md)
+        lengths = [int(n) for n in mask.sum(1).tolist()]
+        t_host = _time(lambda: encoder._rows_to_host(feats, lengths))
+        t_all = _time(lambda: encoder.encode_tokens(ids, mask))
+    b, t = ids.shape
+    print(f"[{label}] {b}x{t}: forward {t_fwd:.1f} ms, features+projection {t_feat:.1f} ms, "
+          f"rows to host {t_host:.1f} ms, whole encode_tokens {t_all:.1f} ms", flush=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        encoder.encode_tokens(ids, mask)
+        torch.cuda.synchronize()
+    print(f"\n=== {label} {b}x{t}: kernels of one encode_tokens ===")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=80), flush=True)
+
+
+def attention(batch: int, tokens: int) -> None:
+    """SDPA backends and flex_attention on Gemma 3 12B's attention shape."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch, 16, tokens, 256, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(batch, 8, tokens, 256, device=DEV, dtype=torch.bfloat16).repeat_interleave(2, dim=1)
+    v = torch.randn_like(k)
+    causal = torch.ones(tokens, tokens, device=DEV, dtype=torch.bool).tril()
+    mask = causal.expand(batch, 1, tokens, tokens)
+    flops = 4 * batch * 16 * tokens * tokens * 256 / 2
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for with_mask in (False, True):
+            try:
+                with sdpa_kernel(backend):
+                    fn = ((lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)) if with_mask else
+                          (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+                    ms = _time(fn, runs=10)
+                print(f"attention {batch}x{tokens} {name:9s} {'mask' if with_mask else 'is_causal'}: {ms:.3f} ms "
+                      f"({flops / ms / 1e9:.0f} TFLOPS causal-equivalent)", flush=True)
+            except RuntimeError as e:
+                print(f"attention {batch}x{tokens} {name:9s} {'mask' if with_mask else 'is_causal'}: n/a ({str(e)[:80]})")
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, batch, None, tokens, tokens, device=DEV)
+        flex = torch.compile(flex_attention)
+        ms = _time(lambda: flex(q, k, v, block_mask=bm), runs=10)
+        print(f"attention {batch}x{tokens} flex      block-causal: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOPS)")
+    except Exception as e:  # a report line, not a failure: flex may not support head_dim 256 here
+        print(f"attention {batch}x{tokens} flex: n/a ({type(e).__name__}: {str(e)[:120]})")
 
 
 def main(argv=None) -> int:
@@ -33,53 +97,35 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--rows", type=int, default=18)
+    ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--compile", default=None, help="also profile the tower compiled as MODE@SCOPE")
+    ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--attention", action="store_true")
     args = ap.parse_args(argv)
     from transformers import Gemma3TextModel
 
-    dev = torch.device("cuda")
+    if args.attention:
+        attention(args.batch, args.tokens)
     config = gemma3_text_config(**dict(GEMMA_12B, layers=args.layers))
-    with dev:
+    with DEV:
         model = Gemma3TextModel._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     d, n = GEMMA_12B["hidden"], args.layers + 1
     proj = Projection("2.3", d, n, {
-        "video_aggregate_embed.weight": torch.randn(4096, d * n, device=dev, dtype=torch.bfloat16) * 0.002,
-        "video_aggregate_embed.bias": torch.zeros(4096, device=dev, dtype=torch.bfloat16),
-        "audio_aggregate_embed.weight": torch.randn(2048, d * n, device=dev, dtype=torch.bfloat16) * 0.002,
-        "audio_aggregate_embed.bias": torch.zeros(2048, device=dev, dtype=torch.bfloat16),
+        "video_aggregate_embed.weight": torch.randn(4096, d * n, device=DEV, dtype=torch.bfloat16) * 0.002,
+        "video_aggregate_embed.bias": torch.zeros(4096, device=DEV, dtype=torch.bfloat16),
+        "audio_aggregate_embed.weight": torch.randn(2048, d * n, device=DEV, dtype=torch.bfloat16) * 0.002,
+        "audio_aggregate_embed.bias": torch.zeros(2048, device=DEV, dtype=torch.bfloat16),
     })
-    ids = torch.randint(4, GEMMA_12B["vocab"], (args.batch, args.tokens), device=dev)
+    tower = GemmaTextTower(model=model, tokenizer=None, config=config, format="random", path=Path("random-12b"))
+    ids = torch.randint(4, GEMMA_12B["vocab"], (args.batch, args.tokens))
     mask = torch.ones_like(ids)
-
-    def fwd(m):
-        with torch.inference_mode():
-            return model(input_ids=ids, attention_mask=m, output_hidden_states=True, use_cache=False)
-
-    print(f"attention implementation: {model.config._attn_implementation}")
-    t_mask = _time(lambda: fwd(mask))
-    t_nomask = _time(lambda: fwd(None))
-    hs = fwd(mask).hidden_states
-    with torch.inference_mode():
-        t_feat = _time(lambda: proj(hs, mask))
-        feats = proj(hs, mask)
-        t_d2h = _time(lambda: feats.float().cpu())
-        t_d2h_rows = _time(lambda: [feats[j].float().cpu() for j in range(args.batch)])
-    print(f"{args.batch}x{args.tokens}: forward with mask {t_mask:.1f} ms, without mask {t_nomask:.1f} ms, "
-          f"features+projection {t_feat:.1f} ms, D2H fp32 {t_d2h:.1f} ms (per-row {t_d2h_rows:.1f} ms)")
-    from torch.profiler import ProfilerActivity, profile
-
-    for label, m in (("with mask", mask), ("without mask", None)):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fwd(m)
-            torch.cuda.synchronize()
-        print(f"\n=== plain forward {label} ===")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        with torch.inference_mode():
-            proj(hs, mask)
-        torch.cuda.synchronize()
-    print("\n=== features + projection ===")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=70))
+    if not args.no_eager:
+        stages("eager", PromptEncoder(tower, proj), ids, mask, args.rows)
+    if args.compile:
+        mode, _, scope = args.compile.partition("@")
+        enc = PromptEncoder(compile_text_tower(tower, scope=scope or "layers", mode=mode, dynamic=False), proj)
+        enc.encode_tokens(ids, mask)
+        stages(f"compiled {args.compile}", enc, ids, mask, args.rows)
     return 0
 
 
