@@ -13,7 +13,10 @@ with CUDA events (median of ``--runs`` after ``--warmup``), for 1x1024 and 8x102
   the transformers baseline (no feature extraction);
 * ``ours-eager`` / ``compiled-<mode>``: :meth:`PromptEncoder.encode_tokens` — Gemma forward +
   LTX-2.3 feature extraction + the copy of the result to the host — without and with
-  ``torch.compile`` of the text tower in each of ``--compile-modes``.
+  ``torch.compile`` of the text tower in each of ``--compile-modes``; the tower uses the
+  loaders' attention implementation (``ltx_mgpu.text.forward.ATTENTION``);
+* ``ours-eager-stock-sdpa``: the same encode on transformers' stock SDPA (what the causal-skip
+  attention gives).
 
 It checks that our hidden states equal the plain path's (bf16 tolerance) and prints the
 peak memory of each variant, then the cache-hit latency of a 1024-token entry next to the
@@ -38,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import peak_bytes, time_ms  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
-from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower  # noqa: E402
+from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
+from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, copy_sharing_weights  # noqa: E402
 from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
 
 GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
@@ -80,8 +84,15 @@ def main(argv=None) -> int:
     }
     proj_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     projection = Projection("2.3", d, n_states, {k: v.to(device, proj_dtype) for k, v in weights.items()})
-    tower = GemmaTextTower(model=model, tokenizer=None, config=config, format="random", path=Path("random-12b"))
+    # ours: the same weights with the loaders' attention implementation (own config, so the plain
+    # baseline keeps transformers' stock SDPA); "ours-stock-sdpa" isolates what that choice gives
+    ours_model = copy_sharing_weights(model, own_config=True)
+    use_causal_skip(ours_model)
+    tower = GemmaTextTower(model=ours_model, tokenizer=None, config=ours_model.config, format="random",
+                           path=Path("random-12b"))
     encoder = PromptEncoder(tower, projection)
+    stock = PromptEncoder(GemmaTextTower(model=model, tokenizer=None, config=config, format="random",
+                                         path=Path("random-12b")), projection)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "layers": dims["layers"], "tokens": args.tokens,
                "model_build_seconds": build_s, "variants": {}}
@@ -103,7 +114,8 @@ def main(argv=None) -> int:
         def ours():
             return encoder.encode_tokens(ids, mask)
 
-        variants = [("plain", plain), ("ours-eager", ours)]
+        variants = [("plain", plain), ("ours-eager", ours),
+                    ("ours-eager-stock-sdpa", lambda: stock.encode_tokens(ids, mask))]
         # parity: our hidden states equal plain transformers'
         ref = plain().hidden_states
         ours_out = ours()
@@ -155,9 +167,9 @@ def main(argv=None) -> int:
     results["cache_hit_ms_1024_tokens"] = hit_ms
 
     base = {b: m for (n, b, m, _) in rows if n == "plain"}
-    print(f"\n{'variant':<16}{'batch':>6}{'median ms':>12}{'vs plain':>10}{'peak GB':>10}")
+    print(f"\n{'variant':<24}{'batch':>6}{'median ms':>12}{'vs plain':>10}{'peak GB':>10}")
     for name, batch, med, peak in rows:
-        print(f"{name:<16}{batch:>6}{med:>12.2f}{med / base[batch]:>10.2f}{(peak or float('nan')):>10.2f}")
+        print(f"{name:<24}{batch:>6}{med:>12.2f}{med / base[batch]:>10.2f}{(peak or float('nan')):>10.2f}")
     enc1 = min(m for (n, b, m, _) in rows if b == 1 and n != "plain")
     print(f"cache hit (1x{args.tokens}, CPU): {hit_ms:.2f} ms  vs encode {enc1:.2f} ms  ({enc1 / hit_ms:.0f}x)")
     for k, v in results["variants"].items():

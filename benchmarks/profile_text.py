@@ -25,6 +25,7 @@ from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from benchmarks.timing import time_ms  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
+from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
 from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, encode_hidden_states  # noqa: E402
 from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
 
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     config = gemma3_text_config(**dict(GEMMA_12B, layers=args.layers))
     with DEV:
         model = Gemma3TextModel._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    use_causal_skip(model)
     d, n = GEMMA_12B["hidden"], args.layers + 1
     proj = Projection("2.3", d, n, {
         "video_aggregate_embed.weight": torch.randn(4096, d * n, device=DEV, dtype=torch.bfloat16) * 0.002,

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def gemma_270m(tmp_path_factory):
-    return gemma_270m_dir(tmp_path_factory.mktemp("gemma270m"))
+    return gemma_270m_dir()
 
 
 def test_real_gemma_270m_loads_through_snapshot_path(gemma_270m):

@@ -168,16 +168,36 @@ class Projection(nn.Module):
         return next(self.parameters()).device
 
     def forward(self, hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
-        """Normalise and project.
+        """Normalise and project (:meth:`normalised` then :meth:`project`), pad rows zeroed.
 
         Args:
             hidden_states: ``L`` tensors ``[B, T, D]`` (any float dtype; moved to the
-                projection's device). Statistics are computed in float32 per layer; the
-                normalised features are stored in the projection's dtype for the matmul.
+                projection's device).
             attention_mask: ``[B, T]``, nonzero for real tokens (left or right padding).
 
         Returns:
             ``[B, T, D_out]`` in the projection's dtype; padded positions are zero.
+
+        Raises:
+            ValueError: wrong number of hidden states or hidden size for this projection.
+        """
+        mask = attention_mask.to(device=self.device).bool()
+        out = self.project(self.normalised(hidden_states, mask))
+        return out * mask.unsqueeze(-1).to(out.dtype)
+
+    def normalised(self, hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
+        """The version's per-layer normalisation, layers concatenated layer-major.
+
+        Statistics are computed in float32 per layer over valid tokens; the result is stored in
+        the projection's dtype for the matmul.
+
+        Args:
+            hidden_states: ``L`` tensors ``[B, T, D]``.
+            attention_mask: ``[B, T]``, nonzero for real tokens.
+
+        Returns:
+            ``[B, T, L*D]`` in the projection's dtype on its device (feature ``l*D + d``);
+            padded positions are zero.
 
         Raises:
             ValueError: wrong number of hidden states or hidden size for this projection.
@@ -188,24 +208,29 @@ class Projection(nn.Module):
                 f"(a Gemma with {self.num_layers - 1} layers); got {len(hidden_states)}. "
                 "Use the Gemma that matches the checkpoint (Gemma 3 12B for LTX-2)."
             )
-        b, t, d = hidden_states[0].shape
+        d = hidden_states[0].shape[-1]
         if d != self.embedding_dim:
             raise ValueError(
                 f"this LTX-{self.version} projection expects Gemma hidden size {self.embedding_dim}, got {d}"
             )
-        device = self.device
-        mask = attention_mask.to(device=device).bool()
-        features = _features_fn(device, self.version)(tuple(hidden_states), mask, self.dtype)
+        mask = attention_mask.to(device=self.device).bool()
+        return _features_fn(self.device, self.version)(tuple(hidden_states), mask, self.dtype)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The projection(s) of :meth:`normalised` features: ``[..., L*D] -> [..., D_out]`` in
+        the projection's dtype (2.3: each projection scaled by ``sqrt(out / D)``, video ‖ audio).
+        Rows are independent, so any slice of a batch may be projected on its own."""
+        lead = features.shape[:-1]
+        flat = features.reshape(-1, features.shape[-1])
         if self.version == "2.0":
-            out = torch.nn.functional.linear(features, self.aggregate_embed.weight)
+            out = torch.nn.functional.linear(flat, self.aggregate_embed.weight)
         else:
             outs = []
             for lin in (self.video_aggregate_embed, self.audio_aggregate_embed):
                 scale = math.sqrt(lin.out_features / self.embedding_dim)
-                flat = features.reshape(b * t, -1)
-                outs.append(torch.addmm(lin.bias, flat, lin.weight.t(), alpha=scale).reshape(b, t, -1))
+                outs.append(torch.addmm(lin.bias, flat, lin.weight.t(), alpha=scale))
             out = torch.cat(outs, dim=-1)
-        return out * mask.unsqueeze(-1).to(out.dtype)
+        return out.reshape(*lead, -1)
 
 
 def _build_features(hidden_states: tuple[torch.Tensor, ...], mask: torch.Tensor, dtype: torch.dtype,
