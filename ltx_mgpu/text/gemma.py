@@ -15,16 +15,13 @@ missing text-tower keys: ``Gemma3TextModel.from_pretrained(<multimodal dir>)`` o
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import functools
-import itertools
 import logging
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -42,6 +39,7 @@ from ltx_mgpu.text.gemma_sources import (
     no_tokenizer_error,
     source_identity,
 )
+from ltx_mgpu.text.forward import compile_text_tower, copy_sharing_weights, encode_hidden_states
 from ltx_mgpu.text.tokenizer import PromptTooLongError, check_tokenizer, load_tokenizer, tokenize, tokenizer_from_spm
 
 __all__ = [
@@ -49,6 +47,7 @@ __all__ = [
     "load_gemma_text_tower",
     "encode_hidden_states",
     "compile_text_tower",
+    "copy_sharing_weights",
     # re-exported from ltx_mgpu.text.gemma_sources / ltx_mgpu.text.tokenizer
     "GemmaFormatError",
     "GemmaWeightsError",
@@ -259,6 +258,7 @@ def load_gemma_text_tower(
     weights: str = "bf16",
     save_nf4_to: str | os.PathLike | None = None,
     host_embeddings: bool | None = None,
+    layer_dequant: bool | None = None,
 ) -> GemmaTextTower:
     """Load only the Gemma 3 text tower (``Gemma3TextModel``) and its tokenizer.
 
@@ -277,6 +277,12 @@ def load_gemma_text_tower(
             (``ltx_mgpu.text.forward.offload_embeddings``: 2.0 GB less GPU memory for Gemma 3 12B,
             bit-identical results); ``None`` (default) does it for NF4 weights on a GPU, where it
             is a quarter of the tower's memory.
+        layer_dequant: for NF4, run each decoder layer's seven projections as one bitsandbytes
+            dequantize into a reused bf16 buffer (449 MB for 12B) plus cuBLAS GEMMs
+            (``ltx_mgpu.text.nf4_dequant.FastDequant``, ``method="bnb", scope="layer"``) instead of
+            bitsandbytes' per-``Linear4bit`` path; same outputs up to the GEMM. ``None`` (default):
+            on a single GPU (on an H200, 1x1024 tokens: 1.10x the bf16 time vs 1.32x;
+            ``benchmarks/bench_nf4.py``).
 
     The tower uses ``ltx_mgpu.text.forward.ATTENTION`` when ``attn_implementation="sdpa"``
     (SDPA that takes the causal kernel whenever a batch has no padding).
@@ -314,119 +320,11 @@ def load_gemma_text_tower(
     from ltx_mgpu.text.forward import offload_embeddings, use_causal_skip
 
     use_causal_skip(tower.model)
-    if host_embeddings if host_embeddings is not None else tower.weights == "nf4":
+    nf4_on_gpu = tower.weights == "nf4" and tower.device.type == "cuda"
+    if host_embeddings if host_embeddings is not None else nf4_on_gpu:
         offload_embeddings(tower.model)
+    if tower.weights == "nf4" and (layer_dequant if layer_dequant is not None else nf4_on_gpu):
+        from ltx_mgpu.text.nf4_dequant import FastDequant
+
+        FastDequant(tower.model, method="bnb", scope="layer")  # kept alive by its hooks on the layers
     return tower
-
-
-
-# --------------------------------------------------------------------------- compile
-
-
-def copy_sharing_weights(model: torch.nn.Module, *, own_config: bool = False) -> torch.nn.Module:
-    """A new module tree equal to ``model`` that shares its parameters and buffers.
-
-    ``copy.deepcopy`` with every tensor entered in the memo as itself: every module object (with
-    its own child table, hooks and attributes) is new, no tensor is copied. Modules compiled in
-    ``model`` start uncompiled in the copy (their compiled call would run the original module).
-
-    Args:
-        own_config: give the copy its own deep copy of the config (so e.g. switching its
-            attention implementation leaves ``model`` alone); by default the config is shared.
-    """
-    memo: dict[int, Any] = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    if not own_config:
-        memo[id(model.config)] = model.config
-    new = copy.deepcopy(model, memo)
-    for module in new.modules():
-        if module._compiled_call_impl is not None:
-            module._compiled_call_impl = None
-    return new
-
-
-def _install_capture_hooks(model: torch.nn.Module) -> None:
-    """Run one eager 1-token forward asking for hidden states: transformers installs its
-    hidden-state capture hooks lazily on the first such call, under a ``threading.Lock`` that
-    Dynamo cannot trace (a graph break; an error with ``fullgraph=True``)."""
-    device = model.get_input_embeddings().weight.device
-    with torch.inference_mode():
-        ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-        model(input_ids=ids, output_hidden_states=True, use_cache=False)
-
-
-def compile_text_tower(
-    tower: GemmaTextTower, scope: Literal["model", "layers"] = "model", **compile_kwargs: Any
-) -> GemmaTextTower:
-    """A copy of ``tower`` whose Gemma forward runs through ``torch.compile``.
-
-    The copy's model is a new ``Gemma3TextModel`` module tree sharing every parameter, buffer and
-    the config with ``tower.model`` (no weight memory is added); ``tower`` itself stays
-    uncompiled, and :func:`encode_hidden_states` gives the same hidden states on either (bit for
-    bit with ``backend="eager"``; to compiler rounding with Inductor).
-
-    Args:
-        scope: what is compiled.
-
-            * ``"model"`` (default): the whole ``Gemma3TextModel`` is compiled
-              (``nn.Module.compile``): one graph with the masks and the hidden-state capture
-              included, no graph break (``fullgraph=True`` holds), so the most room for fusion and
-              for CUDA graphs (``mode="reduce-overhead"``); compile time grows with the depth (all
-              48 layers are traced and inlined) and is paid again for every new input shape
-              unless the sizes are dynamic.
-            * ``"layers"`` (regional compilation, PyTorch's recipe for models made of repeated
-              blocks: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html): each
-              decoder layer is compiled with ``nn.Module.compile``. The layers share one code object
-              and, with ``torch._dynamo.config.inline_inbuilt_nn_modules`` (the default since torch
-              2.5), take their weights as graph inputs, so one set of compiled graphs serves all
-              layers: the compile cost of one layer, not 48. The embedding, the mask construction
-              and the final norm run eagerly. transformers' hidden-state capture hooks read a
-              ``ContextVar``, which Dynamo cannot trace, so each layer runs as three graphs (before
-              attention, attention, after) with two graph breaks, still shared by every layer
-              (measured on the tiny model, torch 2.13 / transformers 5.24: 3 graphs for 6 layers).
-              Pick it when compile time matters more than the last per-layer overhead (many
-              prompt lengths, short-lived pools); time both on the GPU before choosing.
-        compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode`` such as
-            ``"max-autotune"``, ``dynamic``, ``options``, ``fullgraph`` for ``scope="model"``).
-            Each new input shape recompiles until Dynamo marks the sizes dynamic (on the second
-            shape by default); ``dynamic=True`` starts dynamic, ``dynamic=False`` never is.
-
-    Returns:
-        A ``GemmaTextTower`` equal to ``tower`` except for ``model``.
-
-    Raises:
-        ValueError: ``scope`` is neither ``"model"`` nor ``"layers"``.
-    """
-    if scope not in ("model", "layers"):
-        raise ValueError(f"scope must be 'model' (whole model) or 'layers' (regional compilation), got {scope!r}")
-    model = copy_sharing_weights(tower.model)
-    _install_capture_hooks(model)
-    for module in model.layers if scope == "layers" else (model,):
-        module.compile(**compile_kwargs)
-    return dataclasses.replace(tower, model=model)
-
-
-# --------------------------------------------------------------------------- encode
-
-
-def encode_hidden_states(
-    tower: GemmaTextTower, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """Run the text tower and return all ``L = num_hidden_layers + 1`` hidden states.
-
-    Args:
-        input_ids: ``[B, T]`` int64 token ids (as from :func:`tokenize`).
-        attention_mask: ``[B, T]``, 1 for real tokens, 0 for padding.
-
-    Returns:
-        ``L`` tensors ``[B, T, D]`` in the model's dtype on its device: index 0 is the scaled
-        embedding output (``embed * sqrt(D)``), indices 1..L-2 the raw decoder-layer outputs, and
-        index L-1 the last layer's output *after* the final RMSNorm (transformers'
-        ``hidden_states`` convention, which ComfyUI's ``intermediate_output="all"`` matches).
-        Values at padded positions are meaningless; callers mask or trim them.
-
-    Raises:
-        ValueError: shapes differ or are not 2-D.
-    """
-    from ltx_mgpu.text.forward import run_tower
-
-    return run_tower(tower, input_ids, attention_mask, trim=False).hidden_states

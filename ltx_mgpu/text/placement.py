@@ -236,7 +236,8 @@ def load_prompt_encoder(gemma: str, projection: str, *, weights: str = "bf16", d
     compute = parse_dtype(dtype)
     nf4 = weights == "nf4" or detect_gemma_format(gemma) == "nf4_artifact"
     stage = torch.device(shard_over[0]) if nf4 else torch.device("cpu")
-    tower = load_gemma_text_tower(gemma, device=stage, dtype=compute, weights=weights, host_embeddings=False)
+    tower = load_gemma_text_tower(gemma, device=stage, dtype=compute, weights=weights, host_embeddings=False,
+                                  layer_dequant=False)
     device_map = dispatch_text_tower(tower, shard_over, max_memory)
     first = torch.device(device_map["embed_tokens"])
     proj = load_projection(projection, device=first, dtype=torch.float32 if first.type == "cpu" else compute,
