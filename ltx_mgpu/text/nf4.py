@@ -320,7 +320,7 @@ def save_nf4(tower: GemmaTextTower, out_dir: str | os.PathLike, *, shard_bytes: 
         raise ValueError(f"{tower.path}: save_nf4 needs an NF4 tower (weights='nf4'), got weights={tower.weights!r}")
     _, expected = skeleton(tower.config)
     params = dict(tower.model.named_parameters())
-    device = next(iter(params.values())).device
+    device = tower.device  # where the layers were quantized (the embedding table may be in host memory)
 
     def groups() -> Iterator[dict[str, torch.Tensor]]:
         for name in expected:
