@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import peak_bytes as _peak  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
 from benchmarks.timing import time_ms as _time  # noqa: E402
+from benchmarks.timing import warm_gpu  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma import GemmaTextTower  # noqa: E402
@@ -186,6 +187,7 @@ def main(argv=None) -> int:
         resident_bf16 = sum(p.numel() * p.element_size() for p in model.parameters())
         results["bf16"]["resident_bytes"] = resident_bf16
         ref_features = {}
+        warm_gpu(device)
         for b in batches:
             ids, mask = inputs[b]
             med, times = _time(device, lambda: encoder.encode_tokens(ids, mask), args.warmup, args.runs)

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import peak_bytes, time_ms  # noqa: E402
+from benchmarks.timing import peak_bytes, time_ms, warm_gpu  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
@@ -100,6 +100,7 @@ def main(argv=None) -> int:
 
     results["transformers"] = transformers.__version__
     rows = []
+    warm_gpu(device)
     compiled: dict[str, PromptEncoder] = {}
     failed: dict[str, str] = {}
     for batch in [int(b) for b in args.batches.split(",")]:
