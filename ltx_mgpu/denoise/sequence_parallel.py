@@ -115,8 +115,9 @@ def check_token_budget(num_tokens: int, max_tokens: int) -> None:
     if num_tokens > max_tokens:
         raise SequenceParallelConfigError(
             f"the video latent has {num_tokens} tokens (latent frames x height x width), more than "
-            f"max_tokens={max_tokens}. Lower the resolution or the number of frames, or raise "
-            f"max_tokens when loading the model (it bounds activation memory per GPU)."
+            f"max_tokens={max_tokens}. Lower the resolution or the number of frames, or raise the "
+            f"budget when loading the model (it bounds activation memory per GPU): the Model Loader "
+            f"node's max_tokens, generate --max-tokens, or load_transformer's max_tokens."
         )
 
 
