@@ -201,8 +201,35 @@ def run_tower(tower: "GemmaTextTower", input_ids: torch.Tensor, attention_mask: 
     # no padding left: no mask, so every layer can take the causal kernel (see ATTENTION)
     kwargs["attention_mask"] = None if bool(mask.all()) else mask.to(device)
     with torch.inference_mode():
-        out = model(input_ids=ids.to(emb_device), output_hidden_states=True, use_cache=False, **kwargs)
-    return TowerOutput(tuple(out.hidden_states), mask, offset)
+        states = _forward_collecting(model, input_ids=ids.to(emb_device), use_cache=False, **kwargs)
+    return TowerOutput(states, mask, offset)
+
+
+def _forward_collecting(model: nn.Module, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """``model(**kwargs)`` and its ``L`` hidden states in transformers' convention: the input of
+    layer 0 (the scaled embeddings), the outputs of layers ``0..L-3``, and the final-normed
+    output of the last layer.
+
+    They are collected by forward hooks on the decoder layers, outside any compiled region, not
+    by transformers' ``output_hidden_states`` capture, whose hooks read a ``ContextVar`` that
+    Dynamo cannot trace (two graph breaks inside every compiled layer). A model compiled as a
+    whole (``compile_text_tower(scope="model")``) keeps transformers' capture, which its graph
+    includes.
+    """
+    if model._compiled_call_impl is not None:
+        return tuple(model(output_hidden_states=True, **kwargs).hidden_states)
+    states: list[torch.Tensor] = []
+    layers = model.layers
+    handles = [layers[0].register_forward_pre_hook(lambda m, args: states.append(args[0]))]
+    handles += [layer.register_forward_hook(lambda m, args, out: states.append(out[0] if isinstance(out, tuple) else out))
+                for layer in layers[:-1]]
+    try:
+        out = model(output_hidden_states=False, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    states.append(out.last_hidden_state)
+    return tuple(states)
 
 
 # --------------------------------------------------------------------------- compile
@@ -260,16 +287,12 @@ def compile_text_tower(
               unless the sizes are dynamic.
             * ``"layers"`` (regional compilation, PyTorch's recipe for models made of repeated
               blocks: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html): each
-              decoder layer is compiled with ``nn.Module.compile``. The layers share one code object
-              and, with ``torch._dynamo.config.inline_inbuilt_nn_modules`` (the default since torch
-              2.5), take their weights as graph inputs, so one set of compiled graphs serves all
-              layers: the compile cost of one layer, not 48. The embedding, the mask construction
-              and the final norm run eagerly. transformers' hidden-state capture hooks read a
-              ``ContextVar``, which Dynamo cannot trace, so each layer runs as three graphs (before
-              attention, attention, after) with two graph breaks, still shared by every layer
-              (measured on the tiny model, torch 2.13 / transformers 5.24: 3 graphs for 6 layers).
-              Pick it when compile time matters more than the last per-layer overhead (many
-              prompt lengths, short-lived pools); time both on the GPU before choosing.
+              decoder layer's ``forward`` is compiled (its module hooks stay eager). The layers
+              share one code object and, with ``torch._dynamo.config.inline_inbuilt_nn_modules``
+              (the default since torch 2.5), take their weights as graph inputs, so one graph per
+              attention type (sliding / full) serves all layers: the compile cost of one or two
+              layers, not 48. The embedding, the mask construction and the final norm run eagerly;
+              :func:`run_tower` collects the hidden states with hooks between the compiled layers.
         compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode`` such as
             ``"max-autotune"``, ``dynamic``, ``options``, ``fullgraph`` for ``scope="model"``).
             Each new input shape recompiles until Dynamo marks the sizes dynamic (on the second
@@ -284,9 +307,12 @@ def compile_text_tower(
     if scope not in ("model", "layers"):
         raise ValueError(f"scope must be 'model' (whole model) or 'layers' (regional compilation), got {scope!r}")
     model = copy_sharing_weights(tower.model)
-    _install_capture_hooks(model)
-    for module in model.layers if scope == "layers" else (model,):
-        module.compile(**compile_kwargs)
+    if scope == "model":
+        _install_capture_hooks(model)
+        model.compile(**compile_kwargs)
+    else:  # the forward only: module hooks (run_tower's hidden-state collection) stay outside
+        for layer in model.layers:
+            layer.forward = torch.compile(layer.forward, **compile_kwargs)
     return dataclasses.replace(tower, model=model)
 
 
