@@ -278,11 +278,10 @@ def load_gemma_text_tower(
             bit-identical results); ``None`` (default) does it for NF4 weights on a GPU, where it
             is a quarter of the tower's memory.
         layer_dequant: for NF4, run each decoder layer's seven projections as one bitsandbytes
-            dequantize into reused bf16 buffers (2 x 449 MB for 12B) plus cuBLAS GEMMs, the next
-            layer's dequant overlapping this layer's GEMMs on a side stream
-            (``ltx_mgpu.text.nf4_dequant.FastDequant``, ``method="bnb", scope="layer",
-            prefetch=True``) instead of bitsandbytes' per-``Linear4bit`` path; same outputs up to
-            the GEMM. ``None`` (default): on a single GPU (``benchmarks/bench_nf4.py`` times it).
+            dequantize into a reused bf16 buffer (449 MB for 12B) plus cuBLAS GEMMs
+            (``ltx_mgpu.text.nf4_dequant.FastDequant``, ``method="bnb", scope="layer"``) instead of
+            bitsandbytes' per-``Linear4bit`` path; same outputs up to the GEMM. ``None`` (default):
+            on a single GPU (``benchmarks/bench_nf4.py`` times it).
 
     The tower uses ``ltx_mgpu.text.forward.ATTENTION`` when ``attn_implementation="sdpa"``
     (SDPA that takes the causal kernel whenever a batch has no padding).
@@ -326,7 +325,8 @@ def load_gemma_text_tower(
     if tower.weights == "nf4" and (layer_dequant if layer_dequant is not None else nf4_on_gpu):
         from ltx_mgpu.text.nf4_dequant import FastDequant
 
-        # kept alive by its hooks on the layers; prefetch: the next layer's dequant (memory-bound)
-        # runs on a side stream under this layer's GEMMs (compute-bound), for 449 MB more
-        FastDequant(tower.model, method="bnb", scope="layer", prefetch=True)
+        # kept alive by its hooks on the layers. Without prefetch: on the H200 the side-stream
+        # prefetch of the next layer's dequant measured no faster (1x1024: 99 vs 92 ms; 8x1024:
+        # 480 vs 477 ms) and costs a second 449 MB buffer
+        FastDequant(tower.model, method="bnb", scope="layer")
     return tower
