@@ -29,7 +29,11 @@ Known differences from ComfyUI: the noise mask is applied per token (ComfyUI app
 element-wise mask; identical whenever it is constant across a token's channels / mel bins, as
 every LTX node makes it); the cross-modal AdaLN timestep of a modality is the per-sample
 maximum of its token timesteps (ComfyUI: the maximum over the batch; identical when every
-sample has the same mask).
+sample has the same mask). The audio-video cross-attention AdaLN takes ``sigma x 1000`` as
+ltx-core 1.0.0 computes it (``transformer_args.py``); ComfyUI up to 0.20.1 passed the raw sigma
+there and later releases scale it too (Comfy-Org/ComfyUI#14097), so on audio+video latents we
+equal ComfyUI after that fix (video-only and image-to-video latents agree with 0.20.1 to 1e-6;
+``tests/test_comfyui_real.py``).
 """
 
 from __future__ import annotations
