@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import peak_bytes as _peak  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
 from benchmarks.timing import time_ms as _time  # noqa: E402
-from benchmarks.timing import warm_gpu  # noqa: E402
+from benchmarks.timing import time_interleaved, warm_gpu  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma import GemmaTextTower  # noqa: E402
@@ -319,6 +319,31 @@ def main(argv=None) -> int:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+            save()
+
+        # ---- 4b. head to head: bf16 (rebuilt) and the loader's NF4 timed in turn, both resident
+        if LOADER in variants and "error" not in results["nf4"][LOADER]:
+            torch.manual_seed(0)
+            with torch.device(device):
+                bf = Gemma3TextModel._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+            use_causal_skip(bf)
+            bf_encoder = PromptEncoder(GemmaTextTower(bf, None, config, "random", Path("random-12b")), projection)
+            results["head_to_head"] = {}
+            for b in batches:
+                ids, mask = inputs[b]
+                r = time_interleaved(device, {"bf16": lambda: bf_encoder.encode_tokens(ids, mask),
+                                              LOADER: lambda: encoder.encode_tokens(ids, mask)},
+                                     args.warmup, 2 * args.runs)
+                ratio = r[LOADER][0] / r["bf16"][0]
+                results["head_to_head"][f"{b}x{args.tokens}"] = {
+                    "bf16_ms": r["bf16"][0], "nf4_ms": r[LOADER][0], "ratio": ratio,
+                    "bf16_times_ms": r["bf16"][1], "nf4_times_ms": r[LOADER][1]}
+                print(f"head to head {b}x{args.tokens} (interleaved): bf16 {r['bf16'][0]:.2f} ms, {LOADER} NF4 "
+                      f"{r[LOADER][0]:.2f} ms = {ratio:.3f}x", flush=True)
+            del bf_encoder, bf
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             save()
 
         # ---- 5. dequant alone, one layer

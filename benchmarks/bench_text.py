@@ -7,7 +7,9 @@ Run on a GPU (the numbers in the issues come from an H200)::
 It builds a Gemma 3 12B-shaped ``Gemma3TextModel`` (48 layers, hidden 3840, 16/8 heads,
 head_dim 256, vocab 262208; the google/gemma-3-12b-it text config) with random bf16
 weights on the GPU and a random LTX-2.3 projection (188160 -> 4096 + 2048), then times,
-with CUDA events (median of ``--runs`` after ``--warmup``), for 1x1024 and 8x1024 tokens:
+with CUDA events (median of ``--runs`` after ``--warmup``; the variants are timed in turn, one
+run each per round, so that a drift of the GPU's speed affects them alike), for 1x1024 and
+8x1024 tokens:
 
 * ``plain``: ``Gemma3TextModel(input_ids, attention_mask, output_hidden_states=True)`` —
   the transformers baseline (no feature extraction);
@@ -38,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import peak_bytes, time_ms, warm_gpu  # noqa: E402
+from benchmarks.timing import peak_bytes, time_interleaved, warm_gpu  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
@@ -149,8 +151,10 @@ def main(argv=None) -> int:
                 c_out = enc.encode_tokens(ids, mask)
                 c_err[mode] = max((c_out[i].tensor - ref_feat[i]).abs().max().item() for i in range(batch))
                 variants.append((f"compiled-{mode}", (lambda e: lambda: e.encode_tokens(ids, mask))(enc)))
+        # timed in turn (interleaved rounds), so a drift of the GPU's speed hits every variant alike
+        timed = time_interleaved(device, dict(variants), args.warmup, args.runs)
         for name, fn in variants:
-            med, times = time_ms(device, fn, args.warmup, args.runs)
+            med, times = timed[name]
             peak = peak_bytes(device, fn)
             peak = None if peak is None else peak / 1e9
             results["variants"][f"{name}/{batch}x{args.tokens}"] = {"median_ms": med, "times_ms": times, "peak_gb": peak}

@@ -63,3 +63,19 @@ def warm_gpu(device: torch.device, seconds: float = 3.0) -> None:
         for _ in range(10):
             a @ a
         sync(device)
+
+
+def time_interleaved(device: torch.device, fns: dict[str, Callable[[], object]], warmup: int,
+                     runs: int) -> dict[str, tuple[float, list[float]]]:
+    """Like :func:`time_ms` for several functions timed in turn (round ``r`` runs each once), so
+    that a drift of the device's speed during the run (clocks, power, a neighbour) affects all of
+    them alike: ``{name: (median ms, all times)}``."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():
+            times[k].append(time_ms(device, fn, 0, 1)[0])
+    return {k: (statistics.median(v), v) for k, v in times.items()}
