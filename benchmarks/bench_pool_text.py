@@ -35,7 +35,9 @@ What it does, in one process (every ratio is within this run):
    * ``in-process``: ``TextEncoderSpec.build().encode(prompts, batch_size)``;
    * ``pool``: ``PoolClient.encode_prompts(encoder, prompts, cache=None)`` - what a ComfyUI
      node does: the resident-encoder check (``status``), the ``encode`` job (Gemma forward,
-     the replication to every rank, kept resident), the float32 result over the socket;
+     the replication to every rank, kept resident), the result in the wire dtype (bf16 for a
+     bf16 pool) through the shared-memory arena (``ltx_mgpu.shm``; the socket under 1 MiB),
+     upcast to float32 on receipt (each row reports ``wire_bytes`` and ``transport``);
    * ``pool request``: the ``encode`` request alone, whose result gives the pool-side split
      (``seconds.encode``: Gemma + features on rank 0; ``seconds.broadcast``: the replication);
      the rest is the job's framing, the socket and the client.
@@ -208,7 +210,7 @@ def _max_diff(a, b) -> float:
 
 def bench_weights(weights: str, args, gemma: Path, projection: Path, device: torch.device, client,
                   prompt_sets: dict[int, list[str]], results: dict) -> None:
-    from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, ensure_text_encoder
+    from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, ensure_text_encoder, upcast
     from ltx_mgpu.text.encoder import TextEncoderSpec
 
     row = results["weights"][weights] = {}
@@ -237,18 +239,21 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         def pool():
             return client.encode_prompts(remote, prompts, cache=None, batch_size=batch, timeout=600)[0]
 
-        def pool_request():
+        def pool_request():  # as encode_prompts sends it (receive=upcast: float32 straight from the arena)
             result, tensors = client.request("encode", {"prompts": prompts, "batch_size": batch, "expect": key},
-                                             timeout=600)
-            split.append(result["seconds"])
+                                             timeout=600, receive=upcast)
+            split.append({**result["seconds"], "wire_dtype": result["wire_dtype"]})
             return embeddings_from_result(result, tensors)
 
         reference = in_process()
         diff = _max_diff(reference, pool())
         result_bytes = sum(e.tensor.numel() * e.tensor.element_size() for e in reference)
+        shm_before = client.shm_stats["frames"]
         times = alternate({"in-process": in_process, "pool": pool, "pool request": pool_request},
                           args.warmup, args.runs)
         split = split[args.warmup:]
+        wire = getattr(torch, split[-1]["wire_dtype"])
+        shm_frames = client.shm_stats["frames"] - shm_before
         med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
         pool_encode = statistics.median(s["encode"] for s in split) * 1e3
         pool_broadcast = statistics.median(s["broadcast"] for s in split) * 1e3
@@ -257,11 +262,14 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         row[label] = {"median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
                       "overhead": overhead, "pool_encode_ms": pool_encode, "pool_broadcast_ms": pool_broadcast,
                       "max_abs_diff_pool_vs_in_process": diff,
-                      "result_bytes": result_bytes}
+                      "result_bytes": result_bytes, "wire_dtype": str(wire).removeprefix("torch."),
+                      "wire_bytes": result_bytes // 4 * wire.itemsize,
+                      "transport": f"shm arena ({shm_frames} frames)" if shm_frames else "socket"}
         log(f"{weights} {label}: in-process {med['in-process']:.2f} ms, pool {med['pool']:.2f} ms "
             f"({overhead:+.1%}), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
             f"broadcast {pool_broadcast:.2f} + rest {med['pool request'] - pool_encode - pool_broadcast:.2f}; "
-            f"max |pool - in-process| = {diff:.3g}")
+            f"max |pool - in-process| = {diff:.3g}; result {row[label]['wire_bytes'] / 1e6:.1f} MB "
+            f"{row[label]['wire_dtype']} via {row[label]['transport']}")
     encoder = spec._encoder = None  # free the in-process model before the next weights mode
     gc.collect()
     if device.type == "cuda":

@@ -18,7 +18,8 @@ Prints one table, each number measured in this run (medians over ``--repeat``):
   after receipt; arena: ``receive`` upcasts straight from the arena). Beside them, in this
   process: the frame over a socket pair, the arena over a socket pair, a tmpfs file per
   payload (the design not taken: write, map, copy out, unlink), and a memcpy into a fresh
-  and into a reused buffer; the pool side's float32 -> bf16 conversion of the same embedding;
+  and into a reused buffer; the pool side's float32 -> bf16 conversion of the same embedding
+  and the client's upcast of a received one;
   and the payload shaped like an ``encode`` result (k prompts ``[1024, 6144]`` bf16, float32
   in hand at the end) over a socket pair and over the arena. Timings follow 5 untimed rounds
   (the first rounds pay page faults on fresh memory; glibc then reuses freed blocks < 32 MB).
@@ -62,12 +63,17 @@ def _median_s(fn, repeat: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def _upcast(name: str, t: torch.Tensor) -> torch.Tensor:
+    """What ``ltx_mgpu.remote_text.upcast`` does to a received bf16 embedding."""
+    return shm.host_empty(t.shape, torch.float32).copy_(t)
+
+
 def _pair_seconds(tensors: dict, repeat: int, arena: bool, upcast: bool = False) -> float:
     """One frame of ``tensors`` over an in-process socket pair, through the socket or the arena;
     ``upcast``: float32 copies in hand at the end (arena: straight from it, as ``encode``)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     sender = shm.ArenaSender(shm.Budget(), min_bytes=0) if arena else None
-    receiver = shm.ArenaReceiver(take=(lambda h, name, t: t.float()) if upcast else None) if arena else None
+    receiver = shm.ArenaReceiver(take=(lambda header: _upcast) if upcast else None) if arena else None
 
     def once():
         payload = protocol.tensors_to_payload(tensors)
@@ -75,8 +81,9 @@ def _pair_seconds(tensors: dict, repeat: int, arena: bool, upcast: bool = False)
         th.start()
         _, got = protocol.recv_frame(b, shm=receiver)
         th.join()
-        if upcast:
-            got = {k: v.float() for k, v in got.items()}
+        if upcast and not arena:
+            got = {k: _upcast(k, v) for k, v in got.items()}
+        assert all(v.dtype == (torch.float32 if upcast else tensors[k].dtype) for k, v in got.items())
         assert len(got) == len(tensors)
 
     try:
@@ -133,10 +140,10 @@ def _delivery_rows(label: str, nbytes: int, clients: dict, repeat: int) -> list[
         def as_embedding():  # the bytes as a bf16 embedding, float32 in hand at the end
             if way == "socket":
                 _, tensors = client.request("selftest", {"steps": 0, "result_bytes": nbytes})
-                out = tensors["blob"].view(torch.bfloat16).float()
+                out = _upcast("blob", tensors["blob"].view(torch.bfloat16))
             else:
                 _, tensors = client.request("selftest", {"steps": 0, "result_bytes": nbytes},
-                                            receive=lambda name, t: t.view(torch.bfloat16).float())
+                                            receive=lambda name, t: _upcast(name, t.view(torch.bfloat16)))
                 out = tensors["blob"]
             assert out.dtype == torch.float32 and out.numel() == nbytes // 2
 
@@ -197,8 +204,11 @@ def main(argv=None) -> int:
             dst = blob.clone()
             timed.append((f"{label} memcpy into a reused buffer", _median_s(lambda: dst.copy_(blob), args.repeat)))
             f32 = torch.randn(nbytes // 2)
-            timed.append((f"{label} bf16 from float32 (pool side, fresh)", _median_s(lambda: f32.bfloat16(),
-                                                                                     args.repeat)))
+            bf16 = f32.bfloat16()
+            timed.append((f"{label} bf16 from float32 rows (pool side)",
+                          _median_s(lambda: shm.host_empty(f32.shape, torch.bfloat16).copy_(f32), args.repeat)))
+            timed.append((f"{label} float32 from bf16 (client side, socket)",
+                          _median_s(lambda: shm.host_empty(bf16.shape, torch.float32).copy_(bf16), args.repeat)))
             for name, s in timed:
                 rows.append((name, f"{s * 1e3:8.2f} ms", f"{nbytes / s / 1e9:6.2f} GB/s"))
             client.request("unload", {"names": ["selftest.blob"]})

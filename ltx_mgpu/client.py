@@ -13,8 +13,11 @@ cancelled), :class:`PoolFatalError` (the pool failed or was lost; the next reque
 fresh one) and :class:`PoolStartError`. All derive from :class:`PoolError`.
 
 Thread safety: one client may be shared by threads; each job's events go to the thread that
-waits on it; callbacks run on that thread. A callback that raises (ComfyUI's
-``InterruptProcessingException`` is a ``BaseException``) first cancels the job.
+waits on it; callbacks run on that thread, except ``receive`` (see :meth:`PoolClient.submit`),
+which runs on the connection's reader thread. Large results come through a shared-memory
+arena when both sides can (``ltx_mgpu.shm``; ``shm=False`` or ``LTX_MGPU_SHM=0``: the socket).
+A callback that raises (ComfyUI's ``InterruptProcessingException`` is a ``BaseException``) first
+cancels the job.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ import ltx_mgpu
 from ltx_mgpu import protocol
 from ltx_mgpu.pool import launch
 from ltx_mgpu.pool.launch import PoolError, PoolSpec, PoolStartError
+from ltx_mgpu.shm import FEATURE as SHM
+from ltx_mgpu.shm import ArenaReceiver
+from ltx_mgpu.shm import available as shm_available
 
 __all__ = ["PoolClient", "Job", "PoolError", "PoolStartError", "PoolFatalError", "BadInputError",
            "JobCancelledError", "PoolTimeoutError"]
@@ -58,14 +64,15 @@ class PoolTimeoutError(PoolError, TimeoutError):
 
 _LOST = "__lost__"
 ProgressCallback = Callable[[str, int, int], Any]
+Receive = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class Job:
     """A submitted request. Iterate :meth:`events` or call :meth:`wait`; :meth:`cancel` asks the
     pool to stop it (queued: at once; running: at its next step boundary)."""
 
-    def __init__(self, client: PoolClient, rid: str, mtype: str):
-        self.client, self.id, self.type = client, rid, mtype
+    def __init__(self, client: PoolClient, rid: str, mtype: str, receive: Receive | None = None):
+        self.client, self.id, self.type, self.receive = client, rid, mtype, receive
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.progress: dict | None = None
         self.accepted: dict | None = None
@@ -196,8 +203,10 @@ class PoolClient:
     """A connection to the pool for one GPU set; see the module doc. Build with :meth:`connect`."""
 
     def __init__(self, spec: PoolSpec, *, start: bool = True, startup_timeout: float = 300.0,
-                 master_port: int | None = None):
+                 master_port: int | None = None, shm: bool | None = None):
         self.spec, self.start, self.startup_timeout, self.master_port = spec, start, startup_timeout, master_port
+        self.use_shm = shm_available() if shm is None else bool(shm)
+        self._shm: ArenaReceiver | None = None
         self._lock = threading.RLock()
         self._send_lock = threading.Lock()
         self._pending: dict[str, Job] = {}
@@ -211,19 +220,21 @@ class PoolClient:
     @classmethod
     def connect(cls, gpus: str | Sequence[int] | None = None, nproc: int | None = None,
                 lifetime: str = "with-owner", runtime_dir: str | os.PathLike | None = None, start: bool = True,
-                startup_timeout: float = 300.0, master_port: int | None = None) -> PoolClient:
+                startup_timeout: float = 300.0, master_port: int | None = None,
+                shm: bool | None = None) -> PoolClient:
         """Attach to the live pool of this GPU set, or start one (``start=True``).
 
         ``gpus``: ``None``/``"all"``, ``"cpu"``/``[]`` (CPU ranks on gloo; ``nproc`` of them) or
         indices. A started pool lives ``with-owner`` (exits when this process dies) or
-        ``detached``.
+        ``detached``. ``shm``: take large results through shared memory when the pool offers it
+        (default: when this platform can, ``LTX_MGPU_SHM`` not ``0``).
 
         Raises:
             ValueError: bad arguments. PoolStartError: the pool did not start. PoolError: no
             pool runs and ``start=False``, or the running one is incompatible.
         """
         client = cls(launch.resolve_spec(gpus, nproc, lifetime, runtime_dir), start=start,
-                     startup_timeout=startup_timeout, master_port=master_port)
+                     startup_timeout=startup_timeout, master_port=master_port, shm=shm)
         client._ensure()
         return client
 
@@ -236,6 +247,14 @@ class PoolClient:
     def pid(self) -> int | None:
         """torchrun's pid (the pool's identity)."""
         return self.pool.get("torchrun_pid")
+
+    @property
+    def shm_stats(self) -> dict:
+        """Shared-memory delivery on the current connection: ``enabled``, ``frames`` and
+        ``bytes`` received through it, ``arenas`` mapped so far, ``mapped`` (one is now)."""
+        r = self._shm
+        return {"enabled": r is not None, "frames": r.frames if r else 0, "bytes": r.bytes if r else 0,
+                "arenas": r.arenas if r else 0, "mapped": r is not None and r.arena is not None}
 
     @property
     def launched(self) -> bool:
@@ -277,8 +296,13 @@ class PoolClient:
 
     def _open(self) -> None:
         sock = launch.open_socket(self.dir, timeout=10.0)
+        receiver = None
         try:
             self.pool = launch.hello(sock, launch.read_token(self.dir), rid=uuid.uuid4().hex)
+            if self.use_shm and SHM in self.pool.get("features", ()):
+                receiver = ArenaReceiver(take=self._take)
+                if SHM not in launch.enable_features(sock, [SHM], receiver, rid=uuid.uuid4().hex):
+                    receiver = None
             sock.settimeout(None)
         except BaseException:
             sock.close()
@@ -289,17 +313,28 @@ class PoolClient:
             if launch.same_process(pid, ct):
                 with contextlib.suppress(psutil.Error):
                     procs.append(psutil.Process(pid))
-        self._procs, self._sock, self._dead, self._fatal = procs, sock, None, False
-        threading.Thread(target=self._read_loop, args=(sock,), name="ltx_mgpu-pool-reader", daemon=True).start()
+        self._procs, self._sock, self._dead, self._fatal, self._shm = procs, sock, None, False, receiver
+        threading.Thread(target=self._read_loop, args=(sock, receiver), name="ltx_mgpu-pool-reader",
+                         daemon=True).start()
 
-    def _read_loop(self, sock) -> None:
+    def _take(self, header: dict) -> Receive | None:
+        """The ``receive`` of the job a frame answers (the arena receiver applies it), or None."""
+        with self._lock:
+            job = self._pending.get(header.get("id"))
+        return job.receive if job is not None else None
+
+    def _read_loop(self, sock, receiver: ArenaReceiver | None) -> None:
         reason = "the pool closed the connection"
         try:
             while True:
-                header, tensors = protocol.recv_frame(sock)
+                before = receiver.frames if receiver is not None else 0
+                header, tensors = protocol.recv_frame(sock, shm=receiver)
                 ev = protocol.parse_event(header)
                 with self._lock:
                     job = self._pending.get(ev["id"])
+                if tensors and job is not None and job.receive is not None and (
+                        receiver is None or receiver.frames == before):  # socket frames; arena ones had it
+                    tensors = {name: job.receive(name, t) for name, t in tensors.items()}
                 if ev["event"] == "error" and ev["kind"] == "fatal":
                     self._fatal = True
                 if job is not None:
@@ -308,6 +343,8 @@ class PoolClient:
             pass
         except BaseException as e:  # noqa: BLE001 - a thread boundary: report everything
             reason = f"connection to the pool lost: {type(e).__name__}: {e}"
+        if receiver is not None:
+            receiver.drop()
         self._mark_dead(reason, sock=sock)
 
     def _mark_dead(self, reason: str, fatal: bool = False, sock=None) -> None:
@@ -354,7 +391,7 @@ class PoolClient:
 
     # ---- requests
     def _send(self, mtype: str, params: Mapping[str, Any] | None, tensors: Mapping[str, torch.Tensor] | None = None,
-              track: bool = True, ensure: bool = True) -> Job | None:
+              track: bool = True, ensure: bool = True, receive: Receive | None = None) -> Job | None:
         """Send a request (``ensure``: start or re-attach the pool first; otherwise skip the send,
         returning None, when not connected)."""
         if ensure:
@@ -368,7 +405,7 @@ class PoolClient:
             payload = protocol.tensors_to_payload(tensors)
         except protocol.ProtocolError as e:
             raise BadInputError(str(e)) from None
-        job = Job(self, rid, mtype)
+        job = Job(self, rid, mtype, receive)
         with self._lock:
             sock = self._sock
             if track:
@@ -382,22 +419,27 @@ class PoolClient:
         return job
 
     def submit(self, mtype: str, params: Mapping[str, Any] | None = None,
-               tensors: Mapping[str, torch.Tensor] | None = None) -> Job:
+               tensors: Mapping[str, torch.Tensor] | None = None, receive: Receive | None = None) -> Job:
         """Send a request; returns its :class:`Job` at once (starting the pool if needed).
+
+        ``receive(name, tensor) -> tensor`` (optional) turns each received tensor into the one
+        the job returns, on the reader thread, while it may still be a view into the shared
+        arena (e.g. ``t.float()``: one pass from the arena straight into the result). A result
+        still pointing into the arena is copied; it must not raise (the connection is lost).
 
         Raises:
             BadInputError: unknown type or params that break its schema (checked locally).
             PoolFatalError / PoolStartError: the pool is unreachable and could not be restarted.
         """
-        return self._send(mtype, params, tensors)
+        return self._send(mtype, params, tensors, receive=receive)
 
     def request(self, mtype: str, params: Mapping[str, Any] | None = None,
                 tensors: Mapping[str, torch.Tensor] | None = None, on_progress: ProgressCallback | None = None,
                 timeout: float | None = None, should_cancel: Callable[[], bool] | None = None,
-                poll_interval: float = 0.1) -> tuple[dict, dict]:
+                poll_interval: float = 0.1, receive: Receive | None = None) -> tuple[dict, dict]:
         """``submit`` + ``wait``: returns ``(result, tensors)``; raises as :meth:`Job.wait`."""
-        return self.submit(mtype, params, tensors).wait(timeout=timeout, poll_interval=poll_interval,
-                                                        should_cancel=should_cancel, on_progress=on_progress)
+        return self.submit(mtype, params, tensors, receive).wait(timeout=timeout, poll_interval=poll_interval,
+                                                                 should_cancel=should_cancel, on_progress=on_progress)
 
     def encode_prompts(self, encoder, prompts: Sequence[str], **kwargs: Any):
         """Cache-aware prompt encoding through this pool: ``(embeddings, CacheReport)``. The cache
@@ -439,7 +481,7 @@ class PoolClient:
         """Close this connection (the pool keeps running; a with-owner pool stops with its owner).
         Jobs still waiting on it fail with PoolFatalError."""
         with self._lock:
-            sock, self._sock = self._sock, None
+            sock, self._sock, self._shm = self._sock, None, None  # the reader unmaps the arena as it ends
             self._dead, self._fatal, self._procs, self._launched = None, False, [], None
             pending, self._pending = list(self._pending.values()), {}
         for job in pending:

@@ -2,8 +2,8 @@
 
 A *frame* is a fixed 20-byte prefix, a JSON header and an optional payload::
 
-    prefix  = struct "!4sHHIQ": magic b"LTXM", protocol version (u16), flags (u16, must be 0),
-              header length (u32, bytes), payload length (u64, bytes)
+    prefix  = struct "!4sHHIQ": magic b"LTXM", protocol version (u16), flags (u16, 0 unless
+              the ``shm`` feature is on), header length (u32, bytes), payload length (u64, bytes)
     header  = UTF-8 JSON object, at most ``Limits.max_header_bytes`` (default 1 MiB)
     payload = a safetensors blob (named CPU tensors), at most ``Limits.max_payload_bytes``
               (default 8 GiB, ``$LTX_MGPU_MAX_PAYLOAD_BYTES``); absent when its length is 0
@@ -16,15 +16,20 @@ Requests carry ``{"type", "id", "params"}``; events carry
 against the schemas below (type, required fields, field types); :func:`register_request`
 adds request types (``load_transformer`` and ``sample`` land there later).
 
+Optional features are offered in the ``hello`` answer (``features``) and turned on per
+connection by a ``features`` request, so older peers keep working: ``shm`` puts large result
+payloads in a shared-memory arena instead of the socket (flags ``FLAG_SHM*``, :mod:`ltx_mgpu.shm`).
+
 Job requests (``REQUESTS[t].job``) are queued and answered by ``accepted``, any number of
 ``progress`` / ``log`` and one terminal ``result`` or ``error``. Control requests (``hello``,
-``status``, ``cancel``, ``shutdown``) are answered at once by one ``result`` or ``error``.
+``features``, ``status``, ``cancel``, ``shutdown``) are answered at once by one ``result`` or ``error``.
 ``error.kind`` is ``bad_input`` (the request was wrong; the pool keeps serving),
 ``cancelled`` (the job was cancelled) or ``fatal`` (the pool failed and is exiting).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,11 +42,13 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ltx_mgpu.payload import Payload, PayloadError, parse_payload, tensors_to_payload
+from ltx_mgpu.shm import FLAG_SHM, FLAG_SHM_DROP, FLAG_SHM_FD, ShmError, recvmsg_into, send_with_fds
 
 __all__ = [
     "MAGIC", "PROTOCOL_VERSION", "PREFIX_SIZE", "ERROR_KINDS", "ProtocolError", "ConnectionClosed", "SchemaError",
     "Limits", "PREAUTH_LIMITS", "Payload", "tensors_to_payload", "payload_to_tensors", "encode_header", "send_frame",
-    "recv_frame", "F", "MessageSchema", "REQUESTS", "EVENTS", "register_request", "Request", "valid_id",
+    "recv_frame", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "F", "MessageSchema", "REQUESTS", "EVENTS",
+    "register_request", "Request", "valid_id",
     "parse_request", "make_request", "make_event", "parse_event", "job_types",
 ]
 
@@ -132,33 +139,44 @@ def encode_header(header: Mapping[str, Any], limits: Limits | None = None) -> by
 
 
 def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Payload | None = None,
-               limits: Limits | None = None) -> int:
-    """Write one frame; returns the bytes written. The caller serialises writers on ``sock``.
+               limits: Limits | None = None, shm=None, flags: int = 0) -> int:
+    """Write one frame; returns the bytes written to the socket. The caller serialises writers
+    on ``sock``. ``shm`` (an ``ltx_mgpu.shm.ArenaSender``, only on connections that enabled
+    the feature) may take the payload into shared memory; ``flags=FLAG_SHM_DROP`` with an empty
+    header sends its drop notice.
 
     Raises:
         ProtocolError: the header or payload exceeds the limits.
         OSError: the socket failed (peer gone: ``BrokenPipeError`` / ``ConnectionResetError``).
     """
     limits = limits or Limits()
-    raw = encode_header(header, limits)
     n = payload.nbytes if payload is not None else 0
     if n > limits.max_payload_bytes:
         raise ProtocolError(f"payload is {n} bytes, over the {limits.max_payload_bytes}-byte limit")
-    sock.sendall(_PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(raw), n) + raw)
+    placed = shm.place(payload) if shm is not None and payload is not None else None
+    fds: list[int] = []
+    if placed is not None:
+        ref, fds = placed
+        header, payload, n = {**header, "shm": ref}, None, 0
+        flags |= FLAG_SHM | (FLAG_SHM_FD if fds else 0)
+    raw = encode_header(header, limits)
+    send_with_fds(sock, _PREFIX.pack(MAGIC, PROTOCOL_VERSION, flags, len(raw), n) + raw, fds)
     if payload is not None:
         for part in payload.parts:
             sock.sendall(part)
     return PREFIX_SIZE + len(raw) + n
 
 
-def _recv_into(sock: socket.socket, view: memoryview, what: str, at_start: bool = False) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, what: str, at_start: bool = False,
+               fds: list[int] | None = None) -> None:
     """Fill ``view`` (a writable byte buffer of the exact size) from ``sock`` with ``recv_into``:
-    the kernel writes straight into it, no user-space copy.
+    the kernel writes straight into it, no user-space copy. With ``fds`` (a list), descriptors
+    passed with the bytes (``SCM_RIGHTS``) are appended to it (``recvmsg_into``).
 
     Raises ConnectionClosed on EOF before any byte when ``at_start``, else ProtocolError."""
     n, got = view.nbytes, 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got) if fds is None else recvmsg_into(sock, view[got:], fds)
         if k == 0:
             if at_start and got == 0:
                 raise ConnectionClosed("connection closed")
@@ -166,34 +184,54 @@ def _recv_into(sock: socket.socket, view: memoryview, what: str, at_start: bool 
         got += k
 
 
-def _recv_bytes(sock: socket.socket, n: int, what: str, at_start: bool = False) -> bytearray:
+def _recv_bytes(sock: socket.socket, n: int, what: str, at_start: bool = False,
+                fds: list[int] | None = None) -> bytearray:
     """``n`` bytes from ``sock`` in a fresh ``bytearray`` (for the prefix and the JSON header)."""
     buf = bytearray(n)
     if n:
-        _recv_into(sock, memoryview(buf), what, at_start)
+        _recv_into(sock, memoryview(buf), what, at_start, fds)
     return buf
 
 
-def recv_frame(sock: socket.socket, limits: Limits | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read one frame: ``(header, tensors)``.
+def recv_frame(sock: socket.socket, limits: Limits | None = None, shm=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read one frame: ``(header, tensors)``. ``shm`` (an ``ltx_mgpu.shm.ArenaReceiver``, on
+    connections that enabled the feature) reads ``shm`` frames and applies drop notices.
 
     Raises:
         ConnectionClosed: clean EOF before a frame started.
-        ProtocolError: bad magic or version, non-zero flags, a header or payload over the limits,
-            a truncated frame, a header that is not a JSON object, or a payload that is not
-            safetensors.
+        ProtocolError: bad magic or version, unknown flags (any flag without ``shm``), a header
+            or payload over the limits, a truncated frame, a header that is not a JSON object,
+            a payload that is not safetensors, or a broken ``shm`` frame (``ltx_mgpu.shm``).
         OSError / socket.timeout: the socket failed or timed out.
     """
     limits = limits or Limits()
-    head = _recv_bytes(sock, PREFIX_SIZE, "prefix", at_start=True)
+    while True:
+        fds: list[int] = []
+        try:
+            frame = _recv_one(sock, limits, shm, fds)
+        except ShmError as e:  # from receiving descriptors
+            raise ProtocolError(str(e)) from None
+        finally:
+            for fd in fds:  # descriptors nothing took over
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if frame is not None:
+            return frame
+
+
+def _recv_one(sock: socket.socket, limits: Limits, shm, fds: list[int]) -> tuple[dict, dict] | None:
+    head = _recv_bytes(sock, PREFIX_SIZE, "prefix", at_start=True, fds=fds if shm is not None else None)
     magic, version, flags, header_len, payload_len = _PREFIX.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not an ltx_mgpu frame (expected {MAGIC!r})")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks "
                             f"{PROTOCOL_VERSION}); update ltx_mgpu on both sides and restart the pool")
-    if flags:
+    if flags & ~(FLAG_SHM | FLAG_SHM_FD | FLAG_SHM_DROP):
         raise ProtocolError(f"unknown frame flags {flags:#x}")
+    if flags and shm is None:
+        raise ProtocolError(f"shared-memory frame flags {flags:#x} are not accepted here (the pool sends them, "
+                            "only to clients that enabled 'shm')")
     if header_len > limits.max_header_bytes:
         raise ProtocolError(f"header of {header_len} bytes is over the {limits.max_header_bytes}-byte limit")
     if payload_len > limits.max_payload_bytes:
@@ -206,6 +244,11 @@ def recv_frame(sock: socket.socket, limits: Limits | None = None) -> tuple[dict,
         raise ProtocolError(f"header is not UTF-8 JSON: {e!s:.200}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
+    if flags or fds:
+        try:
+            return shm.receive(flags, payload_len, fds, header, limits.max_payload_bytes)
+        except ShmError as e:
+            raise ProtocolError(str(e), valid_id(header.get("id"))) from None
     # The payload lands in one bytearray of the exact size (the kernel writes into it) and the
     # tensors are views into it: no user-space copy. (A bytearray rather than torch.empty: as
     # fast, and glibc hands its memory back like the bytes of before; torch's allocations of
@@ -292,6 +335,8 @@ def register_request(schema: MessageSchema) -> MessageSchema:
 for _s in (
     MessageSchema("hello", (F("token", ("str",)), F("client", ("str",), False), F("pid", ("int",), False)),
                   job=False, doc="authenticate; the answer describes the pool"),
+    MessageSchema("features", (F("enable", ("list",), items="str"),), job=False,
+                  doc="turn on optional features the hello answer offers (e.g. 'shm') for this connection"),
     MessageSchema("status", job=False, doc="per-rank devices, memory, models; the queue and current job"),
     MessageSchema("cancel", (F("job_id", ("str",)),), job=False, doc="cancel a queued or running job"),
     MessageSchema("shutdown", (F("reason", ("str",), False),), job=False, doc="stop the pool"),

@@ -23,6 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+import torch
+
+from ltx_mgpu.shm import host_empty
 from ltx_mgpu.text.cache import CacheKeyParts, CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.encoder import TextEncoderSpec, parse_dtype
 from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
@@ -31,9 +34,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ltx_mgpu.client import PoolClient
 
 __all__ = ["PoolTextEncoder", "encode_prompts", "encode_with_pool", "ensure_text_encoder", "loaded_key",
-           "embeddings_from_result"]
+           "embeddings_from_result", "upcast"]
 
 PLACEMENTS = ("single", "accelerate", "batch_parallel")
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ProgressCallback = Callable[[str, int, int], Any]
 
 
@@ -135,18 +139,32 @@ def ensure_text_encoder(client: PoolClient, encoder: PoolTextEncoder, key: str |
                           should_cancel=should_cancel, timeout=timeout)[0]
 
 
+def upcast(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A bf16/fp16 ``encode`` result tensor as a fresh float32 copy (exact); anything else as it
+    is (never raises: it runs as the ``receive`` of ``encode`` requests on the client's reader
+    thread, one pass straight from the shared arena; :func:`embeddings_from_result` checks)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return host_empty(t.shape, torch.float32).copy_(t)
+    return t
+
+
 def embeddings_from_result(result: Mapping[str, Any], tensors: Mapping[str, Any]) -> list[PromptEmbedding]:
-    """The :class:`PromptEmbedding` s of an ``encode`` result, in prompt order.
+    """The :class:`PromptEmbedding` s of an ``encode`` result, in prompt order: float32 CPU
+    ``[T_i, D]``, upcast (exactly) from the wire dtype when the pool sent bf16 (:func:`upcast`).
 
     Raises:
-        ValueError: a ``prompt_<i>`` tensor is missing (a damaged answer).
+        ValueError: a ``prompt_<i>`` tensor is missing or not ``[T, D]`` in a wire dtype
+            (float32, bf16, fp16): a damaged answer.
     """
     out = []
     for i in range(result["count"]):
         t = tensors.get(f"prompt_{i}")
         if t is None:
             raise ValueError(f"the pool's encode result lacks tensor prompt_{i} of {result['count']}")
-        out.append(PromptEmbedding(t, result["version"], int(result["dropped_tokens"][i])))
+        if not isinstance(t, torch.Tensor) or t.dtype not in _WIRE_DTYPES or t.dim() != 2:
+            raise ValueError(f"the pool's encode result prompt_{i} is {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}: want [T, D] float32, bf16 or fp16")
+        out.append(PromptEmbedding(upcast(f"prompt_{i}", t), result["version"], int(result["dropped_tokens"][i])))
     return out
 
 
@@ -189,7 +207,7 @@ def encode_prompts(client: PoolClient, encoder: PoolTextEncoder | TextEncoderSpe
     def send(chunk: list[str]) -> list[PromptEmbedding]:
         result, tensors = client.request(
             "encode", {"prompts": chunk, "batch_size": batch_size, "expect": key, "keep": keep},
-            on_progress=on_progress, should_cancel=should_cancel, timeout=timeout)
+            on_progress=on_progress, should_cancel=should_cancel, timeout=timeout, receive=upcast)
         return embeddings_from_result(result, tensors)
 
     def encode_remote(chunk: list[str]) -> list[PromptEmbedding]:

@@ -1,5 +1,6 @@
 """One live 2-rank CPU pool (gloo) shared by the tests of this file: jobs, tensors, progress,
-cancel, bad input, status, memory, and hostile or broken clients that must not hurt it."""
+cancel, bad input, status, memory, shared-memory delivery, and hostile or broken clients that
+must not hurt it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ltx_mgpu import protocol
+from ltx_mgpu import protocol, shm
 from ltx_mgpu.client import BadInputError, JobCancelledError, PoolClient
 from ltx_mgpu.pool import engines, launch
 from pool_support import cleanup, raw_connect, raw_hello, read_answer, short_dir
@@ -286,3 +287,72 @@ def test_disconnecting_client_cancels_its_running_job(client, base):
     other.close()
     # the pool cancels the orphaned job, so this one runs (it would wait ~80 min otherwise)
     assert client.request("selftest", {"steps": 1}, timeout=60)[0]["allreduce_ok"]
+
+
+# --------------------------------------------------------------------------- shared-memory delivery
+
+def _pattern(n: int) -> torch.Tensor:
+    return torch.arange(251, dtype=torch.uint8).repeat(-(-n // 251))[:n]  # the selftest blob
+
+
+def test_large_results_come_through_the_shared_arena_and_small_ones_through_the_socket(client):
+    assert client.pool["features"] == [shm.FEATURE] and client.shm_stats["enabled"]
+    before = client.shm_stats["frames"]
+    n = 3 << 20
+    for _ in range(3):
+        _, tensors = client.request("selftest", {"steps": 0, "result_bytes": n}, timeout=30)
+        assert torch.equal(tensors["blob"], _pattern(n))
+        tensors["blob"].zero_()  # the client's own memory: the next result is untouched
+    _, small = client.request("selftest", {"steps": 0, "result_bytes": 1000}, timeout=30)
+    assert torch.equal(small["blob"], _pattern(1000))
+    stats = client.shm_stats
+    assert stats["frames"] - before == 3 and stats["mapped"] and stats["bytes"] >= 3 * n
+    client.request("unload", {"names": ["selftest.blob"]}, timeout=30)
+
+
+def test_a_client_without_shm_gets_the_same_results_over_the_socket(client, base):
+    plain = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, start=False, shm=False)
+    try:
+        _, tensors = plain.request("selftest", {"steps": 0, "result_bytes": 3 << 20}, timeout=30)
+        assert torch.equal(tensors["blob"], _pattern(3 << 20))
+        assert plain.shm_stats == {"enabled": False, "frames": 0, "bytes": 0, "arenas": 0, "mapped": False}
+    finally:
+        plain.close()
+    with raw_connect(client.dir) as s:  # a client that never asks: plain frames, as before the feature
+        assert raw_hello(s, client.dir)["features"] == [shm.FEATURE]
+        protocol.send_frame(s, protocol.make_request("selftest", "big", {"steps": 0, "result_bytes": 3 << 20}))
+        s.settimeout(30)
+        frames = [protocol.recv_frame(s) for _ in range(2)]
+        assert [h["event"] for h, _ in frames] == ["accepted", "result"]
+        assert torch.equal(frames[1][1]["blob"], _pattern(3 << 20))
+    client.request("unload", {"names": ["selftest.blob"]}, timeout=30)
+
+
+def test_features_are_enabled_per_connection_and_unknown_ones_ignored(client):
+    with raw_connect(client.dir) as s:
+        raw_hello(s, client.dir)
+        receiver = shm.ArenaReceiver()
+        assert launch.enable_features(s, ["warp-drive", shm.FEATURE], receiver) == [shm.FEATURE]
+        protocol.send_frame(s, protocol.make_request("selftest", "big", {"steps": 0, "result_bytes": 2 << 20}))
+        s.settimeout(30)
+        _, tensors = [protocol.recv_frame(s, shm=receiver) for _ in range(2)][1]
+        assert torch.equal(tensors["blob"], _pattern(2 << 20)) and receiver.frames == 1
+        receiver.drop()
+    with raw_connect(client.dir) as s:
+        raw_hello(s, client.dir)
+        assert launch.enable_features(s, ["warp-drive"]) == []
+    client.request("unload", {"names": ["selftest.blob"]}, timeout=30)
+
+
+def test_a_client_sending_shared_memory_frames_is_refused_and_closed(client):
+    with raw_connect(client.dir) as s:
+        raw_hello(s, client.dir)
+        launch.enable_features(s, [shm.FEATURE], shm.ArenaReceiver())  # the pool -> client direction only
+        raw = protocol.encode_header({"type": "selftest", "id": "x", "params": {"steps": 0},
+                                      "shm": {"arena": 1, "seq": 1, "offset": 64, "size": 100}})
+        s.sendall(struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, protocol.FLAG_SHM, len(raw), 0)
+                  + raw)
+        answer = read_answer(s)
+        assert answer["event"] == "error" and "flags 0x1 are not accepted here" in answer["message"]
+        assert read_answer(s) is None
+    _serving(client)

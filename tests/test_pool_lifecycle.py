@@ -1,16 +1,20 @@
 """Pool lifecycles with real processes: CLI start/attach/stop, rank death, fatal errors, busy
-ports and stale files, owner death. Every test has its own runtime dir and cleans it up."""
+ports and stale files, owner death, the release of shared-memory arenas. Every test has its own
+runtime dir and cleans it up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from ltx_mgpu.client import PoolClient, PoolFatalError
 from ltx_mgpu.pool import launch
@@ -159,3 +163,49 @@ def test_with_owner_pool_exits_when_its_owner_dies(base):
     finally:
         owner.kill()
         owner.wait()
+
+
+def _arenas(pid: int) -> set[str]:
+    """Inodes of the ltx_mgpu arenas process ``pid`` maps or holds open (memfds: no file-system name)."""
+    found = set()
+    with open(f"/proc/{pid}/maps") as f:
+        found |= {line.split()[4] for line in f if "memfd:ltx_mgpu-arena" in line}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if "memfd:ltx_mgpu-arena" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                found.add(str(os.stat(f"/proc/{pid}/fd/{fd}").st_ino))
+    return found
+
+
+def _until(predicate, timeout=15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_arena_memory_goes_when_idle_when_the_client_leaves_and_with_the_pool(base, monkeypatch):
+    monkeypatch.setenv("LTX_MGPU_SHM_IDLE_SECONDS", "1")  # read by the pool it starts
+    client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=base, startup_timeout=120)
+    rank0, me = client.pool["ranks"][0]["pid"], os.getpid()
+    pids = pool_pids(client)
+    blob = torch.arange(251, dtype=torch.uint8).repeat(-(-(2 << 20) // 251))[:2 << 20]
+    _, got = client.request("selftest", {"steps": 0, "result_bytes": 2 << 20}, timeout=30)
+    assert torch.equal(got["blob"], blob) and client.shm_stats["frames"] == 1
+    arena = _arenas(rank0)
+    assert len(arena) == 1 and arena <= _arenas(me)  # one arena, mapped by the pool and by us
+    # idle for a second: the pool drops it and tells the client, which unmaps it
+    assert _until(lambda: not _arenas(rank0) and not arena & _arenas(me))
+    assert not client.shm_stats["mapped"]
+    _, got = client.request("selftest", {"steps": 0, "result_bytes": 2 << 20}, timeout=30)
+    assert torch.equal(got["blob"], blob) and client.shm_stats["arenas"] == 2  # a fresh one on demand
+    arena = _arenas(rank0)
+    client.close()  # the client leaves: both sides let go
+    assert _until(lambda: not _arenas(rank0) and not arena & _arenas(me))
+    again = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=base, start=False)
+    _, got = again.request("selftest", {"steps": 0, "result_bytes": 2 << 20}, timeout=30)
+    arena = _arenas(rank0)
+    assert torch.equal(got["blob"], blob) and arena <= _arenas(me)
+    again.shutdown()  # the pool stops: nothing of the arena is left in this process either
+    assert wait_all_gone(pids) == []
+    assert _until(lambda: not arena & _arenas(me))

@@ -20,7 +20,8 @@ from ltx_mgpu.client import BadInputError, PoolClient, PoolError
 from ltx_mgpu.pool import launch
 from ltx_mgpu.pool.engines import BadInput
 from ltx_mgpu.pool.text_jobs import parse_load_request
-from ltx_mgpu.remote_text import PoolTextEncoder, encode_prompts
+from ltx_mgpu.pool.text_jobs import _wire_rows
+from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, encode_prompts, upcast
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text import sharding
 from ltx_mgpu.text.cache import EmbeddingCache
@@ -111,14 +112,15 @@ def _encode(client, encoder, prompts, batch_size=2, verify=True, on_progress=Non
 
 def _check(result, tensors, reference, world_size):
     assert result["count"] == len(reference)
-    for i, ref in enumerate(reference):
-        got = tensors[f"prompt_{i}"]
+    embeddings = embeddings_from_result(result, tensors)  # float32 upcasts of the wire dtype
+    for i, (ref, emb) in enumerate(zip(reference, embeddings)):
+        assert str(tensors[f"prompt_{i}"].dtype) == "torch." + result["wire_dtype"]
+        got = emb.tensor
         assert got.dtype == torch.float32 and got.shape == ref.tensor.shape
         torch.testing.assert_close(got, ref.tensor, rtol=1e-5, atol=1e-5)
         assert result["dropped_tokens"][i] == ref.dropped_tokens and result["version"] == ref.version
     # every rank holds every prompt's embedding, bit for bit what rank 0 returned
-    returned = [hashlib.sha256(tensors[f"prompt_{i}"].contiguous().numpy().tobytes()).hexdigest()
-                for i in range(len(reference))]
+    returned = [hashlib.sha256(e.tensor.contiguous().numpy().tobytes()).hexdigest() for e in embeddings]
     assert len(result["rank_digests"]) == world_size and result["consistent"]
     assert all(d == returned for d in result["rank_digests"])
 
@@ -361,3 +363,60 @@ def test_one_rank_pool_holds_the_encoders_own_tensors(tmp_path, tiny_gemma_dir, 
     ref = _reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:2])
     for g, r in zip(got, ref):
         torch.testing.assert_close(g.tensor, r.tensor, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the wire: dtype and shared memory
+
+
+def test_encode_results_come_through_the_arena_and_bf16_on_the_wire_is_exact(tiny_gemma_dir, checkpoints,
+                                                                             monkeypatch):
+    """float32 (a CPU pool) and bf16 results, through the shared arena (every payload: min bytes 1)
+    and the socket, give the float32 a client expects, bit for bit."""
+    monkeypatch.setenv("LTX_MGPU_SHM_MIN_BYTES", "1")  # read by the pool started below
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
+        plain = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, start=False, shm=False)
+        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
+        ref = _reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:3], batch_size=2)
+        got, _ = encode_prompts(client, encoder, PROMPTS[:3], batch_size=2)  # receive=upcast, from the arena
+        assert client.shm_stats["frames"] >= 1
+        for g, r in zip(got, ref):
+            assert g.tensor.dtype == torch.float32 and torch.equal(g.tensor, r.tensor)
+        got, _ = encode_prompts(plain, encoder, PROMPTS[:3], batch_size=2)
+        assert all(torch.equal(g.tensor, r.tensor) for g, r in zip(got, ref))
+        # bf16 on the wire (what a bf16 pool sends: the encoder's float32 rows are upcasts of
+        # it): the pool side's conversion and the client's upcast restore the rows exactly.
+        rows = [r.tensor.bfloat16().float() for r in ref] + [torch.randn(700, 6144).bfloat16().float()]
+        wire = {f"prompt_{i}": _wire_rows(t, torch.bfloat16) for i, t in enumerate(rows)}
+        assert all(w.dtype == torch.bfloat16 for w in wire.values())
+        result = {"count": len(rows), "version": "2.3", "dropped_tokens": [0] * len(rows)}
+        for c, receive in ((client, upcast), (client, None), (plain, None)):
+            frames = c.shm_stats["frames"]
+            _, echoed = c.request("selftest", {"steps": 0, "echo": True}, tensors=wire, receive=receive, timeout=60)
+            assert c.shm_stats["frames"] == frames + (c is client)
+            for e, want in zip(embeddings_from_result(result, echoed), rows):
+                assert e.tensor.dtype == torch.float32 and torch.equal(e.tensor, want)
+        plain.close()
+        client.shutdown()
+    finally:
+        cleanup(rt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_bf16_pool_on_a_gpu_sends_bf16_and_gives_the_in_process_embeddings_bit_for_bit(tiny_gemma_dir, checkpoints):
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus=[0], runtime_dir=rt, startup_timeout=300)
+        spec = TextEncoderSpec(tiny_gemma_dir, checkpoints["2.3"], device="cuda:0", dtype="bfloat16")
+        ref = spec.build().encode(PROMPTS[:3], batch_size=2)
+        encoder = PoolTextEncoder.from_spec(spec)
+        result, tensors = _encode(client, encoder, PROMPTS[:3], verify=False)
+        assert result["wire_dtype"] == "bfloat16" and all(t.dtype == torch.bfloat16 for t in tensors.values())
+        for e, r in zip(embeddings_from_result(result, tensors), ref):
+            assert e.tensor.dtype == torch.float32 and torch.equal(e.tensor, r.tensor)
+        got, _ = encode_prompts(client, encoder, PROMPTS[:3], batch_size=2)
+        assert all(torch.equal(g.tensor, r.tensor) for g, r in zip(got, ref))
+        client.shutdown()
+    finally:
+        cleanup(rt)

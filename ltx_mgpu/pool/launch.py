@@ -74,6 +74,26 @@ def hello(sock: socket.socket, token: str, rid: str = "hello") -> dict:
     return header["result"]
 
 
+def enable_features(sock: socket.socket, features: list[str], shm=None, rid: str = "features") -> list[str]:
+    """Turn on optional protocol features (offered in the ``hello`` answer's ``features``) for
+    this connection; returns those now on. ``shm``: the ``ltx_mgpu.shm.ArenaReceiver`` that
+    reads the connection's frames once ``shm`` is on.
+
+    Raises:
+        PoolError: the pool answered with an error. protocol.ProtocolError / OSError: the
+            exchange failed.
+    """
+    protocol.send_frame(sock, protocol.make_request("features", rid, {"enable": list(features)}))
+    header, _ = protocol.recv_frame(sock, shm=shm)
+    header = protocol.parse_event(header)
+    if header["event"] != "result":
+        raise PoolError(f"pool refused features {features}: {header.get('message', header['event'])}")
+    enabled = header["result"].get("enabled")
+    if not (isinstance(enabled, list) and all(isinstance(f, str) for f in enabled)):
+        raise protocol.ProtocolError(f"bad answer to features: {header['result']!r:.200}")
+    return enabled
+
+
 def ping(dir: Path, timeout: float = 5.0) -> dict | None:
     """``hello`` round trip; the pool description, or ``None`` when it does not answer."""
     try:

@@ -8,10 +8,13 @@ runs on rank 0's main thread (``ltx_mgpu.pool.worker``) and talks to this module
 Rules (see ``ltx_mgpu.protocol``): the first frame must be ``hello`` with the pool's token
 (within ``HELLO_TIMEOUT`` seconds, tiny, no tensors); a wrong token, a malformed, oversized,
 truncated or unknown frame gets an ``error`` event and the connection is closed, while the
-server keeps serving the others. ``status``, ``cancel`` and ``shutdown`` are answered at once,
-even while a job runs. Jobs run one at a time in arrival order; cancelling a queued job removes
-it; cancelling the running one raises ``JobCancelled`` at its next step boundary. A client
-that disconnects has its queued jobs dropped and its running job cancelled.
+server keeps serving the others. ``status``, ``cancel``, ``features`` and ``shutdown`` are
+answered at once, even while a job runs. A connection that turned ``shm`` on (``features``)
+gets large payloads through a shared-memory arena of its own (``ltx_mgpu.shm``), dropped after
+``LTX_MGPU_SHM_IDLE_SECONDS`` without use and when the connection closes. Jobs run one at a
+time in arrival order; cancelling a queued job removes it; cancelling the running one raises
+``JobCancelled`` at its next step boundary. A client that disconnects has its queued jobs
+dropped and its running job cancelled.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ltx_mgpu import protocol
+from ltx_mgpu import protocol, shm
 from ltx_mgpu.protocol import ConnectionClosed, ProtocolError, SchemaError
 
 log = logging.getLogger("ltx_mgpu.pool.server")
@@ -72,6 +75,7 @@ class Connection:
         self.closed = threading.Event()
         self.authenticated = False
         self.peer_pid: int | None = None
+        self.shm: shm.ArenaSender | None = None  # set by the reader (features), used by the writer
         self._reader = threading.Thread(target=self._read_loop, name=f"conn{self.cid}-reader", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name=f"conn{self.cid}-writer", daemon=True)
 
@@ -92,15 +96,34 @@ class Connection:
     def join(self, timeout: float) -> None:
         self._writer.join(timeout)
 
+    def enable(self, features: list[str]) -> list[str]:
+        """Turn on the requested features this pool offers; returns those on for this connection."""
+        if shm.FEATURE in features and self.server.shm_budget is not None and self.shm is None:
+            self.shm = shm.ArenaSender(self.server.shm_budget)
+        return [shm.FEATURE] if self.shm is not None else []
+
+    def _next(self):
+        """The next outbound item; meanwhile, an arena idle for its time is dropped (notice sent)."""
+        while True:
+            sender = self.shm
+            wait = None if sender is None or sender.arena is None else \
+                max(0.05, sender.last_used + sender.idle_seconds - time.monotonic())
+            try:
+                return self.out.get(timeout=wait)
+            except queue.Empty:
+                if sender.idle():
+                    protocol.send_frame(self.sock, {}, flags=protocol.FLAG_SHM_DROP)
+                    sender.close()
+
     def _write_loop(self) -> None:
         try:
             while True:
-                item = self.out.get()
+                item = self._next()
                 if item is None:
                     break
                 header, payload = item
                 try:
-                    protocol.send_frame(self.sock, header, payload)
+                    protocol.send_frame(self.sock, header, payload, shm=self.shm)
                 except ProtocolError as e:  # an event broke the limits (checked before any byte went out)
                     log.error("connection %d: event not sent: %s", self.cid, e)
                     protocol.send_frame(self.sock, protocol.make_event(
@@ -111,6 +134,8 @@ class Connection:
             log.exception("connection %d: writer failed", self.cid)
         finally:
             self.closed.set()
+            if self.shm is not None:
+                self.shm.close()
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
@@ -132,7 +157,7 @@ class Connection:
                 raise ProtocolError("wrong token: read it from the pool's runtime directory", req.id)
             self.authenticated = True
             self.peer_pid = req.params.get("pid")
-            self.send(protocol.make_event("result", req.id, result=self.server.describe()))
+            self.send(protocol.make_event("result", req.id, result=self.server.hello_answer()))
             self.sock.settimeout(None)
             while True:
                 header, tensors = protocol.recv_frame(self.sock, self.server.limits)
@@ -173,6 +198,8 @@ class Server:
                  status_fn: Callable[[], list], limits: protocol.Limits | None = None):
         self.socket_path, self.token, self.describe, self.status_fn = Path(socket_path), token, describe, status_fn
         self.limits = limits or protocol.Limits()
+        #: Arena memory over all connections (None: shared memory is not available here).
+        self.shm_budget = shm.Budget() if shm.available() else None
         self._lock = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._current: Job | None = None
@@ -235,10 +262,16 @@ class Server:
             c.join(max(0.0, deadline - time.monotonic()))
 
     # ---- requests (reader threads)
+    def hello_answer(self) -> dict:
+        """The pool description plus the optional ``features`` this pool offers."""
+        return {**self.describe(), "features": [shm.FEATURE] if self.shm_budget is not None else []}
+
     def handle(self, conn: Connection, req: protocol.Request) -> None:
         """Dispatch one validated request from ``conn``."""
         if req.type == "hello":
-            conn.send(protocol.make_event("result", req.id, result=self.describe()))
+            conn.send(protocol.make_event("result", req.id, result=self.hello_answer()))
+        elif req.type == "features":
+            conn.send(protocol.make_event("result", req.id, result={"enabled": conn.enable(req.params["enable"])}))
         elif req.type == "status":
             conn.send(protocol.make_event("result", req.id, result=self.status()))
         elif req.type == "cancel":

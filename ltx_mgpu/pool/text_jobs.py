@@ -31,9 +31,10 @@ import torch
 
 from ltx_mgpu import protocol
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
+from ltx_mgpu.shm import host_empty
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
-from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
+from ltx_mgpu.text.features import TOKEN_BUDGET
 from ltx_mgpu.text.sharding import describe_device_map
 
 TEXT_ENCODER = "text_encoder"
@@ -277,7 +278,9 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     Returns (rank 0): ``{"count", "version", "dropped_tokens", "num_tokens", "owners",
     "placement", "key", "wire_dtype", "broadcast_bytes", "seconds": {"encode", "broadcast"}}``
     (plus ``rank_digests`` [rank][prompt] hex and ``consistent`` with ``verify``) and tensors
-    ``prompt_<i>``: ``[T_i, D]`` float32, prompt order.
+    ``prompt_<i>``: ``[T_i, D]`` in ``wire_dtype`` (bf16 when the pool computes in bf16, else
+    float32; the embeddings are float32 upcasts of it, ``embeddings_from_result`` restores
+    them exactly), prompt order.
 
     Raises:
         BadInput: no encoder loaded, an ``expect`` mismatch, bad parameters; a prompt over the
@@ -298,7 +301,8 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         chunk = mine[k * batch_size:(k + 1) * batch_size]
         if chunk and error is None:
             try:
-                out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size)
+                out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size,
+                                             out_dtype=state.wire)
             except (ValueError, torch.OutOfMemoryError) as e:  # PromptTooLongError is a ValueError
                 error = failure_message(e, "encoding")
                 local.clear()
@@ -323,19 +327,27 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
                                                 "devices": [str(ctx.device)], "job": ctx.job_id})
     if not ctx.is_main:
         return {}, {}
-    # Rank 0 returns its own prompts as its encoder gave them: float32 upcasts of the wire dtype
-    # (tp.wire_dtype), so bit for bit the broadcast copies (``verify`` checks it), without a
-    # device->host copy back (25 MB per 1024-token prompt; pageable on the H200 host: ~1.6 GB/s).
-    embeddings = [local[i] if i in local else
-                  PromptEmbedding(t.detach().to(device="cpu", dtype=torch.float32, copy=True), req.version, d)
-                  for i, (t, d) in enumerate(zip(held.tensors, held.dropped))]
+    # Rank 0 sends every prompt in the wire dtype (tp.wire_dtype: bf16 when the pool computes in
+    # bf16, else float32). The embeddings are float32 upcasts of it, so the client's upcast
+    # (remote_text.embeddings_from_result) restores them bit for bit from half the bytes. Its
+    # own prompts come from the encoder already in the wire dtype (encode(out_dtype=wire): no
+    # float32 round trip in the pool, no device->host copy back); the others come down in it.
+    wire = state.wire
+    rows = [_wire_rows(local[i].tensor, wire) if i in local else t.detach().to(device="cpu", dtype=wire, copy=True)
+            for i, t in enumerate(held.tensors)]
     del local
-    result = {"count": count, "version": req.version, "dropped_tokens": [e.dropped_tokens for e in embeddings],
-              "num_tokens": [e.num_tokens for e in embeddings], "owners": owners, "placement": req.placement,
-              "key": req.key, "wire_dtype": str(state.wire).removeprefix("torch."), "broadcast_bytes": held.nbytes,
+    result = {"count": count, "version": req.version, "dropped_tokens": [int(d) for d in held.dropped],
+              "num_tokens": [int(r.shape[0]) for r in rows], "owners": owners, "placement": req.placement,
+              "key": req.key, "wire_dtype": str(wire).removeprefix("torch."), "broadcast_bytes": held.nbytes,
               "seconds": {"encode": t_encode, "broadcast": t_broadcast}}
     if digests is not None:
         result["rank_digests"] = digests
         result["consistent"] = all(d == digests[0] for d in digests)
-    return result, {f"prompt_{i}": e.tensor for i, e in enumerate(embeddings)}
+    return result, {f"prompt_{i}": r for i, r in enumerate(rows)}
 
+
+def _wire_rows(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """An encoder's float32 host rows in the wire dtype (as they are when they already are)."""
+    if t.dtype == wire:
+        return t
+    return host_empty(t.shape, wire).copy_(t)

@@ -83,12 +83,18 @@ class PromptEncoder:
         self._staging: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def encode(self, prompts: Sequence[str], batch_size: int = 8) -> list[PromptEmbedding]:
+    def encode(self, prompts: Sequence[str], batch_size: int = 8,
+               out_dtype: torch.dtype = torch.float32) -> list[PromptEmbedding]:
         """Encode prompts in sub-batches of ``batch_size``.
 
+        Args:
+            out_dtype: the dtype of the returned rows: float32 (ComfyUI's conditioning, the
+                default) or the projection's compute dtype, in which the rows are computed, so
+                that a transport (the pool's wire) needs no conversion; exact either way.
+
         Returns:
-            One :class:`PromptEmbedding` per prompt, in order: ``[T_valid, D_out]`` float32
-            on CPU, each with its own storage (safe to serialise independently).
+            One :class:`PromptEmbedding` per prompt, in order: ``[T_valid, D_out]`` in
+            ``out_dtype`` on CPU, each with its own storage (safe to serialise independently).
 
         Raises:
             ValueError: ``batch_size < 1`` or a non-string prompt.
@@ -112,12 +118,13 @@ class PromptEncoder:
                         f"{n} tokens were dropped (pass truncate=False to get an error instead)",
                         stacklevel=2,
                     )
-            out.extend(self.encode_tokens(ids, mask, dropped))
+            out.extend(self.encode_tokens(ids, mask, dropped, out_dtype))
         return out
 
     @torch.inference_mode()
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      dropped: Sequence[int] | None = None) -> list[PromptEmbedding]:
+                      dropped: Sequence[int] | None = None,
+                      out_dtype: torch.dtype = torch.float32) -> list[PromptEmbedding]:
         """Encode already-tokenised prompts (one Gemma forward).
 
         The batch runs at the length of its longest prompt (``ltx_mgpu.text.forward.run_tower``;
@@ -128,10 +135,11 @@ class PromptEncoder:
             input_ids: ``[B, T]`` int64, left-padded.
             attention_mask: ``[B, T]``, 1 for real tokens.
             dropped: tokens cut from each prompt by truncation (recorded in the result).
+            out_dtype: as :meth:`encode`.
 
         Returns:
-            One :class:`PromptEmbedding` per row: ``[T_valid, D_out]`` float32 on CPU with
-            its own storage.
+            One :class:`PromptEmbedding` per row: ``[T_valid, D_out]`` in ``out_dtype`` on CPU
+            with its own storage.
 
         Raises:
             ValueError: shapes differ, or the padding is not on the left.
@@ -143,16 +151,17 @@ class PromptEncoder:
         del out
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
         dropped = list(dropped) if dropped is not None else [0] * len(lengths)
-        rows = self._project_rows(features, lengths)
+        rows = self._project_rows(features, lengths, out_dtype)
         return [PromptEmbedding(row, self.projection.version, int(d)) for row, d in zip(rows, dropped)]
 
     #: Tokens per projection GEMM when the projection and the host copy are pipelined: enough
     #: rows that the 188160-wide GEMM stays efficient (M >= 1024 ran at ~800 TFLOPS on an H200).
     PIPELINE_TOKENS = 1024
 
-    def _project_rows(self, features: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    def _project_rows(self, features: torch.Tensor, lengths: Sequence[int],
+                      out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Project ``features`` (``[B, m, L*D]``) and return each prompt's valid rows as its own
-        float32 CPU tensor (one copy each).
+        ``out_dtype`` CPU tensor (one copy each).
 
         On a GPU the batch is projected in groups of about :attr:`PIPELINE_TOKENS` tokens; each
         group's valid rows go to a reused pinned staging buffer in the projection's dtype
@@ -163,7 +172,7 @@ class PromptEncoder:
         b, m = features.shape[:2]
         if features.device.type != "cuda":
             out = self.projection.project(features)
-            return [out[j, m - n:].to(torch.float32, copy=True) for j, n in enumerate(lengths)]
+            return [out[j, m - n:].to(out_dtype, copy=True) for j, n in enumerate(lengths)]
         width = self.projection.out_features
         numel = sum(lengths) * width
         staging = self._staging
@@ -187,7 +196,7 @@ class PromptEncoder:
         rows = []
         for done, views in pending:
             done.synchronize()
-            rows.extend(v.to(torch.float32, copy=True) for v in views)
+            rows.extend(v.to(out_dtype, copy=True) for v in views)
         return rows
 
 

@@ -66,7 +66,9 @@ class PromptEmbedding:
     """One prompt's LTX-2 conditioning tensor, as ComfyUI's LTX-2 text encoder emits it.
 
     Attributes:
-        tensor: ``[T_valid, D_out]`` float32 on CPU. ``T_valid`` counts the prompt's real
+        tensor: ``[T_valid, D_out]`` float32 on CPU (the pool holds its own prompts in its
+            compute dtype until they reach the client, ``PromptEncoder.encode(out_dtype=)``;
+            everything public gets float32). ``T_valid`` counts the prompt's real
             tokens (BOS included, left padding removed); ``D_out`` is 3840 for LTX-2.0
             (Gemma 3 12B) and 6144 (video 4096 ‖ audio 2048) for LTX-2.3.
         version: ``"2.0"`` or ``"2.3"``, the projection layout that produced it.
