@@ -77,6 +77,7 @@ GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads
 VARIANTS = {
     "bnb": None,
     "layer-bnb": ("bnb", "layer", False),
+    "layer-triton": ("triton", "layer", False),
     "layer-lut": ("lut", "layer", False),
     "layer-lut-compiled": ("lut_compiled", "layer", False),
     "layer-bnb-prefetch": ("bnb", "layer", True),
@@ -351,7 +352,7 @@ def main(argv=None) -> int:
         numel = sum(m.out_features * m.in_features for m in lins)
         buf = torch.empty(numel, dtype=torch.bfloat16, device=device)
         read = sum(m.weight.numel() + m.weight.quant_state.absmax.numel() for m in lins)
-        for method in ("bnb", "lut", "lut_compiled"):
+        for method in ("bnb", "triton", "lut", "lut_compiled"):
             def run(method=method):
                 start = 0
                 for m in lins:

@@ -71,3 +71,22 @@ def test_nf4_loader_defaults_equal_bitsandbytes_path(tmp_path):
     c = run_tower(again, ids, mask).hidden_states
     for x, y in zip(a, c):
         assert torch.equal(x[keep], y[keep])
+
+
+@needs_bnb
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("shape", [(64, 64), (3840, 4096), (15360, 3840), (8, 96)])
+def test_triton_nf4_dequant_is_bit_identical_to_bitsandbytes(shape):
+    import bitsandbytes.functional as bf
+
+    from ltx_mgpu.text.nf4_triton import dequantize_nf4_triton
+    from ltx_mgpu.text.nf4_dequant import dequantize_absmax
+
+    torch.manual_seed(0)
+    w = (torch.randn(shape, device="cuda") * 0.02).to(torch.bfloat16)
+    w[0, :5] = torch.tensor([0.0, 1e-8, -3.0, 2.5, 65504.0])  # zero, tiny, large
+    packed, qs = bf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    ref = bf.dequantize_4bit(packed, qs)
+    out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+    dequantize_nf4_triton(packed, dequantize_absmax(qs), qs.code, qs.blocksize, out.view(-1))
+    assert torch.equal(out, ref)

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 __all__ = ["METHODS", "nf4_byte_lut", "dequantize_absmax", "dequantize_nf4", "FastDequant"]
 
-Method = Literal["bnb", "lut", "lut_compiled"]
-METHODS = ("bnb", "lut", "lut_compiled")
+Method = Literal["bnb", "lut", "lut_compiled", "triton"]
+METHODS = ("bnb", "lut", "lut_compiled", "triton")
 
 
 def nf4_byte_lut(code: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,8 @@ def dequantize_nf4(weight: Any, out: torch.Tensor | None = None, method: Method 
             not in the AVX512-BF16 packed CPU layout).
         out: optional ``[N, K]`` (or ``N*K`` flat) tensor of the state's dtype to write into.
         method: ``"lut"`` (byte-LUT, eager), ``"lut_compiled"`` (byte-LUT through
-            ``torch.compile``) or ``"bnb"`` (``bitsandbytes.functional.dequantize_4bit``).
+            ``torch.compile``), ``"bnb"`` (``bitsandbytes.functional.dequantize_4bit``) or
+            ``"triton"`` (one streaming Triton kernel, CUDA only: ``ltx_mgpu.text.nf4_triton``).
         lut: the weight's :func:`nf4_byte_lut` (made from ``quant_state.code`` when omitted).
 
     Returns:
@@ -127,6 +128,11 @@ def dequantize_nf4(weight: Any, out: torch.Tensor | None = None, method: Method 
         return out
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "triton":
+        from ltx_mgpu.text.nf4_triton import dequantize_nf4_triton
+
+        dequantize_nf4_triton(weight.data, dequantize_absmax(qs), qs.code, qs.blocksize, out.view(-1))
+        return out
     if not qs.nested or (shape[0] * shape[1]) % qs.blocksize:
         raise ValueError("the byte-LUT dequant needs double quantization and N*K divisible by the blocksize")
     lut = nf4_byte_lut(qs.code) if lut is None else lut
