@@ -250,7 +250,7 @@ def test_interrupted_batch_resumes(cache):
 
 def test_lru_eviction_bounds_size_and_evicts_least_recently_used(tmp_path):
     probe = EmbeddingCache(tmp_path / "probe")
-    entry = probe.put("x", PARTS, PromptEmbedding(torch.zeros(8, D), "2.0")).stat().st_size
+    entry = probe.put("x", PARTS, PromptEmbedding(torch.randn(8, D), "2.0")).stat().st_size
     cache = EmbeddingCache(tmp_path / "lru", max_bytes=3 * entry + entry // 2)
     emb = {p: PromptEmbedding(torch.randn(8, D), "2.0") for p in "abcde"}
     for p in "abc":
@@ -317,3 +317,21 @@ def test_bad_input_errors(cache):
         encode_cached(cache, ["x"], PARTS, RecordingEncoder(), batch_size=0)
     with pytest.raises(ValueError, match="returned 1 embeddings for 2 prompts"):
         encode_cached(cache, ["x", "y"], PARTS, lambda ps: [fake_embedding(ps[0])], batch_size=2)
+
+
+def test_bf16_exact_embeddings_are_stored_in_half_the_bytes(tmp_path):
+    """An embedding computed in bf16 (float32 values that are all bf16 values) is stored as bf16
+    and comes back as the same float32 bits; any other float32 tensor is stored as it is."""
+    cache = EmbeddingCache(tmp_path)
+    exact = torch.randn(40, 64).to(torch.bfloat16).float()
+    inexact = exact.clone()
+    inexact[3, 5] += 1e-4  # not a bf16 value any more
+    for prompt, tensor, stored in (("exact", exact, torch.bfloat16), ("inexact", inexact, torch.float32)):
+        path = cache.put(prompt, PARTS, PromptEmbedding(tensor, "2.0"))
+        with safe_open(str(path), "pt") as f:
+            assert f.get_tensor("embedding").dtype == stored
+            assert f.metadata()["dtype"] == "float32"
+        got = cache.get(prompt, PARTS).tensor
+        assert got.dtype == torch.float32 and torch.equal(got, tensor)
+    sizes = {p.stem: p.stat().st_size for p in tmp_path.rglob("*.safetensors")}
+    assert min(sizes.values()) < 0.6 * max(sizes.values())

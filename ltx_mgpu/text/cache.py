@@ -6,7 +6,9 @@ mode, token budget, dtype, format version).
 
 Entries are safetensors files ``<root>/<key[:2]>/<key>.safetensors`` holding one CPU tensor
 ``"embedding"`` and string metadata (format version, key, key parts, LTX version, dropped
-tokens, CRC-32 of the tensor bytes). Writes are atomic (temp file in the same directory,
+tokens, CRC-32 of the stored tensor bytes). A float32 embedding that is exactly a bf16 upcast
+(every embedding computed in bf16) is stored as bf16 and upcast on read, bit for bit: half the
+bytes to read and checksum on a hit. Writes are atomic (temp file in the same directory,
 fsync, ``os.replace``), so concurrent processes never see a partial entry; a damaged entry
 (truncated, flipped bytes, foreign file) is reported with a :class:`CacheEntryWarning`,
 deleted and treated as a miss, so the caller re-encodes. Tensors are stored on CPU and moved
@@ -143,7 +145,7 @@ class EmbeddingCache:
         """Look up one prompt.
 
         Returns:
-            The embedding (tensor ``[T, D]`` as stored, float32, owning its memory) on CPU,
+            The embedding (tensor ``[T, D]`` float32 as it was put, owning its memory) on CPU,
             or on ``device`` when given; ``None`` on a miss. A damaged entry, or one whose
             metadata does not match the key, is warned about (:class:`CacheEntryWarning`,
             naming the file), deleted and reported as a miss. A hit refreshes the entry's
@@ -196,15 +198,17 @@ class EmbeddingCache:
         if tensor.device.type == "meta":
             raise ValueError("cannot cache a 'meta' tensor (it has no data); encode on a real device")
         tensor = tensor.to("cpu").clone(memory_format=torch.contiguous_format)  # own storage, offset 0
+        stored = _compact(tensor)
         metadata = {
             "format": str(FORMAT_VERSION),
             "key": key,
             "key_parts": parts.to_json(),
             "version": embedding.version,
             "dropped_tokens": str(int(embedding.dropped_tokens)),
-            "crc32": _tensor_crc32(tensor),
+            "crc32": _tensor_crc32(stored),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
         }
-        payload = _st_save({_TENSOR_NAME: tensor}, metadata=metadata)
+        payload = _st_save({_TENSOR_NAME: stored}, metadata=metadata)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
@@ -384,6 +388,11 @@ def _decode(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding:
         tensor = tensor.clone()  # own compact storage, never a view into a larger buffer
     if metadata.get("crc32") != _tensor_crc32(tensor):
         raise _Damaged("tensor checksum mismatch")
+    want = metadata.get("dtype", str(tensor.dtype).removeprefix("torch."))
+    if want != str(tensor.dtype).removeprefix("torch."):
+        if want != "float32" or tensor.dtype != torch.bfloat16:
+            raise _Damaged(f"stored as {tensor.dtype}, metadata says {want}")
+        tensor = tensor.float()  # exact: it was stored because the upcast round-trips
     try:
         dropped = int(metadata["dropped_tokens"])
         if dropped < 0:
@@ -391,6 +400,15 @@ def _decode(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding:
         return PromptEmbedding(tensor=tensor, version=metadata.get("version"), dropped_tokens=dropped)
     except (KeyError, ValueError) as exc:
         raise _Damaged(f"bad metadata: {exc}") from None
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as bf16 when that is exact (a float32 tensor whose values are all bf16
+    values: what an encoder computing in bf16 returns), else ``tensor`` itself."""
+    if tensor.dtype != torch.float32 or not tensor.numel():
+        return tensor
+    half = tensor.to(torch.bfloat16)
+    return half if torch.equal(half.float(), tensor) else tensor
 
 
 def _tensor_crc32(tensor: torch.Tensor) -> str:

@@ -24,7 +24,7 @@ from ltx_mgpu.text.features import TOKEN_BUDGET
 
 #: Version of the entry layout and of the key encoding; bump it when either changes, and
 #: every older entry becomes a miss (it is folded into the key).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 WEIGHTS_MODES = ("bf16", "nf4")
 _KEY_DOMAIN = "ltx_mgpu.text.cache"
