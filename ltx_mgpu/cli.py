@@ -66,6 +66,9 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         print("pool: not contacted (every prompt cached)" if pool["pid"] is None else
               f"pool: pid {pool['pid']}, {pool['world_size']} rank(s), placement {args.placement}, "
               f"{'started for this run and stopped' if pool['started'] else 'attached'}")
+        if pool["pid"] is not None and args.placement != "single" and pool["world_size"] == 1:
+            print(f"note: placement {args.placement} on a 1-rank pool is the same as 'single'; it spreads "
+                  "Gemma over several ranks (--gpus 0,1 or --gpus cpu --nproc 2)")
     else:
         embeddings, report = encode_prompts(spec, prompts, batch_size=args.batch_size, cache=cache)
     out = save_embeddings(args.out, prompts, embeddings)

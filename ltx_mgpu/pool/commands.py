@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stop", help="stop the pool (every pool under the base dir without --gpus/--nproc)")
     _add_common(p)
     p.set_defaults(func=cmd_stop)
-    p = sub.add_parser("status", help="show ranks, memory, models and jobs (of every pool without --gpus/--nproc)")
+    p = sub.add_parser("status", help="show ranks, memory, models and jobs (of every pool without --gpus/--nproc); "
+                                      "exits 1 when no pool runs, so scripts can test for one")
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.set_defaults(func=cmd_status)
