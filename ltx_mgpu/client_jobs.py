@@ -1,0 +1,179 @@
+"""The client's job objects and errors: :class:`Job` (a submitted request: its events, ``wait``
+with cancel / timeout handling, ``cancel``) and the :class:`PoolError` subclasses it raises.
+
+Jobs are created by :class:`ltx_mgpu.client.PoolClient` (the public API; it re-exports every
+name here), whose connection reader thread puts each job's events on the job's queue. The
+wire messages are :mod:`ltx_mgpu.protocol`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from ltx_mgpu import protocol
+from ltx_mgpu.pool.launch import PoolError
+
+if TYPE_CHECKING:
+    from ltx_mgpu.client import PoolClient
+
+__all__ = ["Job", "PoolFatalError", "BadInputError", "JobCancelledError", "PoolTimeoutError",
+           "ProgressCallback", "Receive"]
+
+
+class PoolFatalError(PoolError):
+    """The pool failed (a rank died, a collective broke, the connection was lost) and exits;
+    the next request on the same client starts a fresh pool."""
+
+
+class BadInputError(PoolError, ValueError):
+    """The pool rejected the request (``error{bad_input}``); it keeps serving."""
+
+
+class JobCancelledError(PoolError):
+    """The job was cancelled (by ``cancel()``, ``should_cancel`` or a pool shutdown)."""
+
+
+class PoolTimeoutError(PoolError, TimeoutError):
+    """The job did not finish within its timeout; it was cancelled."""
+
+
+_LOST = "__lost__"
+ProgressCallback = Callable[[str, int, int], Any]
+Receive = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class Job:
+    """A submitted request. Iterate :meth:`events` or call :meth:`wait`; :meth:`cancel` asks the
+    pool to stop it (queued: at once; running: at its next step boundary)."""
+
+    def __init__(self, client: PoolClient, rid: str, mtype: str, receive: Receive | None = None):
+        self.client, self.id, self.type, self.receive = client, rid, mtype, receive
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.progress: dict | None = None
+        self.accepted: dict | None = None
+        self.done = False
+        self.cancel_sent = False
+
+    def cancel(self) -> None:
+        """Ask the pool to cancel this job (no-op when done or already asked)."""
+        if self.done or self.cancel_sent:
+            return
+        self.cancel_sent = True
+        with contextlib.suppress(PoolError):
+            self.client._send("cancel", {"job_id": self.id}, track=False, ensure=False)
+
+    @property
+    def _is_job(self) -> bool:
+        schema = protocol.REQUESTS.get(self.type)
+        return schema is not None and schema.job
+
+    def _abandon(self) -> None:
+        """The waiter is leaving (a callback raised): cancel the job and drop its events."""
+        self.cancel()
+        self.done = True
+        self.client._forget(self.id)
+
+    def _terminal(self, ev: dict, tensors: dict, timed_out: bool) -> tuple[dict, dict]:
+        self.done = True
+        self.client._forget(self.id)
+        if ev["event"] == "result":
+            return ev["result"], tensors
+        kind, msg = ev["kind"], ev["message"]
+        if kind == "bad_input":
+            raise BadInputError(msg)
+        if kind == "cancelled":
+            if timed_out:
+                raise PoolTimeoutError(f"{self.type} job {self.id} timed out and was cancelled ({msg})")
+            raise JobCancelledError(msg)
+        self.client._mark_dead(msg, fatal=True)
+        raise PoolFatalError(self.client._with_log(f"the pool failed during {self.type} job {self.id}: {msg}"))
+
+    def events(self, timeout: float | None = None) -> Iterator[dict]:
+        """Yield ``accepted`` / ``progress`` / ``log`` events until the job ends; the terminal
+        result is then available from :meth:`wait` (which returns at once).
+
+        Raises:
+            PoolTimeoutError: no event for ``timeout`` seconds (the job is not cancelled).
+        """
+        while not self.done:
+            try:
+                item = self._q.get(timeout=timeout)
+            except queue.Empty:
+                raise PoolTimeoutError(f"no event from {self.type} job {self.id} for {timeout}s") from None
+            ev = item[0]
+            if ev == _LOST or ev["event"] in ("result", "error"):
+                self._q.put(item)  # leave the terminal for wait()
+                return
+            self._note(ev)
+            yield ev
+
+    def _note(self, ev: dict) -> None:
+        if ev["event"] == "progress":
+            self.progress = {k: ev[k] for k in ("phase", "step", "total")}
+        elif ev["event"] == "accepted":
+            self.accepted = ev
+
+    def wait(self, timeout: float | None = None, poll_interval: float = 0.1,
+             should_cancel: Callable[[], bool] | None = None, on_progress: ProgressCallback | None = None,
+             on_log: Callable[[dict], Any] | None = None, cancel_timeout: float = 15.0) -> tuple[dict, dict]:
+        """Wait for the job's result: ``(result: dict, tensors: dict[str, Tensor])``.
+
+        Every ``poll_interval`` seconds ``should_cancel()`` is polled; when it turns true (or
+        ``timeout`` seconds pass) a cancel is sent. If the pool does not end the job within
+        ``cancel_timeout`` seconds after that, the pool is killed (PoolFatalError). Control
+        requests (``status``, ``cancel``...) are not cancelled: they raise PoolTimeoutError.
+        Callbacks run on the waiting thread.
+
+        Raises:
+            BadInputError, JobCancelledError, PoolTimeoutError, PoolFatalError.
+            Whatever ``on_progress`` / ``on_log`` raise (after cancelling the job).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cancel_at: float | None = None
+        timed_out = False
+        while True:
+            try:
+                ev, tensors = self._q.get(timeout=poll_interval)
+            except queue.Empty:
+                ev, tensors = None, None
+            if ev == _LOST:
+                self.done = True
+                self.client._forget(self.id)
+                raise PoolFatalError(self.client._with_log(f"{self.type} job {self.id}: {tensors}"))
+            if ev is not None:
+                if ev["event"] in ("result", "error"):
+                    return self._terminal(ev, tensors, timed_out)
+                self._note(ev)
+                try:
+                    if ev["event"] == "progress" and on_progress is not None:
+                        on_progress(ev["phase"], ev["step"], ev["total"])
+                    elif ev["event"] == "log" and on_log is not None:
+                        on_log(ev)
+                except BaseException:
+                    self._abandon()
+                    raise
+            now = time.monotonic()
+            if cancel_at is None:
+                try:
+                    wanted = should_cancel is not None and should_cancel()
+                except BaseException:
+                    self._abandon()
+                    raise
+                if not self._is_job and deadline is not None and now > deadline:
+                    self.client._forget(self.id)  # control requests are not cancellable
+                    raise PoolTimeoutError(f"the pool did not answer {self.type} within {timeout}s")
+                if wanted or (deadline is not None and now > deadline):
+                    timed_out = not wanted
+                    self.cancel()
+                    cancel_at = now
+            elif now - cancel_at > cancel_timeout:
+                self.client._kill(f"{self.type} job {self.id} did not stop within {cancel_timeout:.0f}s of cancel")
+                self.done = True
+                raise PoolFatalError(self.client._with_log(
+                    f"the pool did not stop {self.type} job {self.id} within {cancel_timeout:.0f}s of a cancel "
+                    "and was killed; the next request starts a fresh pool"))

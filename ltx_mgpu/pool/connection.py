@@ -1,0 +1,153 @@
+"""One client connection of rank 0's socket server (:mod:`ltx_mgpu.pool.server`): a reader
+thread (the ``hello`` handshake within ``HELLO_TIMEOUT`` seconds, then frames -> validated
+requests handed to :meth:`Server.handle`) and a writer thread (an outbound queue, so a slow
+client never blocks the job loop; it also drops the connection's idle shared-memory arena).
+
+The queue, the job loop's interface and the listening socket are :class:`ltx_mgpu.pool.server.Server`'s;
+the frames and messages are :mod:`ltx_mgpu.protocol`'s, the arena :mod:`ltx_mgpu.shm`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ltx_mgpu import protocol, shm
+from ltx_mgpu.protocol import ConnectionClosed, ProtocolError, SchemaError
+
+if TYPE_CHECKING:
+    from ltx_mgpu.pool.server import Server
+
+# The server's logger, so that connection records keep the name they had before this module was split off.
+log = logging.getLogger("ltx_mgpu.pool.server")
+
+HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
+
+
+class Connection:
+    """One client connection: a reader thread and a writer thread with an outbound queue."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, server: Server, sock: socket.socket):
+        self.server, self.sock, self.cid = server, sock, next(self._ids)
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = threading.Event()
+        self.authenticated = False
+        self.peer_pid: int | None = None
+        self.shm: shm.ArenaSender | None = None  # set by the reader (features), used by the writer
+        self._reader = threading.Thread(target=self._read_loop, name=f"conn{self.cid}-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"conn{self.cid}-writer", daemon=True)
+
+    def start(self) -> None:
+        self._writer.start()
+        self._reader.start()
+
+    # ---- writing
+    def send(self, header: dict, payload: protocol.Payload | None = None) -> None:
+        """Queue an event; silently dropped once the connection is closed."""
+        if not self.closed.is_set():
+            self.out.put((header, payload))
+
+    def close(self) -> None:
+        """Send what is queued, then close (asynchronously, on the writer thread)."""
+        self.out.put(None)
+
+    def join(self, timeout: float) -> None:
+        self._writer.join(timeout)
+
+    def enable(self, features: list[str]) -> list[str]:
+        """Turn on the requested features this pool offers; returns those on for this connection."""
+        if shm.FEATURE in features and self.server.shm_budget is not None and self.shm is None:
+            self.shm = shm.ArenaSender(self.server.shm_budget)
+        return [shm.FEATURE] if self.shm is not None else []
+
+    def _next(self):
+        """The next outbound item; meanwhile, an arena idle for its time is dropped (notice sent)."""
+        while True:
+            sender = self.shm
+            wait = None if sender is None or sender.arena is None else \
+                max(0.05, sender.last_used + sender.idle_seconds - time.monotonic())
+            try:
+                return self.out.get(timeout=wait)
+            except queue.Empty:
+                if sender.idle():
+                    protocol.send_frame(self.sock, {}, flags=protocol.FLAG_SHM_DROP)
+                    sender.close()
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                item = self._next()
+                if item is None:
+                    break
+                header, payload = item
+                try:
+                    protocol.send_frame(self.sock, header, payload, shm=self.shm)
+                except ProtocolError as e:  # an event broke the limits (checked before any byte went out)
+                    log.error("connection %d: event not sent: %s", self.cid, e)
+                    protocol.send_frame(self.sock, protocol.make_event(
+                        "error", header.get("id"), kind="bad_input", message=f"the answer could not be sent: {e}"))
+        except OSError:
+            pass
+        except BaseException:  # never let a writer die silently
+            log.exception("connection %d: writer failed", self.cid)
+        finally:
+            self.closed.set()
+            if self.shm is not None:
+                self.shm.close()
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+    # ---- reading
+    def _error(self, rid: str | None, message: str, kind: str = "bad_input") -> None:
+        self.send(protocol.make_event("error", protocol.valid_id(rid), kind=kind, message=message))
+
+    def _read_loop(self) -> None:
+        try:
+            self.sock.settimeout(HELLO_TIMEOUT)
+            header, tensors = protocol.recv_frame(self.sock, protocol.PREAUTH_LIMITS)
+            req = protocol.parse_request(header, tensors)
+            if req.type != "hello":
+                raise ProtocolError(f"the first request must be 'hello' with the pool's token, got {req.type!r}",
+                                    req.id)
+            if not hmac.compare_digest(req.params["token"].encode(), self.server.token.encode()):
+                raise ProtocolError("wrong token: read it from the pool's runtime directory", req.id)
+            self.authenticated = True
+            self.peer_pid = req.params.get("pid")
+            self.send(protocol.make_event("result", req.id, result=self.server.hello_answer()))
+            self.sock.settimeout(None)
+            while True:
+                header, tensors = protocol.recv_frame(self.sock, self.server.limits)
+                try:
+                    req = protocol.parse_request(header, tensors)
+                except SchemaError as e:
+                    self._error(e.request_id, str(e))
+                    continue
+                try:
+                    self.server.handle(self, req)
+                except Exception as e:  # a bug answering one request must not drop the connection
+                    log.exception("connection %d: %s failed", self.cid, req.type)
+                    self._error(req.id, f"the pool could not answer {req.type}: {type(e).__name__}: {e}")
+        except ConnectionClosed:
+            pass
+        except ProtocolError as e:
+            self._error(e.request_id, str(e))
+        except socket.timeout:
+            self._error(None, f"no hello within {HELLO_TIMEOUT:.0f}s")
+        except OSError:
+            pass
+        except BaseException:
+            log.exception("connection %d: reader failed", self.cid)
+        finally:
+            self.close()
+            self.server.connection_closed(self)
