@@ -4,11 +4,8 @@ An entry is keyed by a SHA-256 over *every* input that changes the tensor
 (:mod:`ltx_mgpu.text.cache_keys`: prompt, Gemma and projection content digests, weights
 mode, token budget, dtype, format version).
 
-Entries are safetensors files ``<root>/<key[:2]>/<key>.safetensors`` holding one CPU tensor
-``"embedding"`` and string metadata (format version, key, key parts, LTX version, dropped
-tokens, CRC-32 of the stored tensor bytes). A float32 embedding that is exactly a bf16 upcast
-(every embedding computed in bf16) is stored as bf16 and upcast on read, bit for bit: half the
-bytes to read and checksum on a hit. Writes are atomic (temp file in the same directory,
+Entries are safetensors files ``<root>/<key[:2]>/<key>.safetensors`` (their layout, checks
+and the bf16 storage of bf16-exact embeddings: :mod:`ltx_mgpu.text.cache_entry`). Writes are atomic (temp file in the same directory,
 fsync, ``os.replace``), so concurrent processes never see a partial entry; a damaged entry
 (truncated, flipped bytes, foreign file) is reported with a :class:`CacheEntryWarning`,
 deleted and treated as a miss, so the caller re-encodes. Tensors are stored on CPU and moved
@@ -20,20 +17,16 @@ mtime, refreshed on every hit, which every process sharing the directory sees.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import time
 import uuid
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from safetensors.torch import load as _st_load
-from safetensors.torch import save as _st_save
 
 from ltx_mgpu.text.cache_keys import (  # noqa: F401 - re-exported: the cache's public key API
     FORMAT_VERSION,
@@ -42,7 +35,15 @@ from ltx_mgpu.text.cache_keys import (  # noqa: F401 - re-exported: the cache's 
     cache_key,
     default_cache_dir,
 )
+from ltx_mgpu.text.cache_entry import DamagedEntry, decode_entry, encode_entry
 from ltx_mgpu.text.features import PromptEmbedding
+
+__all__ = [
+    "CacheEntryWarning", "CacheReport", "CacheStats", "EmbeddingCache", "encode_cached", "DEFAULT_MAX_BYTES",
+    "STALE_TEMP_SECONDS",
+    # re-exported from ltx_mgpu.text.cache_keys: the cache's public key API
+    "FORMAT_VERSION", "WEIGHTS_MODES", "CacheKeyParts", "cache_key", "default_cache_dir",
+]
 
 #: Default bound of the cache's total size, bytes.
 DEFAULT_MAX_BYTES = 2 * 1024**3
@@ -50,7 +51,6 @@ DEFAULT_MAX_BYTES = 2 * 1024**3
 #: Temp files older than this (seconds) are leftovers of a killed writer; eviction removes them.
 STALE_TEMP_SECONDS = 3600.0
 
-_TENSOR_NAME = "embedding"
 _SUFFIX = ".safetensors"
 _HEX = frozenset("0123456789abcdef")
 
@@ -97,10 +97,6 @@ class CacheReport:
             f"{total} prompt{'s' if total != 1 else ''}: {self.hits} cached, "
             f"{self.encoded} encoded in {self.seconds:.2f} s"
         )
-
-
-class _Damaged(Exception):
-    """Internal: an entry failed validation (the message says why)."""
 
 
 class EmbeddingCache:
@@ -161,8 +157,8 @@ class EmbeddingCache:
             self._count(misses=1)
             return None
         try:
-            embedding = _decode(data, key, parts)
-        except _Damaged as exc:
+            embedding = decode_entry(data, key, parts)
+        except DamagedEntry as exc:
             self._discard(path, inode, str(exc))
             self._count(misses=1, damaged=1)
             return None
@@ -194,21 +190,7 @@ class EmbeddingCache:
             raise TypeError(f"embedding must be a PromptEmbedding, got {type(embedding).__name__}")
         key = cache_key(prompt, parts)
         path = self.root / key[:2] / f"{key}{_SUFFIX}"
-        tensor = embedding.tensor.detach()
-        if tensor.device.type == "meta":
-            raise ValueError("cannot cache a 'meta' tensor (it has no data); encode on a real device")
-        tensor = tensor.to("cpu").clone(memory_format=torch.contiguous_format)  # own storage, offset 0
-        stored = _compact(tensor)
-        metadata = {
-            "format": str(FORMAT_VERSION),
-            "key": key,
-            "key_parts": parts.to_json(),
-            "version": embedding.version,
-            "dropped_tokens": str(int(embedding.dropped_tokens)),
-            "crc32": _tensor_crc32(stored),
-            "dtype": str(tensor.dtype).removeprefix("torch."),
-        }
-        payload = _st_save({_TENSOR_NAME: stored}, metadata=metadata)
+        payload = encode_entry(key, parts, embedding)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
@@ -367,58 +349,6 @@ def encode_cached(
         hits=len(unique) - len(missing), misses=len(missing), encoded=len(missing), seconds=time.perf_counter() - start
     )
     return [found[p] for p in prompts], report
-
-
-def _decode(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding:
-    """Parse and validate one entry's bytes; raises :class:`_Damaged` saying what is wrong."""
-    try:
-        tensors = _st_load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
-    except Exception as exc:  # noqa: BLE001 - any parse failure means a damaged file
-        raise _Damaged(f"not a readable safetensors file: {exc}") from None
-    if set(tensors) != {_TENSOR_NAME}:
-        raise _Damaged(f"expected one tensor {_TENSOR_NAME!r}, found {sorted(tensors)}")
-    if metadata.get("format") != str(FORMAT_VERSION):
-        raise _Damaged(f"format {metadata.get('format')!r}, expected {FORMAT_VERSION}")
-    if metadata.get("key") != key or metadata.get("key_parts") != parts.to_json():
-        raise _Damaged("its metadata does not match the cache key")
-    tensor = tensors[_TENSOR_NAME]
-    if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()  # own compact storage, never a view into a larger buffer
-    if metadata.get("crc32") != _tensor_crc32(tensor):
-        raise _Damaged("tensor checksum mismatch")
-    want = metadata.get("dtype", str(tensor.dtype).removeprefix("torch."))
-    if want != str(tensor.dtype).removeprefix("torch."):
-        if want != "float32" or tensor.dtype != torch.bfloat16:
-            raise _Damaged(f"stored as {tensor.dtype}, metadata says {want}")
-        tensor = tensor.float()  # exact: it was stored because the upcast round-trips
-    try:
-        dropped = int(metadata["dropped_tokens"])
-        if dropped < 0:
-            raise ValueError(f"negative dropped_tokens {dropped}")
-        return PromptEmbedding(tensor=tensor, version=metadata.get("version"), dropped_tokens=dropped)
-    except (KeyError, ValueError) as exc:
-        raise _Damaged(f"bad metadata: {exc}") from None
-
-
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as bf16 when that is exact (a float32 tensor whose values are all bf16
-    values: what an encoder computing in bf16 returns), else ``tensor`` itself."""
-    if tensor.dtype != torch.float32 or not tensor.numel():
-        return tensor
-    half = tensor.to(torch.bfloat16)
-    return half if torch.equal(half.float(), tensor) else tensor
-
-
-def _tensor_crc32(tensor: torch.Tensor) -> str:
-    """CRC-32 (hex) of a contiguous CPU tensor's dtype, shape and bytes: an integrity check
-    against truncation and bit rot (the cache directory is private, so no adversary), about
-    3x faster than SHA-256 on a 25 MB entry, which keeps a cache hit well under an encode."""
-    crc = zlib.crc32(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-    if tensor.numel():
-        crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
 
 
 def _is_key(name: str) -> bool:
