@@ -117,10 +117,16 @@ def nf4_rows(results: dict) -> list[Row]:
     for variant, v in nf4.items():
         if not isinstance(v, dict):
             continue
+        if v.get("resident_bytes") and bf16.get("resident_bytes"):  # a variant loaded on its own (the loader)
+            rows.append(("nf4", f"resident, {variant}", f"{v['resident_bytes'] / 1e9:.2f} GB",
+                         f"{v['resident_bytes'] / bf16['resident_bytes']:.2f}x bf16"))
         for shape, m in v.items():
             if isinstance(m, dict) and "ratio_vs_bf16" in m:
                 rows.append(("nf4", f"encode {shape}, {variant}", f"{m['median_ms']:.1f} ms",
                              f"{m['ratio_vs_bf16']:.2f}x bf16"))
+    for shape, m in results.get("head_to_head", {}).items():  # bf16 and the loader's NF4 timed in turn
+        rows.append(("nf4", f"encode {shape}, bf16 vs loader NF4 interleaved", f"{m['nf4_ms']:.1f} ms",
+                     f"{m['ratio']:.2f}x bf16 ({m['bf16_ms']:.1f} ms)"))
     return rows
 
 
