@@ -76,7 +76,8 @@ def _no_meta(module: torch.nn.Module) -> list[str]:
 def test_same_seed_gives_identical_bytes(checkpoints, version):
     a, b = checkpoints[version], checkpoints[version + "/again"]
     assert a.read_bytes() == b.read_bytes()
-    assert a.stat().st_size < 5_000_000
+    # 2.0 about 3.3 MB; 2.3 about 6.6 MB (its audio VAE decoder is 128 wide, as ltx-core requires).
+    assert a.stat().st_size < {"2.0": 4_000_000, "2.3": 7_000_000}[version]
     assert not list(a.parent.glob("*.tmp")), "the atomic write left a temp file behind"
 
 
@@ -97,7 +98,9 @@ def test_metadata(checkpoints, version):
     config = json.loads(meta["config"])
     assert config == tiny_ltx_config(version)
     assert config["transformer"] == tiny_transformer_config(version)
-    assert set(config) == {"transformer", "vae"}  # no audio VAE / vocoder (torchaudio)
+    # 2.3 carries the tiny audio VAE decoder + vocoder (assets/ltx_audio.py); 2.0 has none.
+    audio = {"audio_vae", "vocoder"} if version == "2.3" else set()
+    assert set(config) == {"transformer", "vae"} | audio
     # What ltx-core's builders see: the parsed config.
     assert SafetensorsModelStateDictLoader().metadata(str(checkpoints[version])) == config
 
@@ -120,8 +123,9 @@ def test_key_layout_matches_comfyui_detection(checkpoints, version):
     for prefix in CONNECTORS:
         assert sd[prefix + "learnable_registers"].dtype == torch.float32
         assert sd[prefix + "learnable_registers"].shape[0] == 128
-    assert all(t.dtype == torch.bfloat16 for k, t in sd.items() if k.startswith("vae."))
-    assert all(t.dtype == torch.float32 for k, t in sd.items() if not k.startswith("vae."))
+    vaes = ("vae.", "audio_vae.", "vocoder.")
+    assert all(t.dtype == torch.bfloat16 for k, t in sd.items() if k.startswith(vaes))
+    assert all(t.dtype == torch.float32 for k, t in sd.items() if not k.startswith(vaes))
 
     feat_in = TINY_GEMMA_HIDDEN * TINY_GEMMA_HIDDEN_STATES
     proj = {k: tuple(t.shape) for k, t in sd.items() if k.startswith("text_embedding_projection.")}
@@ -270,3 +274,18 @@ def test_bad_version_is_rejected_with_the_choices(tmp_path):
     with pytest.raises(ValueError, match="'2.0' or '2.3'"):
         tiny_transformer_config("2")  # type: ignore[arg-type]
     assert not list(tmp_path.iterdir())
+
+
+def test_audio_tensors_only_in_23_and_other_tensors_shared(checkpoints):
+    """2.3 adds exactly the audio keys (bfloat16, as ltx_audio.tiny_audio_shapes says) and keeps the
+    values of every tensor it shares with 2.0 (each tensor depends only on seed and key)."""
+    from ltx_mgpu.assets.ltx_audio import tiny_audio_shapes
+
+    a20, a23 = load_file(checkpoints["2.0"]), load_file(checkpoints["2.3"])
+    audio = {k for k in a23 if k.startswith(("audio_vae.", "vocoder."))}
+    assert not any(k.startswith(("audio_vae.", "vocoder.")) for k in a20)
+    assert {k: tuple(a23[k].shape) for k in audio} == tiny_audio_shapes()
+    assert all(a23[k].dtype == torch.bfloat16 and torch.isfinite(a23[k].float()).all() for k in audio)
+    shared = set(a20) & set(a23)
+    assert DIT + "transformer_blocks.0.attn1.to_q.weight" in shared and "vae.decoder.conv_in.conv.weight" in shared
+    assert all(torch.equal(a20[k], a23[k]) for k in shared if a20[k].shape == a23[k].shape)

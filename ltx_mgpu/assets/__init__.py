@@ -31,7 +31,7 @@ from typing import Callable, Literal
 from ltx_mgpu.identity import home_dir
 
 #: Bump when any generator changes its output, so stale caches are not reused.
-ASSETS_VERSION = 1
+ASSETS_VERSION = 2
 #: The default seed of every generator.
 DEFAULT_SEED = 0
 

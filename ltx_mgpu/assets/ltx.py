@@ -35,9 +35,9 @@ The two layouts differ the way the real checkpoints do (../shared/notes/ltx2-ref
   ``FeatureExtractorV2`` (``video_aggregate_embed`` 448 -> 32, ``audio_aggregate_embed``
   448 -> 16, with bias).
 
-No audio VAE or vocoder: ``ltx_core.model.audio_vae`` imports torchaudio at module level and
-torchaudio cannot be installed next to CPU torch here (ltx2-reference.md §3, trap 1). Without
-them ComfyUI's ``LTXVAudioVAELoader`` cannot load these files; everything else can.
+2.3 only: ``audio_vae.{decoder,per_channel_statistics}.*`` + ``vocoder.*`` (and ``config``
+``"audio_vae"`` / ``"vocoder"``), a tiny ltx-core audio VAE decoder and 24 kHz vocoder built
+without torchaudio (:mod:`ltx_mgpu.assets.ltx_audio`). 2.0 has none; neither has an audio encoder.
 
 Weights are random: every tensor is drawn from its own ``torch.Generator`` seeded from
 ``sha256(f"{seed}/{key}")``, so the same seed gives a byte-identical file, and a tensor's value
@@ -60,6 +60,7 @@ from safetensors.torch import save as save_to_bytes
 from torch import nn
 
 from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
+from ltx_mgpu.assets.ltx_audio import tiny_audio_config, tiny_audio_state_dict
 
 Version = Literal["2.0", "2.3"]
 
@@ -235,8 +236,10 @@ def tiny_vae_config() -> dict:
 
 
 def tiny_ltx_config(version: Version, gemma_hidden: int = TINY_GEMMA_HIDDEN) -> dict:
-    """The full parsed ``config`` metadata: ``{"transformer": ..., "vae": ...}``."""
-    return {"transformer": tiny_transformer_config(version, gemma_hidden), "vae": tiny_vae_config()}
+    """The full parsed ``config`` metadata: ``{"transformer": ..., "vae": ...}``, plus
+    ``"audio_vae"`` and ``"vocoder"`` for 2.3 (:func:`ltx_mgpu.assets.ltx_audio.tiny_audio_config`)."""
+    config = {"transformer": tiny_transformer_config(version, gemma_hidden), "vae": tiny_vae_config()}
+    return {**config, **tiny_audio_config()} if version == "2.3" else config
 
 
 def tiny_feature_extractor(
@@ -337,9 +340,10 @@ def tiny_ltx_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the tiny monolith, keyed as in a real ComfyUI / ltx-core checkpoint.
 
-    Transformer, connectors and projection are float32; ``vae.*`` is bfloat16. Modules are built
-    by ltx-core's configurators under ``torch.device("meta")`` (so nothing is allocated for
-    ltx-core's hard-coded 12B feature-extractor width) and every tensor is drawn afresh.
+    Transformer, connectors and projection are float32; ``vae.*`` (and, for 2.3, ``audio_vae.*`` /
+    ``vocoder.*``) bfloat16. Modules are built by ltx-core's configurators under
+    ``torch.device("meta")`` (nothing is allocated for ltx-core's hard-coded 12B feature-extractor
+    width) and every tensor is drawn afresh.
     ``gemma_hidden`` / ``gemma_hidden_states`` size the text side (:func:`tiny_feature_extractor`,
     :func:`tiny_transformer_config`); a tensor whose shape does not depend on them has the same
     value whatever they are.
@@ -371,6 +375,8 @@ def tiny_ltx_state_dict(
     for part, module in (("encoder", encoder), ("decoder", decoder)):
         sd.update(_materialise(module, f"vae.{part}.", seed, torch.bfloat16, skip="per_channel_statistics."))
     sd.update(_materialise(encoder.per_channel_statistics, "vae.per_channel_statistics.", seed, torch.bfloat16))
+    if version == "2.3":
+        sd.update(tiny_audio_state_dict(seed))
     return sd
 
 
@@ -383,11 +389,11 @@ def build_tiny_ltx_checkpoint(
 ) -> None:
     """Write the tiny LTX-2 monolith to ``out_path`` (atomically: temp file + rename).
 
-    Same ``(version, seed)`` -> byte-identical file (about 3 MB). Metadata: ``config`` (JSON
-    string of :func:`tiny_ltx_config`) and ``model_version`` (``"2.0.0"`` / ``"2.3.0"``), the
-    two keys ltx-core 1.0.0 and ComfyUI read. ``gemma_hidden`` / ``gemma_hidden_states`` size
-    ``text_embedding_projection`` (and, for 2.0, the connectors) for another Gemma than the tiny
-    one, e.g. 640 / 19 for the real Gemma 3 270M (``assets.tiny_ltx_checkpoint_gemma270m``); the
+    Same ``(version, seed)`` -> byte-identical file (about 3 MB; 6.6 MB for 2.3, with its audio
+    VAE). Metadata: ``config`` (JSON string of :func:`tiny_ltx_config`) and ``model_version``
+    (``"2.0.0"`` / ``"2.3.0"``), the two keys ltx-core 1.0.0 and ComfyUI read. ``gemma_hidden`` /
+    ``gemma_hidden_states`` size ``text_embedding_projection`` (and, for 2.0, the connectors) for
+    another Gemma than the tiny one, e.g. 640 / 19 for the real Gemma 3 270M (``assets.tiny_ltx_checkpoint_gemma270m``); the
     defaults give the tiny Gemma's file, unchanged.
 
     Raises:
