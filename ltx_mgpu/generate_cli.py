@@ -83,7 +83,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ltx_mgpu.generate import GenerateCancelled, generate
 
     fields = {f.name for f in dataclasses.fields(GenerateRequest)}
-    req = GenerateRequest(**{k: v for k, v in vars(args).items() if k in fields})
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if isinstance(values.get("gpus"), tuple):  # GPU indices
+        values["gpu_ids"], values["gpus"] = values["gpus"], None
+    req = GenerateRequest(**values)
     bars = ProgressBars(args.progress)
     try:
         with StopOnInterrupt() as stop:
@@ -112,9 +115,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "output is noise.")
     p.add_argument("--prompt", required=True, help="what the video shows")
     p.add_argument("--negative", default=DEFAULT_NEGATIVE, help=f"negative prompt (default: {DEFAULT_NEGATIVE!r})")
-    p.add_argument("--gpus", "--nproc", dest="gpus", type=int, default=None,
-                   help="ranks of the pool (one per GPU; CPU ranks without GPUs). Default: as many GPUs as visible "
-                        "that the model's attention heads divide (CPU: up to 2)")
+    p.add_argument("--gpus", "--nproc", dest="gpus", type=_gpus_arg, default=None,
+                   help="a rank count N (GPUs 0..N-1; CPU ranks without GPUs) or GPU indices as pool start takes "
+                        "them (0,1 or 3,). Default: as many GPUs as visible that the model's attention heads divide "
+                        "(CPU: up to 2)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks (gloo) even when GPUs are visible")
     p.add_argument("--frames", type=int, default=d.frames, help=f"8k+1 frames (default {d.frames})")
     p.add_argument("--height", type=int, default=d.height, help=f"pixels, multiple of 32 (default {d.height})")
@@ -143,3 +147,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "else tiny), gemma-270m or tiny")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.set_defaults(func=_cmd_generate)
+
+
+def _gpus_arg(value: str) -> int | tuple[int, ...]:
+    """``--gpus``: ``"2"`` is a rank count, ``"0,1"`` / ``"3,"`` are GPU indices.
+
+    Raises:
+        argparse.ArgumentTypeError: neither form (the message shows both).
+    """
+    parts = [p.strip() for p in value.split(",")]
+    if "," not in value and value.strip().isdigit():
+        return int(value)
+    if "," in value and all(p.isdigit() for p in parts if p) and any(parts):
+        return tuple(int(p) for p in parts if p)
+    raise argparse.ArgumentTypeError(f"{value!r}: give a rank count (--gpus 2) or GPU indices (--gpus 0,1 or --gpus 3,)")

@@ -43,6 +43,8 @@ class GenerateRequest:
         weights, placement: Gemma's weights mode (``bf16``/``nf4``) and placement in the pool.
         dtype: transformer dtype (``bf16``/``fp16``/``fp32``; None: bf16 on GPUs, fp32 on CPU ranks).
         gpus: world size (ranks); None: the most GPUs (CPU: up to 2 ranks) the model's heads allow.
+        gpu_ids: which GPUs (indices as this process sees them), as ``pool start --gpus 0,1``
+            names them; sets the world size to their count. None: GPUs ``0..gpus-1``.
         cpu: CPU ranks (gloo) even when GPUs are visible.
         max_tokens: the video-token budget given to ``load_transformer``.
         cache_dir: embedding cache directory (None: the default); no_cache: neither read nor write.
@@ -69,6 +71,7 @@ class GenerateRequest:
     placement: str = "single"
     dtype: str | None = None
     gpus: int | None = None
+    gpu_ids: tuple[int, ...] | None = None
     cpu: bool = False
     max_tokens: int = 32768
     cache_dir: str | None = None
@@ -113,6 +116,14 @@ def validate_request(req: GenerateRequest) -> None:
         raise ValueError(f"--seed {req.seed}: give a seed in 0..2**64-1")
     if req.gpus is not None and req.gpus < 1:
         raise ValueError(f"--gpus {req.gpus}: give at least 1")
+    if req.gpu_ids is not None:
+        ids = list(req.gpu_ids)
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ValueError(f"--gpus {','.join(map(str, ids))}: give distinct GPU indices, e.g. --gpus 0,1")
+        if req.gpus is not None and req.gpus != len(ids):
+            raise ValueError(f"{len(ids)} GPU indices but gpus={req.gpus}; give one or the other")
+        if req.cpu:
+            raise ValueError("--cpu runs CPU ranks; GPU indices (--gpus 0,1) do not apply")
     if req.embedded_gemma not in EMBEDDED_GEMMA:
         raise ValueError(f"--embedded-gemma must be one of {list(EMBEDDED_GEMMA)}, got {req.embedded_gemma!r}")
     if (req.checkpoint is None) != (req.gemma is None):
@@ -182,7 +193,13 @@ def world_size_for(req: GenerateRequest, info) -> tuple[int, bool]:
     from ltx_mgpu.denoise.sequence_parallel import SequenceParallelConfigError, valid_world_sizes
 
     gpus_seen = 0 if req.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
-    if req.gpus is None:
+    if req.gpu_ids is not None:
+        world = len(req.gpu_ids)
+        if max(req.gpu_ids) >= gpus_seen:
+            raise ValueError(f"--gpus {','.join(map(str, req.gpu_ids))}: only {gpus_seen} GPU(s) are visible "
+                             f"(indices 0..{gpus_seen - 1})" if gpus_seen else
+                             f"--gpus {','.join(map(str, req.gpu_ids))}: no GPU is visible; use --gpus N for N CPU ranks")
+    elif req.gpus is None:
         limit = gpus_seen or 2
         world = max(n for n in valid_world_sizes(meta_transformer(info)) if n <= limit)
     else:
@@ -198,10 +215,11 @@ def world_size_for(req: GenerateRequest, info) -> tuple[int, bool]:
 
 
 def pool_spec_for(req: GenerateRequest, world: int, on_gpus: bool):
-    """The pool for ``world`` ranks: GPUs ``0..world-1`` (as this process sees them), or CPU ranks;
-    lifetime ``with-owner``; under ``req.runtime_dir``."""
+    """The pool for ``world`` ranks: ``req.gpu_ids`` or GPUs ``0..world-1`` (as this process sees
+    them), or CPU ranks; lifetime ``with-owner``; under ``req.runtime_dir``."""
     from ltx_mgpu.pool import launch
 
     if on_gpus:
-        return launch.resolve_spec(list(range(world)), None, "with-owner", req.runtime_dir)
+        ids = list(req.gpu_ids) if req.gpu_ids is not None else list(range(world))
+        return launch.resolve_spec(ids, None, "with-owner", req.runtime_dir)
     return launch.resolve_spec("cpu", world, "with-owner", req.runtime_dir)

@@ -110,15 +110,22 @@ def test_stop_mid_denoise_writes_nothing_and_the_attached_pool_keeps_serving(tmp
     (["--height", "250"], "--height 250: LTX-2 takes multiples of 32 pixels; use 224 or 256"),
     (["--width", "16"], "--width 16: LTX-2 takes multiples of 32 pixels; use 32"),
     (["--checkpoint", "x.safetensors"], "--checkpoint was given without --gemma"),
-], ids=["gpus3", "frames", "height", "width", "checkpoint-only"])
+    (["--gpus", "0,1"], "--gpus 0,1: no GPU is visible; use --gpus N for N CPU ranks"),
+    (["--gpus", "0,0"], "--gpus 0,0: give distinct GPU indices"),
+    (["--gpus", "two"], "'two': give a rank count (--gpus 2) or GPU indices (--gpus 0,1 or --gpus 3,)"),
+], ids=["gpus3", "frames", "height", "width", "checkpoint-only", "gpu-ids-without-gpus", "gpu-ids-repeated",
+        "gpus-word"])
 def test_bad_requests_fail_before_any_pool_starts(tmp_path, capsys, args, message):
     runtime = short_dir()
     try:
-        rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--runtime-dir", str(runtime),
-                   *args])
+        try:
+            rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--runtime-dir", str(runtime),
+                       *args])
+        except SystemExit as exc:  # argparse rejects a malformed value itself (exit status 2)
+            rc = exc.code
         err = capsys.readouterr().err
         assert rc == 2 and message in err
-        if args[0] == "--gpus":
+        if args == ["--gpus", "3"]:
             assert "Start the pool on one of these GPU counts instead: 1, 2, 4." in err
         assert not any(runtime.iterdir())  # no pool directory: nothing was started
         assert not any(tmp_path.iterdir())
