@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -40,23 +41,10 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _cmd_encode(args: argparse.Namespace) -> int:
-    from ltx_mgpu.text.cache import EmbeddingCache, default_cache_dir
-    from ltx_mgpu.text.encoder import TextEncoderSpec, encode_prompts, save_embeddings
+def _encode(args: argparse.Namespace, spec, prompts: list[str], cache):
+    """``encode``'s work: in the pool (``--pool``) or in this process; ``(embeddings, report)``."""
+    from ltx_mgpu.text.encoder import encode_prompts
 
-    prompts = _read_prompts(args)
-    gemma, projection = args.gemma, args.projection
-    if gemma is None or projection is None:
-        from ltx_mgpu.assets import embedded_default
-
-        ckpt, gemma_thunk, label = embedded_default(args.embedded_gemma, args.embedded_version)
-        if gemma is None and projection is None:
-            print(EMBEDDED_NOTICE.format(gemma=label), file=sys.stderr)
-        gemma = gemma if gemma is not None else gemma_thunk()
-        projection = projection if projection is not None else ckpt
-    spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=args.weights, device=args.device,
-                           dtype=args.dtype, truncate=not args.no_truncate)
-    cache = None if args.no_cache else EmbeddingCache(args.cache or default_cache_dir())
     if args.pool:
         from ltx_mgpu.remote_text import encode_with_pool
 
@@ -71,6 +59,38 @@ def _cmd_encode(args: argparse.Namespace) -> int:
                   "Gemma over several ranks (--gpus 0,1 or --gpus cpu --nproc 2)")
     else:
         embeddings, report = encode_prompts(spec, prompts, batch_size=args.batch_size, cache=cache)
+    return embeddings, report
+
+
+def _cmd_encode(args: argparse.Namespace) -> int:
+    from ltx_mgpu.text.cache import EmbeddingCache, default_cache_dir
+    from ltx_mgpu.text.encoder import TextEncoderSpec, save_embeddings
+
+    prompts = _read_prompts(args)
+    gemma, projection = args.gemma, args.projection
+    if (gemma is None) != (projection is None):
+        raise ValueError(f"--{'gemma' if gemma is not None else 'projection'} was given without "
+                         f"--{'projection' if gemma is not None else 'gemma'}: pass both (a Gemma 3 and the LTX-2 "
+                         "checkpoint or projection file made for it), or neither for the embedded default")
+    _check_device(args.device)
+    if gemma is None or projection is None:
+        from ltx_mgpu.assets import embedded_default
+
+        ckpt, gemma_thunk, label = embedded_default(args.embedded_gemma, args.embedded_version)
+        if gemma is None and projection is None:
+            print(EMBEDDED_NOTICE.format(gemma=label), file=sys.stderr)
+        gemma = gemma if gemma is not None else gemma_thunk()
+        projection = projection if projection is not None else ckpt
+    spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=args.weights, device=args.device,
+                           dtype=args.dtype, truncate=not args.no_truncate)
+    cache = None if args.no_cache else EmbeddingCache(args.cache or default_cache_dir())
+    with warnings.catch_warnings():  # reported below, once per prompt, without a warning's source line
+        warnings.filterwarnings("ignore", message=r"prompt \d+ is longer than the")
+        embeddings, report = _encode(args, spec, prompts, cache)
+    for i, e in enumerate(embeddings):
+        if e.dropped_tokens:
+            print(f"note: prompt {i} is longer than the {spec.token_budget}-token budget: its last "
+                  f"{e.dropped_tokens} tokens were dropped (--no-truncate makes that an error)", file=sys.stderr)
     out = save_embeddings(args.out, prompts, embeddings)
     for p, e in zip(prompts, embeddings):
         short = p if len(p) <= 60 else p[:57] + "..."
@@ -105,6 +125,7 @@ def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
     def size(n: float) -> str:
         return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
+    _check_device(args.device)
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     try:
@@ -179,6 +200,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_device(name: str | None) -> None:
+    """Refuse a device torch cannot use here, before any loading.
+
+    Raises:
+        ValueError: not a device name, or a CUDA device without a CUDA GPU (the message says what to pass).
+    """
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch sees no CUDA GPU here (a CPU-only build, or no driver); "
+                         "use --device cpu")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -193,3 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as Unix tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -223,6 +223,10 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
         embeddings, cache_report = encode_prompts(client, encoder, prompts, cache=cache, on_progress=progress,
                                                   should_cancel=wanted)
         text_loaded = "load_text_encoder" in seen
+        for what, e in zip(("prompt", "negative prompt"), embeddings):
+            if e.dropped_tokens:
+                notify(f"note: the {what} is longer than Gemma's {encoder.token_budget}-token budget: its last "
+                       f"{e.dropped_tokens} tokens were dropped")
         conds = [e.to_conditioning() for e in embeddings]
         for c in conds:  # LTXVConditioning's frame rate: video positions are in seconds
             c[0][1]["frame_rate"] = float(req.fps)

@@ -115,7 +115,7 @@ def validate_request(req: GenerateRequest) -> None:
     if not 0 <= req.seed < 1 << 64:
         raise ValueError(f"--seed {req.seed}: give a seed in 0..2**64-1")
     if req.gpus is not None and req.gpus < 1:
-        raise ValueError(f"--gpus {req.gpus}: give at least 1")
+        raise ValueError(f"--gpus {req.gpus}: give at least 1 rank (GPU 0 alone: --gpus 0,)")
     if req.gpu_ids is not None:
         ids = list(req.gpu_ids)
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:

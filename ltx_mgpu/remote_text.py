@@ -227,7 +227,12 @@ def encode_prompts(client: PoolClient, encoder: PoolTextEncoder | TextEncoderSpe
     ranks = client.spec.nproc if encoder.placement == "batch_parallel" else 1
     request_size = batch_size * ranks
     if cache is not None:
-        return encode_cached(cache, prompts, parts, encode_remote, request_size)
+        out = encode_cached(cache, prompts, parts, encode_remote, request_size)
+        if not encoder.truncate:
+            from ltx_mgpu.text.encoder import check_not_truncated
+
+            check_not_truncated(out[0], encoder.token_budget)
+        return out
     t0 = time.perf_counter()
     unique = list(dict.fromkeys(prompts))
     found: dict[str, PromptEmbedding] = {}

@@ -158,3 +158,34 @@ def test_cli_encode_embedded_default_then_cache_hits(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ltx_mgpu", "encode", "--out", str(out)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--prompt" in bad.stderr
+
+
+def test_cli_encode_names_each_mistake_without_a_traceback(tmp_path, tiny_gemma_dir):
+    """What a newcomer gets wrong: a file that is not safetensors, a device this torch cannot use,
+    --gemma without --projection; and a long prompt: one clean note when it is truncated, an error
+    with --no-truncate even when the truncated embedding is already cached."""
+    env = {"LTX_MGPU_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    out = str(tmp_path / "emb.safetensors")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\xff" * 64)
+
+    def encode(*args):
+        cmd = [sys.executable, "-m", "ltx_mgpu", "encode", "--embedded-gemma", "tiny", "--out", out, *args]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    for args, message in [
+        (("--prompt", "x", "--gemma", str(tiny_gemma_dir), "--projection", str(broken)),
+         "broken.safetensors: not a readable .safetensors file"),
+        (("--prompt", "x", "--device", "gpu0"), "--device gpu0: not a device; use cpu, cuda or cuda:N"),
+        (("--prompt", "x", "--gemma", str(tiny_gemma_dir)), "--gemma was given without --projection"),
+    ] + ([] if torch.cuda.is_available() else
+         [(("--prompt", "x", "--device", "cuda"), "--device cuda: torch sees no CUDA GPU here")]):
+        r = encode(*args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    long_prompt = " ".join(["snow"] * 1500)
+    r = encode("--prompt", long_prompt)
+    assert r.returncode == 0, r.stderr
+    assert "note: prompt 0 is longer than the 1024-token budget: its last" in r.stderr
+    assert "UserWarning" not in r.stderr
+    r = encode("--prompt", long_prompt, "--no-truncate")  # cached, truncated: still refused
+    assert r.returncode == 2 and "over the budget of 1024" in r.stderr, r.stderr

@@ -226,3 +226,17 @@ def test_bench_reads_ratios_from_the_scripts_results():
     rows = nf4_rows(nf4)
     assert rows[0][3] == f"{nf4['nf4']['resident_bytes'] / nf4['bf16']['resident_bytes']:.2f}x bf16"
     assert len(format_table(rows).splitlines()) == len(rows) + 2
+
+
+def test_a_checkpoint_that_is_not_safetensors_is_named_before_any_pool_starts(tmp_path, capsys, tiny_gemma_dir):
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\x00" * 4)  # shorter than a safetensors header
+    runtime = short_dir()
+    try:
+        rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--runtime-dir", str(runtime),
+                   "--checkpoint", str(broken), "--gemma", str(tiny_gemma_dir)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "broken.safetensors: not a readable .safetensors file" in err and "Traceback" not in err
+        assert not any(runtime.iterdir())
+    finally:
+        cleanup(runtime)

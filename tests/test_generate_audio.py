@@ -2,7 +2,8 @@
 LTX-2.3 checkpoint (its tiny audio VAE + 24 kHz vocoder, :mod:`ltx_mgpu.assets.ltx_audio`).
 
 ltx-core's audio VAE imports torchaudio, which the dev venv must not have; these tests run where it
-is installed (e.g. ``/work/comfy/venv/bin/python -m pytest tests/test_generate_audio.py``).
+is installed, e.g. ComfyUI's environment of the README's "Testing against a real ComfyUI":
+``~/comfy-venv/bin/python -m pytest tests/test_generate_audio.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchaudio") is None,
     reason="torchaudio is not installed: ltx-core's audio VAE (ltx_core.model.audio_vae) imports it; "
-    "run with a Python that has torchaudio, e.g. /work/comfy/venv/bin/python -m pytest tests/test_generate_audio.py",
+    "run with a Python that has torchaudio (README: 'Testing against a real ComfyUI' sets one up)",
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -224,9 +224,14 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     path = str(path)
     if not Path(path).is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+            meta = f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad headers
+        raise CheckpointError(f"{path}: not a readable .safetensors file ({exc}); give an LTX-2 checkpoint "
+                              "(models/checkpoints or models/diffusion_models)") from None
     with safe_open(path, framework="pt", device="cpu") as f:
-        keys = list(f.keys())
-        meta = f.metadata() or {}
         prefix = _detect_prefix(keys)
         shapes = {
             k[len(prefix):]: tuple(f.get_slice(k).get_shape())

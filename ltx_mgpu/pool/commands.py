@@ -28,7 +28,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, help="number of ranks (CPU pools; one per GPU otherwise)")
     p.add_argument("--runtime-dir", default=None,
                    help="base of the pool's private directory (default $LTX_MGPU_RUNTIME_DIR, $XDG_RUNTIME_DIR/"
-                        "ltx_mgpu or ~/.cache/ltx_mgpu/run)")
+                        "ltx_mgpu, else <ltx_mgpu home>/run: $LTX_MGPU_HOME or ~/.cache/ltx_mgpu)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -115,7 +115,7 @@ class PromptEncoder:
                 if n:
                     warnings.warn(
                         f"prompt {start + j} is longer than the {self.token_budget}-token budget: "
-                        f"{n} tokens were dropped (pass truncate=False to get an error instead)",
+                        f"{n} tokens were dropped (truncate=False, or --no-truncate, makes it an error)",
                         stacklevel=2,
                     )
             out.extend(self.encode_tokens(ids, mask, dropped, out_dtype))
@@ -299,8 +299,28 @@ def encode_prompts(spec: TextEncoderSpec, prompts: Sequence[str], batch_size: in
         embeddings = spec.build().encode(prompts, batch_size)
         return embeddings, CacheReport(hits=0, misses=len(prompts), encoded=len(prompts),
                                        seconds=time.perf_counter() - t0)
-    return encode_cached(cache, list(prompts), spec.cache_key_parts(),
-                         lambda missing: spec.build().encode(missing, batch_size), batch_size)
+    out = encode_cached(cache, list(prompts), spec.cache_key_parts(),
+                        lambda missing: spec.build().encode(missing, batch_size), batch_size)
+    if not spec.truncate:
+        check_not_truncated(out[0], spec.token_budget)
+    return out
+
+
+def check_not_truncated(embeddings: Sequence[PromptEmbedding], token_budget: int) -> None:
+    """Raise for an embedding of a truncated prompt when truncation is not allowed: the cache
+    key does not include the truncation setting, so a hit may hold a prompt that an earlier,
+    truncating run cut.
+
+    Raises:
+        PromptTooLongError: names the first such prompt and its dropped tokens.
+    """
+    from ltx_mgpu.text.tokenizer import PromptTooLongError
+
+    for i, e in enumerate(embeddings):
+        if e.dropped_tokens:
+            raise PromptTooLongError(
+                f"prompt {i} has {token_budget + e.dropped_tokens} tokens (BOS included), over the budget of "
+                f"{token_budget}; shorten it or allow truncation")
 
 
 def save_embeddings(path: str | os.PathLike, prompts: Sequence[str], embeddings: Sequence[PromptEmbedding]) -> Path:

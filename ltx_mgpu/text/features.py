@@ -336,7 +336,7 @@ def load_projection(
         raise FileNotFoundError(f"projection source not found: {path}")
     if not path.endswith(".safetensors"):
         raise ProjectionFormatError(f"{path}: expected a .safetensors LTX-2 checkpoint or projection file")
-    with safe_open(path, framework="pt", device="cpu") as f:
+    with _open(path) as f:
         version, prefix = detect_projection_version(list(f.keys()))
         names = _V20_KEYS if version == "2.0" else _V23_KEYS
         raw = {k: f.get_tensor(prefix + k) for k in names}
@@ -380,10 +380,23 @@ def projection_identity(path: str | os.PathLike) -> str:
         raise FileNotFoundError(f"projection source not found: {path}")
 
     def compute() -> str:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open(path) as f:
             version, prefix = detect_projection_version(list(f.keys()))
             names = _V20_KEYS if version == "2.0" else _V23_KEYS
             raw = {k: f.get_tensor(prefix + k) for k in names}
         return tensors_digest(raw, extra=f"ltx-{version}-projection")
 
     return memoized_digest(path, "ltx-projection", compute)
+
+
+def _open(path: str):
+    """``safe_open`` of a projection source, a damaged or foreign file named as such.
+
+    Raises:
+        ProjectionFormatError: not a readable safetensors file.
+    """
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad headers
+        raise ProjectionFormatError(f"{path}: not a readable .safetensors file ({exc}); give an LTX-2 checkpoint "
+                                    "or projection file") from None
