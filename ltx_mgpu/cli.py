@@ -73,6 +73,9 @@ def _cmd_encode(args: argparse.Namespace) -> int:
                          f"--{'projection' if gemma is not None else 'gemma'}: pass both (a Gemma 3 and the LTX-2 "
                          "checkpoint or projection file made for it), or neither for the embedded default")
     _check_device(args.device)
+    if not args.pool and (args.gpus is not None or args.nproc is not None or args.placement != "single"):
+        raise ValueError("--gpus, --nproc and --placement choose the pool's ranks: add --pool (without it, "
+                         "encode runs in this process on --device)")
     if gemma is None or projection is None:
         from ltx_mgpu.assets import embedded_default
 

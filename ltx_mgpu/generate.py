@@ -113,6 +113,11 @@ class GenerateReport:
     seconds: dict[str, float]
     embedded: bool
 
+    def _text_encoder_state(self) -> str:
+        if self.text_encoder_loaded:
+            return "loaded"
+        return "already resident in the pool" if self.cache_misses else "not loaded"
+
     def summary(self) -> str:
         """A few lines for the terminal."""
         prompts = self.cache_hits + self.cache_misses
@@ -124,7 +129,7 @@ class GenerateReport:
             f"  denoise: {self.steps} steps, cfg {self.cfg:g}, seed {self.seed}, {self.seconds_per_step:.3f} s/step, "
             f"world size {self.world_size} ({self.device} ranks)",
             f"  prompts: {prompts}, cache hits {self.cache_hits}, encoded {self.cache_misses}; "
-            f"text encoder {'loaded' if self.text_encoder_loaded else 'not loaded'}",
+            f"text encoder {self._text_encoder_state()}",
             f"  pool: pid {self.pool_pid}, {'started for this run and stopped' if self.pool_started else 'attached'}; "
             f"resident after sampling: {', '.join(self.pool_models) or '-'}",
             f"  times: {times}",
