@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     from transformers import Gemma3TextModel
 
     from ltx_mgpu.assets import tiny_gemma_dir
-    from ltx_mgpu.text.nf4 import load_nf4, nf4_linears, quantize_nf4_model
+    from ltx_mgpu.text.nf4 import load_nf4, quantize_nf4_model
     from ltx_mgpu.text.nf4_artifact import artifact_bytes, read_manifest
     from ltx_mgpu.text.forward import use_causal_skip
     from ltx_mgpu.text.gemma import load_gemma_text_tower
@@ -348,7 +348,9 @@ def main(argv=None) -> int:
             save()
 
         # ---- 5. dequant alone, one layer
-        lins = [m for n, m in nf4_linears(nf4.model).items() if n.startswith("layers.0.")]
+        # layer 0's NF4 projections, as Linear4bit or as the loader's FastDequant stand-ins
+        lins = [m for n, m in nf4.model.named_modules()
+                if n.startswith("layers.0.") and hasattr(getattr(m, "weight", None), "quant_state")]
         numel = sum(m.out_features * m.in_features for m in lins)
         buf = torch.empty(numel, dtype=torch.bfloat16, device=device)
         read = sum(m.weight.numel() + m.weight.quant_state.absmax.numel() for m in lins)
