@@ -24,6 +24,17 @@ def _isolated_home(tmp_path_factory):
         os.environ["LTX_MGPU_HOME"] = old
 
 
+@pytest.fixture(scope="module")
+def base():
+    """A short private base directory for one test module's pools (a Unix socket path must be
+    short), removed with whatever the module left in it."""
+    from pool_support import cleanup, short_dir
+
+    b = short_dir()
+    yield b
+    cleanup(b)
+
+
 @pytest.fixture(scope="session")
 def assets_root(tmp_path_factory):
     return tmp_path_factory.mktemp("assets")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +26,7 @@ from ltx_core.guidance.perturbations import (
 from ltx_core.model.transformer import LTXModelConfigurator, LTXVideoOnlyModelConfigurator, Modality
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
+from rank_support import run_rank_processes
 
 VIDEO_HEADS, VIDEO_HEAD_DIM = 4, 8
 AUDIO_HEADS, AUDIO_HEAD_DIM = 4, 4
@@ -156,24 +156,7 @@ def run_ranks(world: int, cases: list[dict], out_dir: Path) -> list[dict]:
     out_dir = Path(out_dir)
     spec = out_dir / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "port": free_port(), "world": world}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(spec), str(r)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=RANK_TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        if p.returncode != 0:
-            raise AssertionError(f"rank {r} exited with {p.returncode}:\n{logs[r]}")
+    run_rank_processes(__file__, str(spec), world, timeout=RANK_TIMEOUT_S)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -62,18 +61,9 @@ def _rank_main(out_dir: str, rank: int) -> None:
 
 
 def test_every_rank_raises_the_first_failing_ranks_message(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, __file__, str(tmp_path), str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{logs[r]}"
+    from rank_support import run_rank_processes
+
+    logs = run_rank_processes(__file__, str(tmp_path), WORLD, timeout=120)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert all(rep == reports[0] for rep in reports), reports  # identical on every rank
     assert reports[0] == {

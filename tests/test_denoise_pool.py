@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pool_support import cleanup, short_dir
 from safetensors.torch import save_file
 
 from ltx_mgpu.client import BadInputError, JobCancelledError, PoolClient
@@ -83,13 +82,6 @@ def _write_lora(path) -> None:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def base():
-    b = short_dir()
-    yield b
-    cleanup(b)
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,9 @@ from hypothesis import strategies as st
 from ltx_mgpu import protocol, shm
 from ltx_mgpu.client import BadInputError, JobCancelledError, PoolClient
 from ltx_mgpu.pool import engines, launch
-from pool_support import cleanup, raw_connect, raw_hello, read_answer, short_dir
+from pool_support import raw_connect, raw_hello, read_answer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def base():
-    b = short_dir()
-    yield b
-    cleanup(b)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -318,18 +317,9 @@ def sp_run(tiny_ltx_23, tmp_path_factory):
     _write_lora(lora)
     spec = out / "spec.json"
     spec.write_text(json.dumps({"cases": SP_CASES, "port": free_port(), "world": 2, "ckpt": str(tiny_ltx_23), "lora": str(lora)}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, __file__, str(spec), str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r]}"
+    from rank_support import run_rank_processes
+
+    run_rank_processes(__file__, str(spec), 2, timeout=120)
     return out, str(tiny_ltx_23), str(lora)
 
 

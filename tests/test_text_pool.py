@@ -53,13 +53,6 @@ def _cli(*args, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def base():
-    b = short_dir()
-    yield b
-    cleanup(b)
-
-
-@pytest.fixture(scope="module")
 def pool2(base):
     """A detached 2-rank pool started by the CLI (as a user would), stopped by the CLI at the end."""
     common = ["--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(base)]
