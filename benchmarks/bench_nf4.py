@@ -63,6 +63,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from benchmarks.timing import peak_bytes as _peak  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
 from benchmarks.timing import time_ms as _time  # noqa: E402
@@ -72,7 +73,6 @@ from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma import GemmaTextTower  # noqa: E402
 from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
 
-GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
 #: variant name -> (FastDequant method, scope, prefetch), None for bitsandbytes' Linear4bit.
 VARIANTS = {
     "bnb": None,

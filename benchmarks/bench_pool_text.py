@@ -67,9 +67,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
 
-GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
 GOAL_OVERHEAD = 0.05
 _T0 = time.perf_counter()
 

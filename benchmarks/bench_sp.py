@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ltx_core.model.transformer import LTXModelConfigurator, Modality  # noqa: E402
 
+from benchmarks.timing import time_ms  # noqa: E402
 from ltx_mgpu.assets.ltx import tiny_transformer_config  # noqa: E402
 from ltx_mgpu.denoise.latents import NestedTensorLike, latent_to_tokens  # noqa: E402
 from ltx_mgpu.denoise.model import LTXDenoiser  # noqa: E402
@@ -133,22 +134,6 @@ def modalities(state, ctx: torch.Tensor, device, dtype) -> tuple[Modality, Modal
         out.append(Modality(latent=m.tokens.to(device, dtype).repeat(batch, 1, 1), sigma=ts[:, 0], timesteps=ts,
                             positions=m.positions.to(device).repeat(batch, 1, 1, 1), context=ctx))
     return out[0], out[1]
-
-
-def timer(device: torch.device):
-    """``fn -> milliseconds`` of one call (CUDA events on GPU, perf_counter on CPU)."""
-    def run(fn) -> float:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return run
 
 
 def attention_share(fn, device: torch.device) -> dict:
@@ -237,7 +222,10 @@ def main(argv=None) -> int:
     print(f"model: {results['params'] / 1e9:.2f} B params, {dtype}, built in {results['build_seconds']:.1f} s "
           f"on {results['device']}", flush=True)
     group = one_rank_group(device)
-    time_one = timer(device)
+
+    def time_one(fn) -> float:  # one call, in milliseconds
+        return time_ms(device, fn, 0, 1)[0]
+
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     max_tokens = max(f * h * w for f, h, w in shapes)
     sp_ws1 = SequenceParallelTransformer(model, None, max_tokens)

@@ -47,6 +47,8 @@ from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
 from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, copy_sharing_weights  # noqa: E402
 from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
 
+#: Gemma 3 12B's text dimensions (google/gemma-3-12b-it config.json; the defaults of
+#: ``gemma3_text_config``), shared by the text, NF4, pool and profile benchmarks.
 GEMMA_12B = dict(vocab=262208, hidden=3840, intermediate=15360, layers=48, heads=16, kv_heads=8, head_dim=256)
 
 
