@@ -1,20 +1,13 @@
 """The wire protocol between ComfyUI (``ltx_mgpu.client``) and the sidecar pool (rank 0).
 
-A *frame* is a fixed 20-byte prefix, a JSON header and an optional payload::
+A *frame* is a fixed prefix, a JSON header and an optional safetensors payload (the byte layout
+and its limits: :mod:`ltx_mgpu.frames`). Nothing received is ever unpickled: headers are JSON,
+payloads are parsed in place by :mod:`ltx_mgpu.payload`.
 
-    prefix  = struct "!4sHHIQ": magic b"LTXM", protocol version (u16), flags (u16, 0 unless
-              the ``shm`` feature is on), header length (u32, bytes), payload length (u64, bytes)
-    header  = UTF-8 JSON object, at most ``Limits.max_header_bytes`` (default 1 MiB)
-    payload = a safetensors blob (named CPU tensors), at most ``Limits.max_payload_bytes``
-              (default 8 GiB, ``$LTX_MGPU_MAX_PAYLOAD_BYTES``); absent when its length is 0
-
-Nothing received is ever unpickled: headers are JSON; payloads are received with ``recv_into``
-into one buffer and parsed in place by :mod:`ltx_mgpu.payload` (strict safetensors header
-checks; received tensors are writable views into that buffer, see there for their lifetime).
-Requests carry ``{"type", "id", "params"}``; events carry
-``{"event", "id", ...}`` (``id`` = the request they answer). Both are validated on receipt
-against the schemas below (type, required fields, field types); :func:`register_request`
-adds request types (``load_transformer`` and ``sample`` land there later).
+Requests carry ``{"type", "id", "params"}``; events carry ``{"event", "id", ...}`` (``id`` = the
+request they answer). Both are validated on receipt against the schemas of
+:mod:`ltx_mgpu.messages` (type, required fields, field types); :func:`register_request` adds
+request types (the denoise jobs ``load_transformer`` and ``sample`` are added that way).
 
 Optional features are offered in the ``hello`` answer (``features``) and turned on per
 connection by a ``features`` request, so older peers keep working: ``shm`` puts large result
