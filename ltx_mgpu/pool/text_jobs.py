@@ -31,7 +31,6 @@ import torch
 
 from ltx_mgpu import protocol
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
-from ltx_mgpu.shm import host_empty
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
 from ltx_mgpu.text.features import TOKEN_BUDGET
@@ -333,7 +332,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     # own prompts come from the encoder already in the wire dtype (encode(out_dtype=wire): no
     # float32 round trip in the pool, no device->host copy back); the others come down in it.
     wire = state.wire
-    rows = [_wire_rows(local[i].tensor, wire) if i in local else t.detach().to(device="cpu", dtype=wire, copy=True)
+    rows = [local[i].tensor if i in local else t.detach().to(device="cpu", dtype=wire, copy=True)
             for i, t in enumerate(held.tensors)]
     del local
     result = {"count": count, "version": req.version, "dropped_tokens": [int(d) for d in held.dropped],
@@ -344,10 +343,3 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         result["rank_digests"] = digests
         result["consistent"] = all(d == digests[0] for d in digests)
     return result, {f"prompt_{i}": r for i, r in enumerate(rows)}
-
-
-def _wire_rows(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    """An encoder's float32 host rows in the wire dtype (as they are when they already are)."""
-    if t.dtype == wire:
-        return t
-    return host_empty(t.shape, wire).copy_(t)
