@@ -30,8 +30,9 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as _st_save
+
+from ltx_mgpu.files import safetensors_header
 
 __all__ = [
     "AudioGeometry",
@@ -93,12 +94,7 @@ def inspect_vae_source(path: str | os.PathLike) -> VaeSource:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            keys = list(f.keys())
-            meta = f.metadata() or {}
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise MediaError(f"{path}: not a readable .safetensors file ({e})") from None
+    keys, meta = safetensors_header(path, MediaError)
     try:
         config = json.loads(meta["config"]) if "config" in meta else {}
     except json.JSONDecodeError as e:

@@ -40,6 +40,8 @@ from ltx_core.loader.primitives import StateDict
 from ltx_core.loader.sd_ops import SDOps
 from safetensors import safe_open
 
+from ltx_mgpu.files import safetensors_header
+
 __all__ = [
     "ASSUMED_HEAD_DIMS",
     "CONNECTORS",
@@ -224,13 +226,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     path = str(path)
     if not Path(path).is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            keys = list(f.keys())
-            meta = f.metadata() or {}
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad headers
-        raise CheckpointError(f"{path}: not a readable .safetensors file ({exc}); give an LTX-2 checkpoint "
-                              "(models/checkpoints or models/diffusion_models)") from None
+    keys, meta = safetensors_header(path, CheckpointError, "; give an LTX-2 checkpoint (models/checkpoints or "
+                                    "models/diffusion_models)")
     with safe_open(path, framework="pt", device="cpu") as f:
         prefix = _detect_prefix(keys)
         shapes = {

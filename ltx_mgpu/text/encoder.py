@@ -314,13 +314,11 @@ def check_not_truncated(embeddings: Sequence[PromptEmbedding], token_budget: int
     Raises:
         PromptTooLongError: names the first such prompt and its dropped tokens.
     """
-    from ltx_mgpu.text.tokenizer import PromptTooLongError
+    from ltx_mgpu.text.tokenizer import prompt_too_long
 
     for i, e in enumerate(embeddings):
         if e.dropped_tokens:
-            raise PromptTooLongError(
-                f"prompt {i} has {token_budget + e.dropped_tokens} tokens (BOS included), over the budget of "
-                f"{token_budget}; shorten it or allow truncation")
+            raise prompt_too_long(i, token_budget + e.dropped_tokens, token_budget)
 
 
 def save_embeddings(path: str | os.PathLike, prompts: Sequence[str], embeddings: Sequence[PromptEmbedding]) -> Path:

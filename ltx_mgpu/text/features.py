@@ -336,9 +336,9 @@ def load_projection(
         raise FileNotFoundError(f"projection source not found: {path}")
     if not path.endswith(".safetensors"):
         raise ProjectionFormatError(f"{path}: expected a .safetensors LTX-2 checkpoint or projection file")
-    with _open(path) as f:
-        version, prefix = detect_projection_version(list(f.keys()))
-        names = _V20_KEYS if version == "2.0" else _V23_KEYS
+    version, prefix = detect_projection_version(_header_keys(path))
+    names = _V20_KEYS if version == "2.0" else _V23_KEYS
+    with safe_open(path, framework="pt", device="cpu") as f:
         raw = {k: f.get_tensor(prefix + k) for k in names}
     identity = memoized_digest(path, "ltx-projection", lambda: tensors_digest(raw, extra=f"ltx-{version}-projection"))
     weights = {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}
@@ -380,23 +380,17 @@ def projection_identity(path: str | os.PathLike) -> str:
         raise FileNotFoundError(f"projection source not found: {path}")
 
     def compute() -> str:
-        with _open(path) as f:
-            version, prefix = detect_projection_version(list(f.keys()))
-            names = _V20_KEYS if version == "2.0" else _V23_KEYS
+        version, prefix = detect_projection_version(_header_keys(path))
+        names = _V20_KEYS if version == "2.0" else _V23_KEYS
+        with safe_open(path, framework="pt", device="cpu") as f:
             raw = {k: f.get_tensor(prefix + k) for k in names}
         return tensors_digest(raw, extra=f"ltx-{version}-projection")
 
     return memoized_digest(path, "ltx-projection", compute)
 
 
-def _open(path: str):
-    """``safe_open`` of a projection source, a damaged or foreign file named as such.
+def _header_keys(path: str) -> list[str]:
+    """A projection source's tensor names; a damaged or foreign file is a ProjectionFormatError."""
+    from ltx_mgpu.files import safetensors_header
 
-    Raises:
-        ProjectionFormatError: not a readable safetensors file.
-    """
-    try:
-        return safe_open(path, framework="pt", device="cpu")
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad headers
-        raise ProjectionFormatError(f"{path}: not a readable .safetensors file ({exc}); give an LTX-2 checkpoint "
-                                    "or projection file") from None
+    return safetensors_header(path, ProjectionFormatError, "; give an LTX-2 checkpoint or projection file")[0]

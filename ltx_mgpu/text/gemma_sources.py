@@ -75,13 +75,9 @@ def safetensors_keys(path: Path) -> tuple[list[str], dict[str, str]]:
     Raises:
         GemmaFormatError: the file is not readable as safetensors.
     """
-    from safetensors import safe_open
+    from ltx_mgpu.files import safetensors_header
 
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return list(f.keys()), dict(f.metadata() or {})
-    except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise GemmaFormatError(f"{path}: not a readable .safetensors file ({exc}). {SUPPORTED_FORMATS}") from exc
+    return safetensors_header(path, GemmaFormatError, f". {SUPPORTED_FORMATS}")
 
 
 def _detect_directory(p: Path) -> str:

@@ -22,7 +22,8 @@ from ltx_mgpu.text.gemma_sources import GemmaFormatError, TokenizerFiles
 if TYPE_CHECKING:
     from ltx_mgpu.text.gemma import GemmaTextTower
 
-__all__ = ["PromptTooLongError", "GEMMA_TOKENIZER_KWARGS", "tokenizer_from_spm", "load_tokenizer", "tokenize"]
+__all__ = ["PromptTooLongError", "prompt_too_long", "GEMMA_TOKENIZER_KWARGS", "tokenizer_from_spm", "load_tokenizer",
+           "tokenize"]
 
 #: How LTX-2 / ComfyUI use Gemma 3's tokenizer: BOS first, no EOS, left padding.
 GEMMA_TOKENIZER_KWARGS = {"add_bos_token": True, "add_eos_token": False, "padding_side": "left"}
@@ -32,6 +33,12 @@ _GEMMA_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token"
 
 class PromptTooLongError(ValueError):
     """A prompt exceeds the token budget and truncation was not allowed."""
+
+
+def prompt_too_long(index: int, tokens: int, budget: int) -> PromptTooLongError:
+    """The error for prompt ``index`` of ``tokens`` tokens (BOS included) over a ``budget`` of tokens."""
+    return PromptTooLongError(f"prompt {index} has {tokens} tokens (BOS included), over the budget of {budget}; "
+                              "shorten it or allow truncation")
 
 
 def _check_gemma_spm(data: bytes) -> None:
@@ -184,10 +191,7 @@ def tokenize(
     dropped = []
     for i, ids in enumerate(encoded):
         if len(ids) > max_length and not truncate:
-            raise PromptTooLongError(
-                f"prompt {i} has {len(ids)} tokens (BOS included), over the budget of {max_length}; "
-                "shorten it or allow truncation"
-            )
+            raise prompt_too_long(i, len(ids), max_length)
         dropped.append(max(0, len(ids) - max_length))
         encoded[i] = ids[:max_length]
     width = max(len(ids) for ids in encoded)
