@@ -20,7 +20,6 @@ from ltx_mgpu.client import BadInputError, PoolClient, PoolError
 from ltx_mgpu.pool import launch
 from ltx_mgpu.pool.engines import BadInput
 from ltx_mgpu.pool.text_jobs import parse_load_request
-from ltx_mgpu.pool.text_jobs import _wire_rows
 from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, encode_prompts, upcast
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text import sharding
@@ -378,10 +377,10 @@ def test_encode_results_come_through_the_arena_and_bf16_on_the_wire_is_exact(tin
             assert g.tensor.dtype == torch.float32 and torch.equal(g.tensor, r.tensor)
         got, _ = encode_prompts(plain, encoder, PROMPTS[:3], batch_size=2)
         assert all(torch.equal(g.tensor, r.tensor) for g, r in zip(got, ref))
-        # bf16 on the wire (what a bf16 pool sends: the encoder's float32 rows are upcasts of
-        # it): the pool side's conversion and the client's upcast restore the rows exactly.
+        # bf16 on the wire (what a bf16 pool sends: its encoder's rows in bf16, of which the
+        # float32 embeddings are upcasts): the client's upcast restores the rows exactly.
         rows = [r.tensor.bfloat16().float() for r in ref] + [torch.randn(700, 6144).bfloat16().float()]
-        wire = {f"prompt_{i}": _wire_rows(t, torch.bfloat16) for i, t in enumerate(rows)}
+        wire = {f"prompt_{i}": t.to(torch.bfloat16) for i, t in enumerate(rows)}
         assert all(w.dtype == torch.bfloat16 for w in wire.values())
         result = {"count": len(rows), "version": "2.3", "dropped_tokens": [0] * len(rows)}
         for c, receive in ((client, upcast), (client, None), (plain, None)):
