@@ -45,6 +45,7 @@ __all__ = [
     "frame_rate_from_conditioning",
     "is_nested",
     "latent_to_tokens",
+    "repeat_to_batch",
     "tokens_to_latent",
 ]
 
@@ -125,8 +126,9 @@ def frame_rate_from_conditioning(conditioning: Any, default: float = DEFAULT_FRA
 # --------------------------------------------------------------------------- masks
 
 
-def _repeat_to_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """ComfyUI's ``repeat_to_batch_size``: truncate, or tile along dim 0."""
+def repeat_to_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """ComfyUI's ``repeat_to_batch_size`` (``comfy/utils.py``): ``x[:batch]`` when ``x`` has more than
+    ``batch`` rows along dim 0, else ``x`` tiled along dim 0 and cut to ``batch`` rows; any dtype."""
     if x.shape[0] > batch:
         return x[:batch]
     if x.shape[0] < batch:
@@ -150,7 +152,7 @@ def _video_token_mask(mask: torch.Tensor | None, shape: VideoLatentShape, device
     m = m[:, :1]
     if tuple(m.shape[2:]) != (shape.frames, shape.height, shape.width):
         m = F.interpolate(m, size=(shape.frames, shape.height, shape.width), mode="trilinear")
-    m = _repeat_to_batch(m, shape.batch)
+    m = repeat_to_batch(m, shape.batch)
     return _VIDEO_PATCHIFIER.patchify(m)[..., 0]
 
 
@@ -169,7 +171,7 @@ def _audio_token_mask(mask: torch.Tensor | None, shape: AudioLatentShape, patchi
     m = m.reshape(-1, 1, m.shape[-2], m.shape[-1])
     if tuple(m.shape[2:]) != (shape.frames, shape.mel_bins):
         m = F.interpolate(m, size=(shape.frames, shape.mel_bins), mode="bilinear")
-    m = _repeat_to_batch(m, shape.batch)[..., :1]  # [B, 1, N, 1]
+    m = repeat_to_batch(m, shape.batch)[..., :1]  # [B, 1, N, 1]
     return patchifier.patchify(m)[..., 0]
 
 

@@ -48,7 +48,7 @@ from ltx_core.components.schedulers import LTX2Scheduler
 from ltx_core.model.transformer.modality import Modality
 
 from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning, sampling_frame_rate
-from ltx_mgpu.denoise.latents import is_nested, latent_to_tokens, tokens_to_latent
+from ltx_mgpu.denoise.latents import is_nested, latent_to_tokens, repeat_to_batch, tokens_to_latent
 
 __all__ = ["SAMPLERS", "SamplingCancelled", "comfy_noise", "ltx2_sigmas", "resolve_sigmas", "sample"]
 
@@ -157,15 +157,6 @@ class _Stream:
     contexts: list  # per pass: [B, L, D] in the model dtype
 
 
-def _repeat_to_batch(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """ComfyUI's ``repeat_to_batch_size`` (truncate, or tile along dim 0)."""
-    if x.shape[0] > batch:
-        return x[:batch]
-    if x.shape[0] < batch:
-        return x.repeat([math.ceil(batch / x.shape[0])] + [1] * (x.ndim - 1))[:batch]
-    return x
-
-
 def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype, velocity: Callable) -> dict:
     """Denoised float32 tokens per modality at ``sigma`` (KSamplerX0Inpaint + CFG + CONST)."""
     inputs = {k: (s.x * s.mask + s.latent * (1 - s.mask)) if s.mask is not None else s.x for k, s in streams.items()}
@@ -269,7 +260,7 @@ def sample(
         streams[k] = _Stream(
             x=sig[0] * noise + (1.0 - sig[0]) * lat, latent=lat, timestep_mask=tmask,
             mask=tmask.unsqueeze(-1) if has_mask else None, positions=m.positions.to(dev),
-            contexts=[_repeat_to_batch(c[0 if k == "video" else 1], b) for c in ctxs],
+            contexts=[repeat_to_batch(c[0 if k == "video" else 1], b) for c in ctxs],
         )
     velocity = velocity_model if velocity_model is not None else model.transformer
     total = sig.numel() - 1
