@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as _st_save
 
-from ltx_mgpu.files import safetensors_header
+from ltx_mgpu.files import safetensors_header, umask_mode, write_atomically
 
 __all__ = [
     "AudioGeometry",
@@ -316,7 +316,7 @@ class Mp4Writer:
             raise MediaError(f"audio must be mono or stereo, got {audio_channels} channels")
         self.path = Path(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".mp4", dir=self.path.parent)
-        os.fchmod(fd, _umask_mode())  # mkstemp makes 0600; an output file gets the usual mode
+        os.fchmod(fd, umask_mode())  # mkstemp makes 0600; an output file gets the usual mode
         os.close(fd)
         self._tmp = Path(tmp)
         self.codec = video_codec()
@@ -386,20 +386,4 @@ def save_latents(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
     path = Path(path)
     data = _st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                     metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, _umask_mode())
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask_mode() -> int:
-    """``0o666`` less the process umask: the mode ``open()`` would give a new output file."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return write_atomically(path, data, mode=umask_mode())

@@ -1,8 +1,11 @@
-"""Reading the header of a user-named ``.safetensors`` file, with an error that says which file."""
+"""Files the user names or receives: reading a ``.safetensors`` header with an error that says
+which file, and writing an output atomically."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 
 def safetensors_header(path: str | os.PathLike, error: type[Exception] = ValueError,
@@ -26,3 +29,38 @@ def safetensors_header(path: str | os.PathLike, error: type[Exception] = ValueEr
             return list(f.keys()), dict(f.metadata() or {})
     except Exception as exc:  # noqa: BLE001 - any header failure means an unreadable file
         raise error(f"{path}: not a readable .safetensors file ({exc}){hint}") from None
+
+
+def write_atomically(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename, so
+    that a reader never sees a partial file and an interrupted write leaves none.
+
+    Args:
+        mode: the file's permission bits; ``None`` keeps ``mkstemp``'s private 0600
+            (:func:`umask_mode` gives what ``open()`` would).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        OSError: the directory does not exist or cannot be written (the temporary file is removed).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def umask_mode() -> int:
+    """``0o666`` less the process umask: the mode ``open()`` would give a new output file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask

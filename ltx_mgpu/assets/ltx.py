@@ -51,7 +51,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -61,6 +60,7 @@ from torch import nn
 
 from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
 from ltx_mgpu.assets.ltx_audio import tiny_audio_config, tiny_audio_state_dict
+from ltx_mgpu.files import write_atomically
 
 Version = Literal["2.0", "2.3"]
 
@@ -408,14 +408,7 @@ def build_tiny_ltx_checkpoint(
         "model_version": _MODEL_VERSIONS[version],
     }
     data = _sort_metadata(save_to_bytes(sd, metadata=metadata))
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(out_path, data)
 
 
 def _sort_metadata(data: bytes) -> bytes:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from ltx_mgpu.denoise.checkpoint import (
     inspect_checkpoint,
     load_loras,
 )
+from ltx_mgpu.files import write_atomically
 
 __all__ = [
     "CheckpointError",
@@ -276,12 +276,4 @@ def export_transformer_only(
         out[prefix + "scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     meta = {"config": json.dumps(info.config)} if keep_config else None
     dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(_st_save(out, metadata=meta))
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dst
+    return write_atomically(dst, _st_save(out, metadata=meta))
