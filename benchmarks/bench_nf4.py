@@ -349,18 +349,26 @@ def main(argv=None) -> int:
 
         # ---- 5. dequant alone, one layer
         # layer 0's NF4 projections, as Linear4bit or as the loader's FastDequant stand-ins
-        lins = [m for n, m in nf4.model.named_modules()
-                if n.startswith("layers.0.") and hasattr(getattr(m, "weight", None), "quant_state")]
+        lins = [m for m in nf4.model.layers[0].modules() if hasattr(getattr(m, "weight", None), "quant_state")]
         numel = sum(m.out_features * m.in_features for m in lins)
         buf = torch.empty(numel, dtype=torch.bfloat16, device=device)
         read = sum(m.weight.numel() + m.weight.quant_state.absmax.numel() for m in lins)
-        for method in ("bnb", "triton", "lut", "lut_compiled"):
+        from ltx_mgpu.text.nf4_triton import UnitDequant
+
+        views, start = [], 0
+        for m in lins:
+            views.append(buf[start:start + m.out_features * m.in_features])
+            start += views[-1].numel()
+        unit_launch = None
+        for method in ("bnb", "triton", "triton-unit", "lut", "lut_compiled"):
             def run(method=method):
-                start = 0
-                for m in lins:
-                    n = m.out_features * m.in_features
-                    dequantize_nf4(m.weight, buf[start:start + n], method)
-                    start += n
+                nonlocal unit_launch
+                if method == "triton-unit":  # the loader's default: one launch for the layer's 7 weights
+                    unit_launch = unit_launch or UnitDequant([m.weight for m in lins], views)
+                    unit_launch()
+                    return
+                for m, v in zip(lins, views):
+                    dequantize_nf4(m.weight, v, method)
             try:
                 med, _ = _time(device, run, max(args.warmup, 1), args.runs)
                 results["dequant_ms"][method] = med

@@ -45,6 +45,9 @@ What it does, in one process (every ratio is within this run):
    It checks that the pool's embeddings equal the in-process ones (same kernels on the same
    device: bitwise expected) and prints the overhead ``pool / in-process - 1``.
 
+First it prints the host-memory probe (:func:`host_copy_probe`): the float32 upcast of an
+8x1024-token result into fresh ``torch.empty`` memory, a fresh ``bytearray`` and reused memory.
+
 Wall-clock times (``perf_counter``, each call returns CPU tensors, so it is synchronised).
 GB are 10^9 bytes.
 """
@@ -88,6 +91,26 @@ def _dir_bytes(path: Path) -> int:
 
 
 # --------------------------------------------------------------------------- inputs
+
+def host_copy_probe(numel: int = 8 * 1024 * 6144, rounds: int = 5) -> dict[str, float]:
+    """Median ms of a bf16 -> float32 copy of ``numel`` values (default: an 8x1024-token LTX-2.3
+    result) on this host into: fresh ``torch.empty`` memory (what the client's upcast uses),
+    a fresh zero-filled ``bytearray`` (what it used before) and reused memory (no page faults)."""
+    src = torch.randn(numel).bfloat16()
+    reused = torch.empty(numel)
+    targets = {"torch.empty": lambda: torch.empty(numel),
+               "bytearray": lambda: torch.frombuffer(bytearray(4 * numel), dtype=torch.float32),
+               "reused": lambda: reused}
+    out = {}
+    for name, make in targets.items():
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            make().copy_(src)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[name] = statistics.median(times)
+    return out
+
 
 def exact_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[str]:
     """``count`` distinct prompts of random lowercase words that tokenize to exactly ``tokens``
@@ -314,6 +337,8 @@ def main(argv=None) -> int:
                      "torch": torch.__version__, "transformers": transformers.__version__, "source": args.source,
                      "layers": args.layers, "tokens": args.tokens, "weights": {}}
     client = None
+    results["host_copy_ms"] = probe = host_copy_probe()
+    log("host: bf16 -> float32 copy of an 8x1024 result into " + ", ".join(f"{k} {v:.1f} ms" for k, v in probe.items()))
     try:
         tok_dir = tiny_gemma_dir(work / "assets")
         if args.source == "tiny":

@@ -4,7 +4,8 @@
 
 Builds the same random 12B-shaped text tower as ``bench_text.py`` and prints, for one
 ``batch x tokens`` encode: the time of each stage of our encode (Gemma forward, feature
-extraction + projection, device->host copy of the result, the whole ``encode_tokens``), for
+normalisation, projection, projection pipelined with the copy to the host, the whole
+``encode_tokens``) and how much of it the GPU is busy, for
 the eager tower and, with ``--compile MODE@SCOPE``, the compiled one; then the top CUDA
 kernels (torch.profiler) of the whole encode. ``--attention`` adds a micro-benchmark of the
 attention call alone (``[B, 16, T, 256]`` bf16, causal) for each SDPA backend, with and
@@ -44,19 +45,76 @@ def stages(label: str, encoder: PromptEncoder, ids: torch.Tensor, mask: torch.Te
         t_fwd = _time(lambda: encode_hidden_states(encoder.tower, ids, mask))
         hs = encode_hidden_states(encoder.tower, ids, mask)
         md = mask.to(DEV)
-        t_feat = _time(lambda: encoder.projection(hs, md))
-        feats = encoder.projection(hs, md)
+        t_norm = _time(lambda: encoder.projection.normalised(hs, md))
+        feats = encoder.projection.normalised(hs, md)
+        t_proj = _time(lambda: encoder.projection.project(feats))
         lengths = [int(n) for n in mask.sum(1).tolist()]
-        t_host = _time(lambda: encoder._rows_to_host(feats, lengths))
+        t_rows = _time(lambda: encoder._project_rows(feats, lengths))
         t_all = _time(lambda: encoder.encode_tokens(ids, mask))
     b, t = ids.shape
-    print(f"[{label}] {b}x{t}: forward {t_fwd:.1f} ms, features+projection {t_feat:.1f} ms, "
-          f"rows to host {t_host:.1f} ms, whole encode_tokens {t_all:.1f} ms", flush=True)
+    print(f"[{label}] {b}x{t}: forward {t_fwd:.1f} ms, feature normalisation {t_norm:.1f} ms, projection "
+          f"{t_proj:.1f} ms, projection pipelined with the rows to the host {t_rows:.1f} ms, whole "
+          f"encode_tokens {t_all:.1f} ms (sum of the stages {t_fwd + t_norm + t_rows:.1f} ms)", flush=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         encoder.encode_tokens(ids, mask)
         torch.cuda.synchronize()
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    print(f"[{label}] GPU kernel time of one encode_tokens: {busy:.1f} ms of {t_all:.1f} ms wall "
+          f"({t_all - busy:.1f} ms without a kernel running)", flush=True)
+    idle_gaps(label, prof)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        encoder.encode_tokens(ids, mask)
+        torch.cuda.synchronize()
+    host_around_gpu(label, prof)
     print(f"\n=== {label} {b}x{t}: kernels of one encode_tokens ===")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=80), flush=True)
+
+
+def idle_gaps(label: str, prof, top: int = 12, min_us: float = 20.0) -> None:
+    """Print where the GPU sat idle inside the profiled encode: the total of the gaps between
+    consecutive kernels (and copies) longer than ``min_us``, and the ``top`` longest with the
+    kernels on either side."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return
+    gaps, end, before = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start - end > min_us:
+            gaps.append((start - end, before, name))
+        if stop > end:
+            end, before = stop, name
+    gaps.sort(reverse=True)
+    print(f"[{label}] {len(gaps)} GPU idle gaps over {min_us:.0f} us, {sum(g for g, _, _ in gaps) / 1e3:.1f} ms "
+          f"in all (first kernel to last: {(end - spans[0][0]) / 1e3:.1f} ms); longest:", flush=True)
+    for gap, a, b in gaps[:top]:
+        print(f"    {gap / 1e3:7.2f} ms  after {a[:60]}  before {b[:60]}")
+
+
+def host_around_gpu(label: str, prof, top: int = 10) -> None:
+    """Print how long the host works before the first kernel starts and after the last one ends
+    (profiler clock, so the profiler's own overhead is included), and the longest top-level
+    host calls that started before the first kernel."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    if not kernels or not host:
+        return
+    t0 = min(e.time_range.start for e in host)
+    first = min(e.time_range.start for e in kernels)
+    last = max(e.time_range.end for e in kernels)
+    done = max(e.time_range.end for e in host)
+    print(f"[{label}] with host profiling: first kernel at {(first - t0) / 1e3:.1f} ms, last kernel ends at "
+          f"{(last - t0) / 1e3:.1f} ms, last host call ends at {(done - t0) / 1e3:.1f} ms", flush=True)
+    early = sorted((e for e in host if e.cpu_parent is None and e.time_range.start < first),
+                   key=lambda e: e.time_range.start - e.time_range.end)
+    for e in early[:top]:
+        print(f"    host before the first kernel: {e.name[:70]:70s} at {(e.time_range.start - t0) / 1e3:7.2f} ms for "
+              f"{(e.time_range.end - e.time_range.start) / 1e3:7.2f} ms")
 
 
 def attention(batch: int, tokens: int) -> None:

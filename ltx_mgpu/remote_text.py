@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from ltx_mgpu.shm import host_empty
 from ltx_mgpu.text.cache import CacheKeyParts, CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.encoder import TextEncoderSpec, parse_dtype
 from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
@@ -144,7 +143,11 @@ def upcast(name: str, t: torch.Tensor) -> torch.Tensor:
     is (never raises: it runs as the ``receive`` of ``encode`` requests on the client's reader
     thread, one pass straight from the shared arena; :func:`embeddings_from_result` checks)."""
     if t.dtype in (torch.bfloat16, torch.float16):
-        return host_empty(t.shape, torch.float32).copy_(t)
+        # torch.empty, not a bytearray: on the H200 host the float32 copy of an 8x1024-token
+        # result (100 MB of bf16) took 10.5 ms into torch.empty (page faults taken by torch's
+        # threads) and 104-113 ms into a zero-filled bytearray (host_copy_probe in
+        # benchmarks/bench_pool_text.py prints both)
+        return torch.empty(t.shape, dtype=torch.float32).copy_(t)
     return t
 
 

@@ -61,7 +61,7 @@ from ltx_mgpu.payload import PayloadError, parse_payload
 
 __all__ = ["FEATURE", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "HEADER_BYTES", "MIN_BYTES", "MAX_BYTES",
            "IDLE_SECONDS", "available", "Budget",
-           "ArenaSender", "ArenaReceiver", "ShmError", "Take", "send_with_fds", "recvmsg_into", "host_empty"]
+           "ArenaSender", "ArenaReceiver", "ShmError", "Take", "send_with_fds", "recvmsg_into"]
 
 FEATURE = "shm"
 #: Frame flags (the u16 of the frame prefix): payload in the arena / a new arena's descriptor
@@ -77,20 +77,6 @@ _REF_KEYS = {"arena", "seq", "offset", "size"}
 #: ``take(header) -> receive | None``: the per-tensor ``receive(name, view) -> tensor`` for a
 #: frame (its ``header``), or None to copy the frame's payload out as the socket delivers it.
 Take = Callable[[Mapping[str, Any]], Callable[[str, torch.Tensor], torch.Tensor] | None]
-
-
-def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor of ``shape`` and ``dtype`` whose memory is a fresh
-    ``bytearray`` (like the socket's receive buffer). On the dev VM, glibc hands freed 12.5 MB
-    bytearrays back at once, while ``torch.empty`` of that size alternated for ~15 rounds
-    between reused memory (0.5 ms per copy) and fresh pages (4.5 ms of page faults)."""
-    shape = tuple(shape)
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(numel * dtype.itemsize), dtype=dtype).view(shape)
 
 
 class ShmError(ValueError):
@@ -368,7 +354,7 @@ class ArenaReceiver:
         receive = self.take(header) if self.take is not None else None
         blob = arena.u8[off:off + n]
         if receive is None:  # one copy out, then views into it: what the socket would deliver
-            blob = host_empty((n,), torch.uint8).copy_(blob)
+            blob = torch.empty(n, dtype=torch.uint8).copy_(blob)
         try:
             views = parse_payload(blob)
         except PayloadError as e:
@@ -379,7 +365,7 @@ class ArenaReceiver:
             if receive is not None:
                 kept = receive(name, view)
                 if isinstance(kept, torch.Tensor) and arena.holds(kept):
-                    kept = host_empty(kept.shape, kept.dtype).copy_(kept)
+                    kept = torch.empty(kept.shape, dtype=kept.dtype).copy_(kept)
             out[name] = kept
         blob = view = kept = None
         # Every copy out of the arena is complete before this store, the sender checks it before

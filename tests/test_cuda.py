@@ -73,20 +73,67 @@ def test_nf4_loader_defaults_equal_bitsandbytes_path(tmp_path):
         assert torch.equal(x[keep], y[keep])
 
 
-@needs_bnb
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("shape", [(64, 64), (3840, 4096), (15360, 3840), (8, 96)])
-def test_triton_nf4_dequant_is_bit_identical_to_bitsandbytes(shape):
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+def _nf4(shape, seed=0):
+    """A double-quantized NF4 ``Params4bit`` of random weights (a few extreme values) and its
+    bitsandbytes dequantization."""
+    import bitsandbytes as bnb
     import bitsandbytes.functional as bf
 
-    from ltx_mgpu.text.nf4_triton import dequantize_nf4_triton
-    from ltx_mgpu.text.nf4_dequant import dequantize_absmax
-
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     w = (torch.randn(shape, device="cuda") * 0.02).to(torch.bfloat16)
-    w[0, :5] = torch.tensor([0.0, 1e-8, -3.0, 2.5, 65504.0])  # zero, tiny, large
+    w[0, :5] = torch.tensor([0.0, 1e-8, -3.0, 2.5, 65504.0])[:shape[1]]  # zero, tiny, large
     packed, qs = bf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
-    ref = bf.dequantize_4bit(packed, qs)
-    out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-    dequantize_nf4_triton(packed, dequantize_absmax(qs), qs.code, qs.blocksize, out.view(-1))
-    assert torch.equal(out, ref)
+    param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=qs, blocksize=64, compress_statistics=True,
+                              quant_type="nf4", bnb_quantized=True)
+    return param, bf.dequantize_4bit(packed, qs)
+
+
+@needs_bnb
+@needs_triton
+@pytest.mark.parametrize("shape", [(64, 64), (3840, 4096), (15360, 3840), (8, 96)])
+def test_triton_nf4_dequant_is_bit_identical_to_bitsandbytes(shape):
+    from ltx_mgpu.text.nf4_dequant import dequantize_nf4
+
+    param, ref = _nf4(shape)
+    assert torch.equal(dequantize_nf4(param, method="triton"), ref)
+
+
+@needs_bnb
+@needs_triton
+def test_triton_unit_dequant_fills_every_weight_of_a_unit_in_one_launch():
+    """Weights of different sizes (one with a nested-block count that is not a multiple of 256)
+    into views of one buffer, as FastDequant lays out a decoder layer."""
+    from ltx_mgpu.text.nf4_triton import UnitDequant
+
+    shapes = [(256, 512), (8, 96), (1024, 384), (64, 64)]
+    pairs = [_nf4(s, seed=i) for i, s in enumerate(shapes)]
+    total = sum(a * b for a, b in shapes)
+    buf = torch.full((total + 7,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    views, at = [], 0
+    for a, b in shapes:
+        views.append(buf[at:at + a * b])
+        at += a * b
+    launch = UnitDequant([p for p, _ in pairs], views)
+    launch()
+    for view, (_, ref), shape in zip(views, pairs, shapes):
+        assert torch.equal(view.view(shape), ref)
+    assert torch.isnan(buf[total:]).all()  # nothing written past the last weight
+    with pytest.raises(ValueError, match="contiguous bf16 tensor of 131072 elements"):
+        UnitDequant([pairs[0][0]], [views[0][:64]])
+
+
+@needs_bnb
+@needs_triton
+def test_loader_default_triton_layer_dequant_equals_bitsandbytes_layer_dequant():
+    from ltx_mgpu.text.nf4_dequant import FastDequant
+
+    default = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4")
+    bnb_layers = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4", layer_dequant=False)
+    FastDequant(bnb_layers.model, method="bnb", scope="layer")
+    assert default.model.layers[0].self_attn.q_proj._refs[1].method == "triton"
+    ids, mask, _ = tokenize(default, PROMPTS)
+    for x, y in zip(run_tower(default, ids, mask).hidden_states, run_tower(bnb_layers, ids, mask).hidden_states):
+        assert torch.equal(x, y)

@@ -277,12 +277,13 @@ def load_gemma_text_tower(
             (``ltx_mgpu.text.forward.offload_embeddings``: 2.0 GB less GPU memory for Gemma 3 12B,
             bit-identical results); ``None`` (default) does it for NF4 weights on a GPU, where it
             is a quarter of the tower's memory.
-        layer_dequant: for NF4, run each decoder layer's seven projections as one bitsandbytes
-            dequantize into a reused bf16 buffer (449 MB for 12B) plus cuBLAS GEMMs
-            (``ltx_mgpu.text.nf4_dequant.FastDequant``, ``method="bnb", scope="layer"``) instead of
-            bitsandbytes' per-``Linear4bit`` path; same outputs up to the GEMM. ``None`` (default):
-            on a single GPU (``benchmarks/bench_nf4.py`` times it; the ``"triton"`` kernel is
-            bit-identical but measured slower per layer, see ``ltx_mgpu.text.nf4_triton``).
+        layer_dequant: for NF4, dequantize each decoder layer's seven projections at once into
+            a reused bf16 buffer (449 MB for 12B) and run cuBLAS GEMMs on it
+            (``ltx_mgpu.text.nf4_dequant.FastDequant``, ``scope="layer"``) instead of
+            bitsandbytes' per-``Linear4bit`` path; same outputs up to the GEMM (the dequant is
+            bit-identical). The kernel is one Triton launch per layer (``method="triton"``,
+            ``ltx_mgpu.text.nf4_triton``) where Triton is installed, else bitsandbytes'
+            (``"bnb"``). ``None`` (default): on a single GPU (``benchmarks/bench_nf4.py`` times it).
 
     The tower uses ``ltx_mgpu.text.forward.ATTENTION`` when ``attn_implementation="sdpa"``
     (SDPA that takes the causal kernel whenever a batch has no padding).
@@ -329,5 +330,8 @@ def load_gemma_text_tower(
         # kept alive by its hooks on the layers. Without prefetch: on the H200 the side-stream
         # prefetch of the next layer's dequant measured no faster (1x1024: 99 vs 92 ms; 8x1024:
         # 480 vs 477 ms) and costs a second 449 MB buffer
-        FastDequant(tower.model, method="bnb", scope="layer")
+        from ltx_mgpu.text import nf4_triton
+
+        triton = tower.device.type == "cuda" and nf4_triton.available()
+        FastDequant(tower.model, method="triton" if triton else "bnb", scope="layer")
     return tower

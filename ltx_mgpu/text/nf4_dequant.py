@@ -23,6 +23,10 @@ Python of ``Linear4bit.forward`` / ``matmul_4bit`` per forward of Gemma 3 12B.
   :class:`FastDequant` a whole unit is one compiled call, one graph for all decoder layers);
   ``"bnb"`` uses bitsandbytes' own kernel. Eager ``"lut"`` materialises int32 indices and
   float32 values (~10 B of traffic per weight): a reference, not a contender.
+* **(c) one Triton launch per unit** (``method="triton"``, ``ltx_mgpu.text.nf4_triton``): the
+  scale dequant and the 4-bit dequant of all of a unit's weights in one kernel, bit-exact with
+  bitsandbytes. It removes the host cost that bounds an eager 1x1024 NF4 forward (3 launches
+  and bitsandbytes' Python per weight); the loader's default on a GPU.
 
 The wrappers keep each projection's ``Params4bit`` as their ``weight`` parameter (same names,
 same bytes; ``save_nf4`` keeps working) and :meth:`FastDequant.remove` restores the
@@ -37,7 +41,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["METHODS", "nf4_byte_lut", "dequantize_absmax", "dequantize_nf4", "FastDequant"]
+__all__ = ["METHODS", "nf4_byte_lut", "dequantize_nf4", "FastDequant"]
 
 Method = Literal["bnb", "lut", "lut_compiled", "triton"]
 METHODS = ("bnb", "lut", "lut_compiled", "triton")
@@ -57,16 +61,6 @@ def _absmax_impl(absmax_u8: torch.Tensor, code8: torch.Tensor, nested: torch.Ten
                  nested_blocksize: int) -> torch.Tensor:
     idx = torch.arange(absmax_u8.numel(), device=absmax_u8.device) // nested_blocksize
     return code8[absmax_u8.long()] * nested[idx] + offset
-
-
-def dequantize_absmax(qs: Any) -> torch.Tensor:
-    """The float32 block scales ``[n_blocks]`` of a bitsandbytes ``QuantState``:
-    ``code8[absmax_u8[i]] * nested_absmax[i // 256] + offset`` with double quantization
-    (bitsandbytes ``dequantize_blockwise`` + offset, ``functional.dequantize_4bit``), else the
-    stored float32 absmax."""
-    if not qs.nested:
-        return qs.absmax.float()
-    return _absmax_impl(qs.absmax, qs.state2.code, qs.state2.absmax, qs.offset, qs.state2.blocksize)
 
 
 def _lut_impl(packed: torch.Tensor, absmax_u8: torch.Tensor, code8: torch.Tensor, nested: torch.Tensor,
@@ -103,7 +97,7 @@ def dequantize_nf4(weight: Any, out: torch.Tensor | None = None, method: Method 
         out: optional ``[N, K]`` (or ``N*K`` flat) tensor of the state's dtype to write into.
         method: ``"lut"`` (byte-LUT, eager), ``"lut_compiled"`` (byte-LUT through
             ``torch.compile``), ``"bnb"`` (``bitsandbytes.functional.dequantize_4bit``) or
-            ``"triton"`` (one streaming Triton kernel, CUDA only: ``ltx_mgpu.text.nf4_triton``).
+            ``"triton"`` (one Triton kernel, CUDA only: ``ltx_mgpu.text.nf4_triton``).
         lut: the weight's :func:`nf4_byte_lut` (made from ``quant_state.code`` when omitted).
 
     Returns:
@@ -111,7 +105,7 @@ def dequantize_nf4(weight: Any, out: torch.Tensor | None = None, method: Method 
 
     Raises:
         ValueError: an unknown method, no double quantization, or ``N*K`` not a multiple of the
-            blocksize (for the LUT methods).
+            blocksize (for the LUT methods and ``"triton"``).
     """
     import bitsandbytes.functional as bf
 
@@ -129,9 +123,9 @@ def dequantize_nf4(weight: Any, out: torch.Tensor | None = None, method: Method 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "triton":
-        from ltx_mgpu.text.nf4_triton import dequantize_nf4_triton
+        from ltx_mgpu.text.nf4_triton import UnitDequant
 
-        dequantize_nf4_triton(weight.data, dequantize_absmax(qs), qs.code, qs.blocksize, out.view(-1))
+        UnitDequant([weight], [out.view(-1)])()
         return out
     if not qs.nested or (shape[0] * shape[1]) % qs.blocksize:
         raise ValueError("the byte-LUT dequant needs double quantization and N*K divisible by the blocksize")
@@ -176,8 +170,8 @@ class FastDequant:
 
     Args:
         model: a ``Gemma3TextModel`` loaded by ``ltx_mgpu.text.nf4``.
-        method: ``"bnb"``, ``"lut"`` or ``"lut_compiled"`` (:func:`dequantize_nf4`; with
-            ``"lut_compiled"`` a whole unit is dequantized by one compiled call).
+        method: one of :data:`METHODS` (:func:`dequantize_nf4`; with ``"lut_compiled"`` a whole
+            unit is dequantized by one compiled call, with ``"triton"`` by one kernel launch).
         scope: ``"layer"`` or ``"linear"``.
         prefetch: on CUDA, dequantize unit u+1 on a side stream into a second buffer while unit u
             computes (events order the buffer reuse); ignored on CPU.
@@ -223,6 +217,7 @@ class FastDequant:
         cuda = self.units[0][0].weight.device.type == "cuda"
         self.prefetch = bool(prefetch and cuda)
         self._stream = torch.cuda.Stream(self.units[0][0].weight.device) if self.prefetch else None
+        self._triton: dict[tuple[int, int], Any] = {}  # (unit, buffer) -> nf4_triton.UnitDequant
         self._ready: dict[int, Any] = {}  # unit -> event: its weights are in its buffer
         self._free: dict[int, Any] = {}  # buffer -> event: the unit that used it has run
 
@@ -241,6 +236,15 @@ class FastDequant:
 
     def _fill(self, u: int, buf: torch.Tensor) -> None:
         unit = self.units[u]
+        if self.method == "triton":
+            key = (u, buf.data_ptr())
+            launch = self._triton.get(key)
+            if launch is None:
+                from ltx_mgpu.text.nf4_triton import UnitDequant
+
+                launch = self._triton[key] = UnitDequant([w.weight for w in unit], self._views(u, buf))
+            launch()
+            return
         if self.method == "lut_compiled":
             spans, start = [], 0
             for w in unit:
@@ -289,4 +293,4 @@ class FastDequant:
             setattr(parent, attr, wrapper._refs[0])
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        self._hooks, self._slots, self._buffers, self._ready, self._free = [], [], [], {}, {}
+        self._hooks, self._slots, self._buffers, self._ready, self._free, self._triton = [], [], [], {}, {}, {}

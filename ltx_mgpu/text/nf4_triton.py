@@ -1,24 +1,40 @@
-"""NF4 dequantization as one Triton kernel (the ``"triton"`` method of ``nf4_dequant``).
+"""NF4 dequantization of a whole unit of weights in one Triton kernel launch (the ``"triton"``
+method of ``ltx_mgpu.text.nf4_dequant``; the loader's default on a GPU).
 
-bitsandbytes' ``dequantize_4bit`` ran at 867 GB/s (bytes read + written) on an H200 for a Gemma 3
-12B decoder layer (224 M weights: 0.65 ms), 48 times per forward: at 1x1024 tokens that is 31 ms
-on top of a 66 ms bf16 encode. The work is a streaming map (read 0.5 B, write 2 B per weight),
-so the kernel here does exactly that: each program reads ``BLOCK`` packed bytes, looks both
-nibbles up in the 16-entry NF4 code table, multiplies by the block's scale and writes the bf16
-pair. Same arithmetic as bitsandbytes (a float32 ``code[q] * absmax`` rounded once to bf16,
-element ``2i`` from the high nibble; ``../shared/notes/gemma-nf4.md`` §5), so the output is
-bit-identical; the double-quantized block scales are first dequantized with the torch ops of
-:func:`ltx_mgpu.text.nf4_dequant.dequantize_absmax` (also bit-identical, one small tensor).
+Why: at 1x1024 tokens an eager NF4 forward of Gemma 3 12B is bound by the host, not the GPU.
+bitsandbytes' ``dequantize_4bit`` costs three kernel launches per weight (the 8-bit block scales,
+the offset, the 4-bit values) plus its Python bookkeeping, 336 times per forward; on the H200
+the per-layer fill measured ~0.56 ms, and the NF4 encode 1.3-1.4x the bf16 one. Here one
+launch dequantizes all 7 projections of a decoder layer, double-quantized scales included.
+
+The arithmetic is bitsandbytes', step for step (``../shared/notes/gemma-nf4.md`` §5;
+``bitsandbytes.functional.dequantize_4bit``), so the output is bit-identical:
+
+* block scale ``s = code2[qabsmax[b]] * absmax2[b // blocksize2]`` (float32 multiply, the
+  8-bit ``dequantize_blockwise``), then ``s = s + offset`` (a separate float32 add: the kernel
+  is compiled with ``enable_fp_fusion=False`` so the two are never contracted into one FMA);
+* weight pair of byte ``p``: ``code[p >> 4] * s`` and ``code[p & 15] * s`` in float32, each
+  rounded once to bf16 (element ``2i`` from the high nibble).
+
+The weights of a unit are addressed through a small table of device pointers (a grouped
+launch: program axis 1 picks the weight, axis 0 its 2048-weight slice; slices past a weight's
+end are masked off), so nothing is copied or re-laid-out at load time.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Sequence
 
 import torch
 
+__all__ = ["BLOCK", "available", "UnitDequant"]
+
 #: Packed bytes per Triton program (2 * BLOCK weights).
 BLOCK = 1024
+#: Columns of the per-weight table: n_bytes, then the addresses of the packed bytes, the 8-bit
+#: block scales, the nested float32 scales, the 256-entry scale code and the bf16 output.
+_COLUMNS = 6
 
 
 @functools.cache
@@ -27,20 +43,32 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def nf4_dequant(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_bytes, bytes_per_block: tl.constexpr,
-                    BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
+    def nf4_unit_dequant(table_ptr, offset_ptr, code_ptr, bytes_per_block: tl.constexpr,
+                         blocks_per_nested: tl.constexpr, BLOCK: tl.constexpr):
+        w = tl.program_id(1)
+        row = table_ptr + w * 6
+        n_bytes = tl.load(row)
+        packed = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+        qabsmax = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+        nested = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        code2 = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        out = tl.load(row + 5).to(tl.pointer_type(tl.bfloat16))
+        offset = tl.load(offset_ptr + w)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_bytes
-        b = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(absmax_ptr + offs // bytes_per_block, mask=mask, other=0.0)
+        b = tl.load(packed + offs, mask=mask, other=0).to(tl.int32)
+        block = offs // bytes_per_block
+        q = tl.load(qabsmax + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(code2 + q, mask=mask, other=0.0) * tl.load(nested + block // blocks_per_nested, mask=mask,
+                                                                   other=0.0)
+        scale = scale + offset
         hi = tl.load(code_ptr + (b >> 4)) * scale
         lo = tl.load(code_ptr + (b & 15)) * scale
         pair = tl.reshape(tl.join(hi, lo), [2 * BLOCK])
-        out_offs = pid * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-        tl.store(out_ptr + out_offs, pair.to(tl.bfloat16), mask=out_offs < 2 * n_bytes)
+        out_offs = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+        tl.store(out + out_offs, pair.to(tl.bfloat16), mask=out_offs < 2 * n_bytes)
 
-    return nf4_dequant
+    return nf4_unit_dequant
 
 
 def available() -> bool:
@@ -50,36 +78,66 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
-def dequantize_nf4_triton(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
-                          out: torch.Tensor) -> torch.Tensor:
-    """Dequantize NF4 bytes into ``out``.
+class UnitDequant:
+    """Dequantize several double-quantized NF4 weights into given bf16 tensors with one launch.
+
+    Built once per (unit, output buffer) and called every forward; it holds device pointers, so
+    the weights and outputs must stay allocated (and in place) while it is used.
 
     Args:
-        packed: uint8, ``n/2`` bytes (bitsandbytes ``Params4bit`` data, any shape), on CUDA.
-        absmax: float32 ``[n / blocksize]`` block scales (already dequantized).
-        code: float32 ``[16]`` NF4 code table (``quant_state.code``).
-        blocksize: weights per scale (64 in ltx_mgpu artifacts; even).
-        out: bf16 with ``n`` elements, contiguous, on the same device.
-
-    Returns:
-        ``out``.
+        weights: ``bitsandbytes.nn.Params4bit`` s (uint8 packed data, a ``quant_state`` with
+            ``nested`` double quantization, blocksize even, one device, one NF4 code table
+            and one nested blocksize for all).
+        outs: one contiguous bf16 tensor per weight with ``prod(quant_state.shape)`` elements,
+            on the weights' device (e.g. views of one reused layer buffer).
 
     Raises:
-        ValueError: mismatched sizes, dtypes or devices.
+        ValueError: no weights, a weight without double quantization, mixed devices, code
+            tables, blocksizes or nested blocksizes, or an output of the wrong size, dtype,
+            layout or device. The checks run here, before any launch.
     """
-    n_bytes = packed.numel()
-    if out.numel() != 2 * n_bytes or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bf16 tensor of {2 * n_bytes} elements, got "
-                         f"{out.dtype} {tuple(out.shape)}")
-    if blocksize % 2 or absmax.numel() * blocksize < 2 * n_bytes or absmax.dtype != torch.float32:
-        raise ValueError(f"absmax must be float32 with one scale per {blocksize} weights")
-    if not (packed.is_cuda and absmax.device == packed.device and out.device == packed.device):
-        raise ValueError("packed, absmax and out must be on one CUDA device")
-    grid = (triton_cdiv(n_bytes, BLOCK),)
-    _kernel()[grid](packed, absmax, code.to(device=packed.device, dtype=torch.float32), out, n_bytes,
-                    bytes_per_block=blocksize // 2, BLOCK=BLOCK)
-    return out
 
+    def __init__(self, weights: Sequence[Any], outs: Sequence[torch.Tensor]) -> None:
+        if not weights or len(weights) != len(outs):
+            raise ValueError(f"need one output per weight, got {len(weights)} weights and {len(outs)} outputs")
+        first = weights[0].quant_state
+        device = weights[0].device
+        if device.type != "cuda":
+            raise ValueError(f"the Triton NF4 dequant runs on CUDA; the weights are on {device}")
+        rows, offsets = [], []
+        self.max_bytes = 0
+        self.numel = 0
+        for w, out in zip(weights, outs):
+            qs = w.quant_state
+            if not getattr(qs, "nested", False):
+                raise ValueError("the Triton NF4 dequant needs double quantization (compress_statistics=True)")
+            if (qs.blocksize != first.blocksize or qs.blocksize % 2 or qs.state2.blocksize != first.state2.blocksize
+                    or not torch.equal(qs.code, first.code)):
+                raise ValueError("the weights of one unit must share the blocksize, nested blocksize and NF4 code")
+            n = 1
+            for d in qs.shape:
+                n *= int(d)
+            if (out.numel() != n or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != device
+                    or w.device != device or w.data.numel() * 2 != n):
+                raise ValueError(f"output for a {tuple(qs.shape)} NF4 weight must be a contiguous bf16 tensor of {n} "
+                                 f"elements on {device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+            code2 = qs.state2.code.to(device=device, dtype=torch.float32).contiguous()
+            nested = qs.state2.absmax.to(torch.float32).contiguous()
+            self._keep = getattr(self, "_keep", []) + [code2, nested]
+            rows.append([n // 2, w.data.data_ptr(), qs.absmax.data_ptr(), nested.data_ptr(), code2.data_ptr(),
+                         out.data_ptr()])
+            offsets.append(qs.offset.reshape(1).to(device=device, dtype=torch.float32))
+            self.max_bytes = max(self.max_bytes, n // 2)
+            self.numel += n
+        self.table = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.offsets = torch.cat(offsets)
+        self.code = first.code.to(device=device, dtype=torch.float32).contiguous()
+        self.bytes_per_block = first.blocksize // 2
+        self.blocks_per_nested = first.state2.blocksize
+        self.count = len(rows)
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    def __call__(self) -> None:
+        """Launch: every output now holds its weight's bf16 values (on the current stream)."""
+        grid = (-(-self.max_bytes // BLOCK), self.count)
+        _kernel()[grid](self.table, self.offsets, self.code, bytes_per_block=self.bytes_per_block,
+                        blocks_per_nested=self.blocks_per_nested, BLOCK=BLOCK, enable_fp_fusion=False)
