@@ -34,7 +34,8 @@ What it does, in one process (every ratio is within this run):
 
    * ``in-process``: ``TextEncoderSpec.build().encode(prompts, batch_size)``;
    * ``pool``: ``PoolClient.encode_prompts(encoder, prompts, cache=None)`` - what a ComfyUI
-     node does: the resident-encoder check (``status``), the ``encode`` job (Gemma forward,
+     node does: the ``encode`` job with the resident encoder's key (a pool without it
+     rejects the request and the client loads, then retries), the job (Gemma forward,
      the replication to every rank, kept resident), the result in the wire dtype (bf16 for a
      bf16 pool) through the shared-memory arena (``ltx_mgpu.shm``; the socket under 1 MiB),
      upcast to float32 on receipt (each row reports ``wire_bytes`` and ``transport``);

@@ -205,7 +205,6 @@ def encode_prompts(client: PoolClient, encoder: PoolTextEncoder | TextEncoderSpe
     prompts = list(prompts)
     parts = encoder.cache_key_parts()
     key = encoder.key(parts)
-    loaded = False
 
     def send(chunk: list[str]) -> list[PromptEmbedding]:
         result, tensors = client.request(
@@ -214,18 +213,21 @@ def encode_prompts(client: PoolClient, encoder: PoolTextEncoder | TextEncoderSpe
         return embeddings_from_result(result, tensors)
 
     def encode_remote(chunk: list[str]) -> list[PromptEmbedding]:
-        nonlocal loaded
-        if not loaded:
+        # Straight to ``encode``: the pool checks ``expect`` before any work and rejects a request
+        # for an encoder it does not hold, so the resident case (every request after the first)
+        # costs no ``status`` round trip (which took 4-16 ms per request on the H200,
+        # benchmarks/bench_pool_text.py "pool" vs "pool request").
+        # None loaded yet, or another client swapped the pool's text encoder in between: load
+        # ours and retry (twice at most: the first load itself may be swapped out before our
+        # request runs).
+        for attempt in range(3):
+            try:
+                return send(chunk)
+            except BadInputError:
+                if attempt == 2 or loaded_key(client) == key:
+                    raise  # ours is resident: the request itself was bad
             ensure_text_encoder(client, encoder, key, on_progress, should_cancel, timeout)
-            loaded = True
-        try:
-            return send(chunk)
-        except BadInputError:
-            if loaded_key(client) == key:
-                raise
-        # another client swapped the pool's text encoder in between: load ours again, retry once
-        ensure_text_encoder(client, encoder, key, on_progress, should_cancel, timeout)
-        return send(chunk)
+        raise AssertionError("unreachable")
 
     ranks = client.spec.nproc if encoder.placement == "batch_parallel" else 1
     request_size = batch_size * ranks

@@ -17,8 +17,10 @@ The arithmetic is bitsandbytes', step for step (``../shared/notes/gemma-nf4.md``
   rounded once to bf16 (element ``2i`` from the high nibble).
 
 The weights of a unit are addressed through a small table of device pointers (a grouped
-launch: program axis 1 picks the weight, axis 0 its 2048-weight slice; slices past a weight's
-end are masked off), so nothing is copied or re-laid-out at load time.
+launch: program axis 1 picks the weight, axis 0 a run of :data:`BLOCKS` quantization blocks;
+runs past a weight's end are masked off), so nothing is copied or re-laid-out at load time.
+Each program computes its blocks' scales once, then writes each packed byte's two bf16 values
+as one 32-bit word (coalesced stores, no interleaving shuffle).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["BLOCK", "available", "UnitDequant"]
+__all__ = ["BLOCKS", "available", "UnitDequant"]
 
-#: Packed bytes per Triton program (2 * BLOCK weights).
-BLOCK = 1024
+#: Quantization blocks (64 weights, 32 packed bytes each) per Triton program.
+BLOCKS = 32
 #: Columns of the per-weight table: n_bytes, then the addresses of the packed bytes, the 8-bit
 #: block scales, the nested float32 scales, the 256-entry scale code and the bf16 output.
 _COLUMNS = 6
@@ -43,8 +45,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def nf4_unit_dequant(table_ptr, offset_ptr, code_ptr, bytes_per_block: tl.constexpr,
-                         blocks_per_nested: tl.constexpr, BLOCK: tl.constexpr):
+    def nf4_unit_dequant(table_ptr, offset_ptr, code_ptr, BYTES_PER_BLOCK: tl.constexpr,
+                         BLOCKS_PER_NESTED: tl.constexpr, BLOCKS: tl.constexpr):
         w = tl.program_id(1)
         row = table_ptr + w * 6
         n_bytes = tl.load(row)
@@ -52,21 +54,20 @@ def _kernel():
         qabsmax = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
         nested = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         code2 = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-        out = tl.load(row + 5).to(tl.pointer_type(tl.bfloat16))
+        out = tl.load(row + 5).to(tl.pointer_type(tl.uint32))  # bf16 pairs, element 2i in the low half
         offset = tl.load(offset_ptr + w)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        # one scale per 64-weight block, computed once per block (not per byte)
+        blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        live = blocks * BYTES_PER_BLOCK < n_bytes
+        q = tl.load(qabsmax + blocks, mask=live, other=0).to(tl.int32)
+        scale = tl.load(code2 + q) * tl.load(nested + blocks // BLOCKS_PER_NESTED, mask=live, other=0.0)
+        scale = scale + offset
+        offs = blocks[:, None] * BYTES_PER_BLOCK + tl.arange(0, BYTES_PER_BLOCK)[None, :]
         mask = offs < n_bytes
         b = tl.load(packed + offs, mask=mask, other=0).to(tl.int32)
-        block = offs // bytes_per_block
-        q = tl.load(qabsmax + block, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(code2 + q, mask=mask, other=0.0) * tl.load(nested + block // blocks_per_nested, mask=mask,
-                                                                   other=0.0)
-        scale = scale + offset
-        hi = tl.load(code_ptr + (b >> 4)) * scale
-        lo = tl.load(code_ptr + (b & 15)) * scale
-        pair = tl.reshape(tl.join(hi, lo), [2 * BLOCK])
-        out_offs = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-        tl.store(out + out_offs, pair.to(tl.bfloat16), mask=out_offs < 2 * n_bytes)
+        hi = (tl.load(code_ptr + (b >> 4)) * scale[:, None]).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        lo = (tl.load(code_ptr + (b & 15)) * scale[:, None]).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        tl.store(out + offs, (lo.to(tl.uint32) << 16) | hi.to(tl.uint32), mask=mask)
 
     return nf4_unit_dequant
 
@@ -86,20 +87,24 @@ class UnitDequant:
 
     Args:
         weights: ``bitsandbytes.nn.Params4bit`` s (uint8 packed data, a ``quant_state`` with
-            ``nested`` double quantization, blocksize even, one device, one NF4 code table
-            and one nested blocksize for all).
-        outs: one contiguous bf16 tensor per weight with ``prod(quant_state.shape)`` elements,
-            on the weights' device (e.g. views of one reused layer buffer).
+            ``nested`` double quantization, blocksize 64, one device, one NF4 code table and
+            one nested blocksize for all).
+        outs: one contiguous, 4-byte-aligned bf16 tensor per weight with
+            ``prod(quant_state.shape)`` elements, on the weights' device (e.g. views of one
+            reused layer buffer).
 
     Raises:
-        ValueError: no weights, a weight without double quantization, mixed devices, code
-            tables, blocksizes or nested blocksizes, or an output of the wrong size, dtype,
-            layout or device. The checks run here, before any launch.
+        ValueError: no weights, a blocksize other than 64, a weight without double
+            quantization, mixed devices, code tables, blocksizes or nested blocksizes, or an
+            output of the wrong size, dtype, layout, alignment or device. The checks run here, before any launch.
     """
 
     def __init__(self, weights: Sequence[Any], outs: Sequence[torch.Tensor]) -> None:
         if not weights or len(weights) != len(outs):
             raise ValueError(f"need one output per weight, got {len(weights)} weights and {len(outs)} outputs")
+        if weights[0].quant_state.blocksize != 64:
+            raise ValueError(f"the Triton NF4 dequant takes blocksize 64 (ltx_mgpu's artifacts), got "
+                             f"{weights[0].quant_state.blocksize}")
         first = weights[0].quant_state
         device = weights[0].device
         if device.type != "cuda":
@@ -118,9 +123,10 @@ class UnitDequant:
             for d in qs.shape:
                 n *= int(d)
             if (out.numel() != n or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != device
-                    or w.device != device or w.data.numel() * 2 != n):
+                    or out.data_ptr() % 4 or w.device != device or w.data.numel() * 2 != n):
                 raise ValueError(f"output for a {tuple(qs.shape)} NF4 weight must be a contiguous bf16 tensor of {n} "
-                                 f"elements on {device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+                                 f"elements on {device}, 4-byte aligned; got {out.dtype} {tuple(out.shape)} on "
+                                 f"{out.device}")
             code2 = qs.state2.code.to(device=device, dtype=torch.float32).contiguous()
             nested = qs.state2.absmax.to(torch.float32).contiguous()
             self._keep = getattr(self, "_keep", []) + [code2, nested]
@@ -138,6 +144,6 @@ class UnitDequant:
 
     def __call__(self) -> None:
         """Launch: every output now holds its weight's bf16 values (on the current stream)."""
-        grid = (-(-self.max_bytes // BLOCK), self.count)
-        _kernel()[grid](self.table, self.offsets, self.code, bytes_per_block=self.bytes_per_block,
-                        blocks_per_nested=self.blocks_per_nested, BLOCK=BLOCK, enable_fp_fusion=False)
+        grid = (-(-self.max_bytes // (BLOCKS * self.bytes_per_block)), self.count)
+        _kernel()[grid](self.table, self.offsets, self.code, BYTES_PER_BLOCK=self.bytes_per_block,
+                        BLOCKS_PER_NESTED=self.blocks_per_nested, BLOCKS=BLOCKS, enable_fp_fusion=False)
