@@ -17,8 +17,9 @@ The arithmetic is bitsandbytes', step for step (``../shared/notes/gemma-nf4.md``
   rounded once to bf16 (element ``2i`` from the high nibble).
 
 The weights of a unit are addressed through a small table of device pointers (a grouped
-launch: program axis 1 picks the weight, axis 0 a run of :data:`BLOCKS` quantization blocks;
-runs past a weight's end are masked off), so nothing is copied or re-laid-out at load time.
+launch: each program finds its weight from a table of first-program indices and converts a run
+of :data:`BLOCKS` quantization blocks of it; the last run of a weight is masked at its end), so
+nothing is copied or re-laid-out at load time.
 Each program computes its blocks' scales once, then writes each packed byte's two bf16 values
 as one 32-bit word (coalesced stores, no interleaving shuffle).
 """
@@ -34,9 +35,6 @@ __all__ = ["BLOCKS", "available", "UnitDequant"]
 
 #: Quantization blocks (64 weights, 32 packed bytes each) per Triton program.
 BLOCKS = 32
-#: Columns of the per-weight table: n_bytes, then the addresses of the packed bytes, the 8-bit
-#: block scales, the nested float32 scales, the 256-entry scale code and the bf16 output.
-_COLUMNS = 6
 
 
 @functools.cache
@@ -45,9 +43,16 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def nf4_unit_dequant(table_ptr, offset_ptr, code_ptr, BYTES_PER_BLOCK: tl.constexpr,
-                         BLOCKS_PER_NESTED: tl.constexpr, BLOCKS: tl.constexpr):
-        w = tl.program_id(1)
+    def nf4_unit_dequant(table_ptr, starts_ptr, offset_ptr, code_ptr, WEIGHTS: tl.constexpr,
+                         BYTES_PER_BLOCK: tl.constexpr, BLOCKS_PER_NESTED: tl.constexpr, BLOCKS: tl.constexpr):
+        # which weight this program belongs to: starts_ptr[i] = first program of weight i
+        pid = tl.program_id(0)
+        w = pid * 0
+        for i in tl.static_range(1, WEIGHTS):
+            w += (pid >= tl.load(starts_ptr + i)).to(tl.int32)
+        local = pid - tl.load(starts_ptr + w)
+        # the weight's row of the table: n_bytes, then the addresses of the packed bytes, the 8-bit
+        # block scales, the nested float32 scales, the 256-entry scale code and the bf16 output
         row = table_ptr + w * 6
         n_bytes = tl.load(row)
         packed = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
@@ -57,7 +62,7 @@ def _kernel():
         out = tl.load(row + 5).to(tl.pointer_type(tl.uint32))  # bf16 pairs, element 2i in the low half
         offset = tl.load(offset_ptr + w)
         # one scale per 64-weight block, computed once per block (not per byte)
-        blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        blocks = local * BLOCKS + tl.arange(0, BLOCKS)
         live = blocks * BYTES_PER_BLOCK < n_bytes
         q = tl.load(qabsmax + blocks, mask=live, other=0).to(tl.int32)
         scale = tl.load(code2 + q) * tl.load(nested + blocks // BLOCKS_PER_NESTED, mask=live, other=0.0)
@@ -110,7 +115,6 @@ class UnitDequant:
         if device.type != "cuda":
             raise ValueError(f"the Triton NF4 dequant runs on CUDA; the weights are on {device}")
         rows, offsets = [], []
-        self.max_bytes = 0
         self.numel = 0
         for w, out in zip(weights, outs):
             qs = w.quant_state
@@ -133,9 +137,14 @@ class UnitDequant:
             rows.append([n // 2, w.data.data_ptr(), qs.absmax.data_ptr(), nested.data_ptr(), code2.data_ptr(),
                          out.data_ptr()])
             offsets.append(qs.offset.reshape(1).to(device=device, dtype=torch.float32))
-            self.max_bytes = max(self.max_bytes, n // 2)
             self.numel += n
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
+        per_program = BLOCKS * (first.blocksize // 2)
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + -(-r[0] // per_program))
+        self.programs = starts[-1]
+        self.starts = torch.tensor(starts, dtype=torch.int32, device=device)
         self.offsets = torch.cat(offsets)
         self.code = first.code.to(device=device, dtype=torch.float32).contiguous()
         self.bytes_per_block = first.blocksize // 2
@@ -144,6 +153,6 @@ class UnitDequant:
 
     def __call__(self) -> None:
         """Launch: every output now holds its weight's bf16 values (on the current stream)."""
-        grid = (-(-self.max_bytes // (BLOCKS * self.bytes_per_block)), self.count)
-        _kernel()[grid](self.table, self.offsets, self.code, BYTES_PER_BLOCK=self.bytes_per_block,
-                        BLOCKS_PER_NESTED=self.blocks_per_nested, BLOCKS=BLOCKS, enable_fp_fusion=False)
+        _kernel()[(self.programs,)](self.table, self.starts, self.offsets, self.code, WEIGHTS=self.count,
+                                    BYTES_PER_BLOCK=self.bytes_per_block, BLOCKS_PER_NESTED=self.blocks_per_nested,
+                                    BLOCKS=BLOCKS, enable_fp_fusion=False)
