@@ -78,6 +78,7 @@ VARIANTS = {
     "bnb": None,
     "layer-bnb": ("bnb", "layer", False),
     "layer-triton": ("triton", "layer", False),
+    "layer-triton-prefetch": ("triton", "layer", True),
     "layer-lut": ("lut", "layer", False),
     "layer-lut-compiled": ("lut_compiled", "layer", False),
     "layer-bnb-prefetch": ("bnb", "layer", True),

@@ -282,8 +282,9 @@ def load_gemma_text_tower(
             (``ltx_mgpu.text.nf4_dequant.FastDequant``, ``scope="layer"``) instead of
             bitsandbytes' per-``Linear4bit`` path; same outputs up to the GEMM (the dequant is
             bit-identical). The kernel is one Triton launch per layer (``method="triton"``,
-            ``ltx_mgpu.text.nf4_triton``) where Triton is installed, else bitsandbytes'
-            (``"bnb"``). ``None`` (default): on a single GPU (``benchmarks/bench_nf4.py`` times it).
+            ``ltx_mgpu.text.nf4_triton``; the next layer's on a side stream, a second buffer)
+            where Triton is installed, else bitsandbytes' (``"bnb"``). ``None`` (default): on a
+            single GPU (``benchmarks/bench_nf4.py`` times it).
 
     The tower uses ``ltx_mgpu.text.forward.ATTENTION`` when ``attn_implementation="sdpa"``
     (SDPA that takes the causal kernel whenever a batch has no padding).
@@ -327,11 +328,14 @@ def load_gemma_text_tower(
     if tower.weights == "nf4" and (layer_dequant if layer_dequant is not None else nf4_on_gpu):
         from ltx_mgpu.text.nf4_dequant import FastDequant
 
-        # kept alive by its hooks on the layers. Without prefetch: on the H200 the side-stream
-        # prefetch of the next layer's dequant measured no faster (1x1024: 99 vs 92 ms; 8x1024:
-        # 480 vs 477 ms) and costs a second 449 MB buffer
+        # kept alive by its hooks on the layers. With the Triton kernel the next layer is
+        # dequantized on a side stream (a second 449 MB buffer): its launch costs the host
+        # almost nothing, and at 1x1024 tokens the eager forward leaves the GPU idle between
+        # host-bound launches, where the dequant then runs (H200, head to head with our bf16:
+        # 1.224x without the prefetch). bitsandbytes' kernel is host-bound itself: no prefetch
+        # (measured no faster: 1x1024 99 vs 92 ms, 8x1024 480 vs 477 ms).
         from ltx_mgpu.text import nf4_triton
 
         triton = tower.device.type == "cuda" and nf4_triton.available()
-        FastDequant(tower.model, method="triton" if triton else "bnb", scope="layer")
+        FastDequant(tower.model, method="triton" if triton else "bnb", scope="layer", prefetch=triton)
     return tower
