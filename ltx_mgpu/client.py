@@ -15,7 +15,8 @@ fresh one) and :class:`PoolStartError`. All derive from :class:`PoolError`.
 Thread safety: one client may be shared by threads; each job's events go to the thread that
 waits on it; callbacks run on that thread, except ``receive`` (see :meth:`PoolClient.submit`),
 which runs on the connection's reader thread. Large results come through a shared-memory
-arena when both sides can (``ltx_mgpu.shm``; ``shm=False`` or ``LTX_MGPU_SHM=0``: the socket).
+arena when both sides can, or in memory the pool hands over (no copy on this side)
+(``ltx_mgpu.shm``; ``shm=False`` or ``LTX_MGPU_SHM=0``: the socket).
 A callback that raises (ComfyUI's ``InterruptProcessingException`` is a ``BaseException``) first
 cancels the job.
 
@@ -41,6 +42,7 @@ from ltx_mgpu.client_jobs import (_LOST, BadInputError, Job, JobCancelledError, 
 from ltx_mgpu.pool import launch
 from ltx_mgpu.pool.launch import PoolError, PoolSpec, PoolStartError
 from ltx_mgpu.shm import FEATURE as SHM
+from ltx_mgpu.shm import FEATURE_OWN as SHM_OWN
 from ltx_mgpu.shm import ArenaReceiver
 from ltx_mgpu.shm import available as shm_available
 
@@ -100,10 +102,12 @@ class PoolClient:
     @property
     def shm_stats(self) -> dict:
         """Shared-memory delivery on the current connection: ``enabled``, ``frames`` and
-        ``bytes`` received through it, ``arenas`` mapped so far, ``mapped`` (one is now)."""
+        ``bytes`` received through it, ``arenas`` mapped so far, ``mapped`` (one is now),
+        ``owned`` (frames whose memory was handed over: their tensors are views of it)."""
         r = self._shm
         return {"enabled": r is not None, "frames": r.frames if r else 0, "bytes": r.bytes if r else 0,
-                "arenas": r.arenas if r else 0, "mapped": r is not None and r.arena is not None}
+                "arenas": r.arenas if r else 0, "mapped": r is not None and r.arena is not None,
+                "owned": r.owned if r else 0}
 
     @property
     def launched(self) -> bool:
@@ -148,9 +152,11 @@ class PoolClient:
         receiver = None
         try:
             self.pool = launch.hello(sock, launch.read_token(self.dir), rid=uuid.uuid4().hex)
-            if self.use_shm and SHM in self.pool.get("features", ()):
+            offered = self.pool.get("features", ())
+            if self.use_shm and SHM in offered:
                 receiver = ArenaReceiver(take=self._take)
-                if SHM not in launch.enable_features(sock, [SHM], receiver, rid=uuid.uuid4().hex):
+                wanted = [SHM] + [SHM_OWN] * (SHM_OWN in offered)
+                if SHM not in launch.enable_features(sock, wanted, receiver, rid=uuid.uuid4().hex):
                     receiver = None
             sock.settimeout(None)
         except BaseException:
@@ -274,7 +280,8 @@ class PoolClient:
         ``receive(name, tensor) -> tensor`` (optional) turns each received tensor into the one
         the job returns, on the reader thread, while it may still be a view into the shared
         arena (e.g. ``t.float()``: one pass from the arena straight into the result). A result
-        still pointing into the arena is copied; it must not raise (the connection is lost).
+        still pointing into the arena is copied (one in handed-over memory is kept as it is); it
+        must not raise (the connection is lost).
 
         Raises:
             BadInputError: unknown type or params that break its schema (checked locally).

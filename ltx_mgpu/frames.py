@@ -139,8 +139,12 @@ def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Payload 
         ref, fds = placed
         header, payload, n = {**header, "shm": ref}, None, 0
         flags |= FLAG_SHM | (FLAG_SHM_FD if fds else 0)
-    raw = encode_header(header, limits)
-    send_with_fds(sock, _PREFIX.pack(MAGIC, PROTOCOL_VERSION, flags, len(raw), n) + raw, fds)
+    try:
+        raw = encode_header(header, limits)
+        send_with_fds(sock, _PREFIX.pack(MAGIC, PROTOCOL_VERSION, flags, len(raw), n) + raw, fds)
+    finally:
+        if placed is not None:
+            shm.sent()  # what was handed over is the receiver's now (or lost with the connection)
     if payload is not None:
         for part in payload.parts:
             sock.sendall(part)

@@ -35,10 +35,20 @@ previous frame has been acknowledged; otherwise, under :data:`MIN_BYTES`, or whe
 be had (the pool-wide :class:`Budget`, memory), the payload goes through the socket as before.
 Only connections that asked for it (the ``features`` request) get ``shm`` frames.
 
+**Hand-over** (the ``shm_own`` feature, on top of ``shm``): a payload of at least
+:data:`OWN_MIN_BYTES` may instead go into a *spare* memfd that the pool made ahead of time (in
+a background thread, after the previous large payload: allocating and faulting in fresh pages
+is the slow part, 92 ms for 200 MB on the H200 host) and then gives away: the frame carries the
+descriptor and ``"shm": {"own": true, "offset", "size"}``, the sender unmaps and closes its
+side once the frame is out, and the receiver's tensors are views of that mapping, kept as long
+as they live (no copy at either end after the sender's one write; nothing to acknowledge). A
+spare is used only when it fits the payload within a factor of two, so a small result never
+pins a large one's memory.
+
 Settings (environment of the pool, or of the client for ``LTX_MGPU_SHM``):
 ``LTX_MGPU_SHM=0`` turns the feature off; ``LTX_MGPU_SHM_MIN_BYTES`` (1 MiB),
-``LTX_MGPU_SHM_MAX_BYTES`` (2 GiB: all arenas of a pool together) and
-``LTX_MGPU_SHM_IDLE_SECONDS`` (60).
+``LTX_MGPU_SHM_MAX_BYTES`` (2 GiB: all arenas and spares of a pool together),
+``LTX_MGPU_SHM_IDLE_SECONDS`` (60) and ``LTX_MGPU_SHM_OWN_MIN_BYTES`` (4 MiB).
 """
 
 from __future__ import annotations
@@ -49,7 +59,6 @@ import fcntl
 import mmap
 import os
 import socket
-import stat
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -57,13 +66,12 @@ from typing import Any, Callable, Mapping
 import psutil
 import torch
 
-from ltx_mgpu.payload import PayloadError, parse_payload
-
-__all__ = ["FEATURE", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "HEADER_BYTES", "MIN_BYTES", "MAX_BYTES",
-           "IDLE_SECONDS", "available", "Budget",
-           "ArenaSender", "ArenaReceiver", "ShmError", "Take", "send_with_fds", "recvmsg_into"]
+__all__ = ["FEATURE", "FEATURE_OWN", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "HEADER_BYTES", "MIN_BYTES",
+           "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "Budget", "ArenaSender", "ArenaReceiver",
+           "ShmError", "Take", "send_with_fds", "recvmsg_into"]
 
 FEATURE = "shm"
+FEATURE_OWN = "shm_own"
 #: Frame flags (the u16 of the frame prefix): payload in the arena / a new arena's descriptor
 #: comes with this frame / unmap the arena.
 FLAG_SHM, FLAG_SHM_FD, FLAG_SHM_DROP = 0x1, 0x2, 0x4
@@ -71,9 +79,9 @@ HEADER_BYTES = 64
 MIN_BYTES = int(os.environ.get("LTX_MGPU_SHM_MIN_BYTES", 1 << 20))
 MAX_BYTES = int(os.environ.get("LTX_MGPU_SHM_MAX_BYTES", 2 << 30))
 IDLE_SECONDS = float(os.environ.get("LTX_MGPU_SHM_IDLE_SECONDS", 60.0))
+OWN_MIN_BYTES = int(os.environ.get("LTX_MGPU_SHM_OWN_MIN_BYTES", 4 << 20))
 _ROUND = 1 << 20
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(fcntl, "F_SEAL_SHRINK") else 0
-_REF_KEYS = {"arena", "seq", "offset", "size"}
 #: ``take(header) -> receive | None``: the per-tensor ``receive(name, view) -> tensor`` for a
 #: frame (its ``header``), or None to copy the frame's payload out as the socket delivers it.
 Take = Callable[[Mapping[str, Any]], Callable[[str, torch.Tensor], torch.Tensor] | None]
@@ -180,59 +188,75 @@ def _new_arena(size: int) -> _Arena:
 
 
 class ArenaSender:
-    """The pool's side of one connection: places payloads in its arena (see the module doc).
+    """The pool's side of one connection: places payloads in its arena, or with ``own`` hands
+    large ones over in a spare (see the module doc).
 
-    Not thread-safe: one connection's writer thread uses it."""
+    ``place`` and ``sent`` are called by the connection's one writer thread; the spare is made
+    by a background thread under ``_lock``. Counters: ``frames`` (placed), ``handed`` (of which
+    handed over)."""
 
-    def __init__(self, budget: Budget, min_bytes: int = MIN_BYTES, idle_seconds: float = IDLE_SECONDS):
+    def __init__(self, budget: Budget, min_bytes: int = MIN_BYTES, idle_seconds: float = IDLE_SECONDS,
+                 own: bool = False, own_min_bytes: int = OWN_MIN_BYTES):
         self.budget, self.min_bytes, self.idle_seconds = budget, int(min_bytes), float(idle_seconds)
+        self.own, self.own_min_bytes = bool(own), max(int(own_min_bytes), int(min_bytes))
         self.arena: _Arena | None = None
         self.arena_id = 0
         self.seq = 0
         self.last_used = time.monotonic()
-        self.frames = 0
+        self.frames = self.handed = 0
+        self._lock = threading.Lock()
+        self._spare: _Arena | None = None
+        self._making: threading.Thread | None = None
+        self._given: list[_Arena] = []
+        self._closed = False
 
     def place(self, payload) -> tuple[dict, list[int]] | None:
-        """Copy ``payload`` (a ``ltx_mgpu.payload.Payload``) into the arena: ``(ref, fds)`` for
-        the frame header and the descriptors to attach (the new arena's, else none), or
-        ``None`` to send it through the socket (too small, previous frame not acknowledged,
-        no memory or budget for an arena large enough)."""
+        """Put ``payload`` (a ``ltx_mgpu.payload.Payload``) in shared memory: ``(ref, fds)`` for
+        the frame header and the descriptors to attach (a new arena's, a handed-over spare's,
+        else none), or ``None`` to send it through the socket (too small, previous frame not
+        acknowledged, no memory or budget for an arena large enough). Call :meth:`sent` once
+        the frame is out."""
         n = payload.nbytes
         if n < self.min_bytes:
             return None
+        need = HEADER_BYTES + n
+        if self.own and n >= self.own_min_bytes:
+            gift = self._take_spare(need)
+            self._make_spare_soon(need)
+            if gift is not None:
+                _write(gift, payload)
+                self._given.append(gift)
+                self.handed += 1
+                self.frames += 1
+                self.last_used = time.monotonic()
+                return {"own": True, "offset": HEADER_BYTES, "size": n}, [gift.fd]
         arena, fds = self.arena, []
         if arena is not None and int(arena.ack[0]) != self.seq:
             return None  # the receiver is still reading the previous frame
-        need = HEADER_BYTES + n
         if arena is None or arena.size < need:
             arena = self._grow(need)
             if arena is None:
                 return None
             fds = [arena.fd]
-        off = HEADER_BYTES
-        for part in payload.parts:
-            if isinstance(part, (bytes, bytearray)):  # the safetensors header: small
-                arena.mm[off:off + len(part)] = part
-                off += len(part)
-            else:  # a tensor's bytes (numpy uint8 view): torch copies without holding the GIL
-                src = torch.from_numpy(part)
-                arena.u8[off:off + src.numel()].copy_(src)
-                off += src.numel()
+        _write(arena, payload)
         self.seq += 1
         self.frames += 1
         self.last_used = time.monotonic()
         return {"arena": self.arena_id, "seq": self.seq, "offset": HEADER_BYTES, "size": n}, fds
+
+    def sent(self) -> None:
+        """The frame of the last :meth:`place` is out: unmap and close what was handed over
+        (its memory is the receiver's now)."""
+        while self._given:
+            self._given.pop().close()
 
     def _grow(self, need: int) -> _Arena | None:
         size = -(-need // _ROUND) * _ROUND
         old = self.arena.size if self.arena is not None else 0  # < size: its budget carries over
         if not self.budget.reserve(size - old):
             return None
-        try:
-            if psutil.virtual_memory().available < 2 * size:
-                raise MemoryError
-            arena = _new_arena(size)
-        except (OSError, MemoryError):
+        arena = _make_arena(size)
+        if arena is None:
             self.budget.release(size - old)
             return None
         if self.arena is not None:
@@ -240,144 +264,97 @@ class ArenaSender:
         self.arena, self.arena_id = arena, self.arena_id + 1
         return arena
 
-    def idle(self, now: float | None = None) -> bool:
-        """Whether the arena is acknowledged and unused for ``idle_seconds`` (time to drop it)."""
-        now = time.monotonic() if now is None else now
-        return (self.arena is not None and now - self.last_used >= self.idle_seconds
-                and int(self.arena.ack[0]) == self.seq)
-
-    def close(self) -> None:
-        """Drop the arena (its memory goes once the receiver unmapped it too)."""
-        if self.arena is not None:
-            self.budget.release(self.arena.size)
-            self.arena.close()
-            self.arena = None
-
-
-def _check_fd(fd: int) -> int:
-    """The size of a received arena descriptor after checking it is a sealed memfd."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise ShmError("the shared-memory descriptor is not a regular memory file")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise ShmError("the shared-memory descriptor is not a memfd (it has no seals)") from None
-    if seals & _SEALS != _SEALS:
-        raise ShmError("the shared-memory arena is not sealed against resizing")
-    if not HEADER_BYTES < st.st_size <= (1 << 40):
-        raise ShmError(f"the shared-memory arena has {st.st_size} bytes")
-    return st.st_size
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-class ArenaReceiver:
-    """The client's side: maps the pool's arena, reads ``shm`` frames, acknowledges them.
-
-    ``take`` (:data:`Take`; default: none) chooses per frame between a copy of the payload
-    (tensors are views into one private buffer, as from the socket) and a ``receive`` of each
-    tensor. Counters: ``frames``, ``bytes``, ``arenas``.
-    Used by the connection's single reader thread."""
-
-    def __init__(self, take: Take | None = None):
-        self.take = take
-        self.arena: _Arena | None = None
-        self.arena_id: int | None = None
-        self.seq = 0
-        self.frames = self.bytes = self.arenas = 0
-
-    def receive(self, flags: int, payload_len: int, fds: list[int], header: dict,
-                max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        """Handle a frame with ``shm`` flags (or descriptors): ``(header, tensors)`` of a
-        ``FLAG_SHM`` frame (its ``shm`` reference removed from ``header``), ``None`` for a drop
-        notice (the arena is unmapped).
-
-        Raises:
-            ShmError: an invalid flag combination, a socket payload or descriptors where none
-                belong, a drop notice with a header, or what :meth:`read` raises.
-        """
-        if flags not in (FLAG_SHM, FLAG_SHM | FLAG_SHM_FD, FLAG_SHM_DROP) or payload_len:
-            raise ShmError(f"frame flags {flags:#x} with a {payload_len}-byte socket payload are not a valid "
-                           "combination")
-        if bool(fds) != bool(flags & FLAG_SHM_FD):
-            raise ShmError(f"{len(fds)} file descriptor(s) came with a frame of flags {flags:#x} (one comes with, and "
-                           "only with, a frame introducing a shared-memory arena)")
-        if flags == FLAG_SHM_DROP:
-            if header:
-                raise ShmError("a shared-memory drop notice must have an empty header")
-            self.drop()
+    def _take_spare(self, need: int) -> _Arena | None:
+        """The ready spare if it holds ``need`` bytes without wasting more than half of it (a
+        spare too large is dropped, a new one of the right size is made next)."""
+        with self._lock:
+            spare = self._spare
+            if spare is None or spare.size < need:
+                return None
+            self._spare = None
+        self.budget.release(spare.size)  # from here on it is the receiver's memory
+        if spare.size > 2 * need:
+            spare.close()
             return None
-        return header, self.read(header.pop("shm", None), fds, header, max_bytes)
+        return spare
 
-    def read(self, ref: Any, fds: list[int], header: Mapping[str, Any], max_bytes: int) -> dict[str, torch.Tensor]:
-        """The tensors of a ``shm`` frame (``fds``: the descriptors that came with it; taken
-        over: closed or kept here).
+    def _make_spare_soon(self, need: int) -> None:
+        """Start making a spare of at least ``need`` bytes in the background, unless one is
+        being made or a fitting one is ready."""
+        size = -(-need // _ROUND) * _ROUND
+        with self._lock:
+            busy = self._making is not None and self._making.is_alive()
+            if self._closed or busy or (self._spare is not None and size <= self._spare.size <= 2 * size):
+                return
+            self._making = threading.Thread(target=self._make_spare, args=(size,), name="shm-spare", daemon=True)
+            self._making.start()
 
-        Raises:
-            ShmError: a malformed reference, a descriptor that is not a sealed memfd, an unknown
-                arena, a range outside it, an old sequence number or a payload that is not
-                safetensors.
-        """
-        try:
-            if not (isinstance(ref, dict) and set(ref) == _REF_KEYS and all(_int(ref[k]) for k in _REF_KEYS)):
-                raise ShmError(f"the shm reference must be {{{', '.join(sorted(_REF_KEYS))}}} of non-negative ints, "
-                               f"got {ref!r:.200}")
-            if len(fds) > 1:
-                raise ShmError(f"{len(fds)} descriptors came with one frame (at most one new arena)")
-            if fds:
-                size = _check_fd(fds[0])
-                try:
-                    arena = _Arena(fds[0], size)
-                except (OSError, ValueError) as e:
-                    raise ShmError(f"cannot map the {size}-byte shared-memory arena: {e}") from None
-                arena.fd = -1  # the mapping keeps the memory; the descriptor is closed below
-                self.drop()
-                self.arena, self.arena_id = arena, ref["arena"]
-                self.arenas += 1
-            if self.arena is None or ref["arena"] != self.arena_id:
-                raise ShmError(f"the frame refers to arena {ref['arena']}, but this connection maps "
-                               f"{'none' if self.arena is None else self.arena_id}")
-            off, n, seq = ref["offset"], ref["size"], ref["seq"]
-            if off < HEADER_BYTES or off % 8 or not 0 < n <= max_bytes or off + n > self.arena.size:
-                raise ShmError(f"bytes [{off}, {off + n}) are not a payload range of the {self.arena.size}-byte arena "
-                               f"(at most {max_bytes} bytes from offset >= {HEADER_BYTES}, 8-aligned)")
-            if seq <= self.seq:
-                raise ShmError(f"sequence number {seq} is not after {self.seq}")
-        finally:
-            while fds:
-                with contextlib.suppress(OSError):
-                    os.close(fds.pop())
-        arena = self.arena
-        receive = self.take(header) if self.take is not None else None
-        blob = arena.u8[off:off + n]
-        if receive is None:  # one copy out, then views into it: what the socket would deliver
-            blob = torch.empty(n, dtype=torch.uint8).copy_(blob)
-        try:
-            views = parse_payload(blob)
-        except PayloadError as e:
-            raise ShmError(f"the shared-memory payload is not a valid safetensors blob: {e}") from None
-        out = {}
-        for name in list(views):
-            kept = view = views.pop(name)
-            if receive is not None:
-                kept = receive(name, view)
-                if isinstance(kept, torch.Tensor) and arena.holds(kept):
-                    kept = torch.empty(kept.shape, dtype=kept.dtype).copy_(kept)
-            out[name] = kept
-        blob = view = kept = None
-        # Every copy out of the arena is complete before this store, the sender checks it before
-        # it writes the next payload: from here on it may overwrite the arena.
-        arena.ack[0] = seq
-        self.seq = seq
-        self.frames += 1
-        self.bytes += n
-        return out
+    def _make_spare(self, size: int) -> None:
+        if not self.budget.reserve(size):
+            return
+        arena = _make_arena(size)
+        if arena is None:
+            self.budget.release(size)
+            return
+        with self._lock:
+            old, self._spare = self._spare, arena
+            if self._closed:
+                old, self._spare = arena, old
+        if old is not None:
+            self.budget.release(old.size)
+            old.close()
+
+    def holding(self) -> bool:
+        """Whether an arena or a spare is held (something to drop when idle)."""
+        return self.arena is not None or self._spare is not None
+
+    def idle(self, now: float | None = None) -> bool:
+        """Whether what is held is acknowledged and unused for ``idle_seconds`` (time to drop it)."""
+        now = time.monotonic() if now is None else now
+        return (self.holding() and now - self.last_used >= self.idle_seconds
+                and (self.arena is None or int(self.arena.ack[0]) == self.seq))
 
     def drop(self) -> None:
-        """Unmap the arena (its memory goes once the pool dropped it too)."""
-        if self.arena is not None:
-            self.arena.close()
-            self.arena, self.arena_id = None, None
+        """Drop the arena and the spare (their memory goes once the receiver unmapped the arena
+        too); new ones are made when needed."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        for held in (self.arena, spare):
+            if held is not None:
+                self.budget.release(held.size)
+                held.close()
+        self.arena = None
+        self.sent()
+
+    def close(self) -> None:
+        """:meth:`drop`, for good (a spare still being made is dropped when it is done)."""
+        with self._lock:
+            self._closed = True
+        self.drop()
+
+
+def _write(arena: _Arena, payload) -> None:
+    """Copy ``payload``'s parts to ``arena`` from offset :data:`HEADER_BYTES`."""
+    off = HEADER_BYTES
+    for part in payload.parts:
+        if isinstance(part, (bytes, bytearray)):  # the safetensors header: small
+            arena.mm[off:off + len(part)] = part
+            off += len(part)
+        else:  # a tensor's bytes (numpy uint8 view): torch copies without holding the GIL
+            src = torch.from_numpy(part)
+            arena.u8[off:off + src.numel()].copy_(src)
+            off += src.numel()
+
+
+def _make_arena(size: int) -> _Arena | None:
+    """:func:`_new_arena`, or None when the host is short of memory (less than twice ``size``
+    available) or the allocation fails."""
+    try:
+        if psutil.virtual_memory().available < 2 * size:
+            return None
+        return _new_arena(size)
+    except (OSError, MemoryError):
+        return None
+
+
+from ltx_mgpu.shm_receive import ArenaReceiver  # noqa: E402  (it builds on the definitions above)

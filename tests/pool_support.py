@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 
 from ltx_mgpu import protocol
 from ltx_mgpu.pool import launch
@@ -70,3 +71,16 @@ def read_answer(sock: socket.socket, timeout: float = 10.0):
         return header
     except (protocol.ConnectionClosed, ConnectionResetError, BrokenPipeError):
         return None
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected Unix stream sockets (a frame written on one is read on the other)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+def assert_same_tensors(got: dict, want: dict) -> None:
+    """``got`` has exactly ``want``'s names, each with its dtype, shape and values (on the CPU)."""
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k], v.detach().cpu()), k

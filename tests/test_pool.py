@@ -289,7 +289,7 @@ def _pattern(n: int) -> torch.Tensor:
 
 
 def test_large_results_come_through_the_shared_arena_and_small_ones_through_the_socket(client):
-    assert client.pool["features"] == [shm.FEATURE] and client.shm_stats["enabled"]
+    assert client.pool["features"] == [shm.FEATURE, shm.FEATURE_OWN] and client.shm_stats["enabled"]
     before = client.shm_stats["frames"]
     n = 3 << 20
     for _ in range(3):
@@ -303,16 +303,36 @@ def test_large_results_come_through_the_shared_arena_and_small_ones_through_the_
     client.request("unload", {"names": ["selftest.blob"]}, timeout=30)
 
 
+def test_large_results_are_handed_over_once_the_pool_has_a_spare_and_stay_the_clients(client):
+    """A result of at least OWN_MIN_BYTES goes into a spare the pool made in the background
+    after the previous one, and the client's tensor is a view of that memory (no copy)."""
+    n = shm.OWN_MIN_BYTES + (1 << 20)
+    before = client.shm_stats["owned"]
+    kept = []
+    for _ in range(50):
+        _, tensors = client.request("selftest", {"steps": 0, "result_bytes": n}, timeout=30)
+        kept.append(tensors["blob"])
+        if client.shm_stats["owned"] > before:
+            break
+        time.sleep(0.1)  # the spare is still being made
+    assert client.shm_stats["owned"] > before
+    kept[-1].zero_()  # the client's own memory
+    _, again = client.request("selftest", {"steps": 0, "result_bytes": n}, timeout=30)
+    assert torch.equal(again["blob"], _pattern(n)) and all(torch.equal(t, _pattern(n)) for t in kept[:-1])
+    client.request("unload", {"names": ["selftest.blob"]}, timeout=30)
+
+
 def test_a_client_without_shm_gets_the_same_results_over_the_socket(client, base):
     plain = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, start=False, shm=False)
     try:
         _, tensors = plain.request("selftest", {"steps": 0, "result_bytes": 3 << 20}, timeout=30)
         assert torch.equal(tensors["blob"], _pattern(3 << 20))
-        assert plain.shm_stats == {"enabled": False, "frames": 0, "bytes": 0, "arenas": 0, "mapped": False}
+        assert plain.shm_stats == {"enabled": False, "frames": 0, "bytes": 0, "arenas": 0, "mapped": False,
+                                   "owned": 0}
     finally:
         plain.close()
     with raw_connect(client.dir) as s:  # a client that never asks: plain frames, as before the feature
-        assert raw_hello(s, client.dir)["features"] == [shm.FEATURE]
+        assert raw_hello(s, client.dir)["features"] == [shm.FEATURE, shm.FEATURE_OWN]
         protocol.send_frame(s, protocol.make_request("selftest", "big", {"steps": 0, "result_bytes": 3 << 20}))
         s.settimeout(30)
         frames = [protocol.recv_frame(s) for _ in range(2)]

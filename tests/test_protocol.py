@@ -3,14 +3,10 @@ the shared-memory arena frames (real memfds and descriptors passed over real soc
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import re
 import socket
 import struct
 import threading
-import time
 
 import pytest
 import torch
@@ -19,13 +15,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ltx_mgpu import protocol, shm
+from ltx_mgpu import protocol
 from ltx_mgpu.protocol import Limits, ProtocolError, SchemaError
-
-
-def _pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    return a, b
+from pool_support import assert_same_tensors, socket_pair
 
 
 def _send_async(sock, data: bytes, close: bool = True):
@@ -43,7 +35,7 @@ def _send_async(sock, data: bytes, close: bool = True):
 
 
 def _roundtrip(header, tensors=None, limits=None):
-    a, b = _pair()
+    a, b = socket_pair()
     with a, b:
         payload = protocol.tensors_to_payload(tensors)
         t = threading.Thread(target=protocol.send_frame, args=(a, header, payload, limits), daemon=True)
@@ -51,13 +43,6 @@ def _roundtrip(header, tensors=None, limits=None):
         out = protocol.recv_frame(b, limits)
         t.join()
     return out
-
-
-def _assert_same(got: dict, want: dict):
-    assert set(got) == set(want)
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
-        assert torch.equal(got[k], v.detach().cpu()), k
 
 
 def test_frame_roundtrip_with_tensors_of_every_kind():
@@ -73,15 +58,15 @@ def test_frame_roundtrip_with_tensors_of_every_kind():
     header = {"type": "selftest", "id": "x1", "params": {"steps": 1, "note": "ünïcode ✓"}}
     got_header, got = _roundtrip(header, tensors)
     assert got_header == header
-    _assert_same({k: v.float() if v.dtype == torch.float8_e4m3fn else v for k, v in got.items()},
+    assert_same_tensors({k: v.float() if v.dtype == torch.float8_e4m3fn else v for k, v in got.items()},
                  {k: v.float() if v.dtype == torch.float8_e4m3fn else v for k, v in tensors.items()})
 
 
 def test_payload_is_standard_safetensors():
     tensors = {"b": torch.randn(5, 3), "a": torch.arange(7, dtype=torch.int32), "c": torch.randn(2).bfloat16()}
     ours = protocol.tensors_to_payload(tensors).tobytes()
-    _assert_same(st_load(ours), tensors)  # the library parses what we write...
-    _assert_same(protocol.payload_to_tensors(st_save(tensors)), tensors)  # ...and we parse what it writes
+    assert_same_tensors(st_load(ours), tensors)  # the library parses what we write...
+    assert_same_tensors(protocol.payload_to_tensors(st_save(tensors)), tensors)  # ...and we parse what it writes
     hlen = struct.unpack("<Q", ours[:8])[0]
     assert (8 + hlen) % 8 == 0 and json.loads(ours[8:8 + hlen])["a"]["dtype"] == "I32"
 
@@ -113,7 +98,7 @@ def test_roundtrip_property(header, shapes, dtype):
     tensors = {f"t{i}": (torch.randint(0, 100, s, generator=gen)).to(dtype) for i, s in enumerate(shapes)}
     got_header, got = _roundtrip(header, tensors)
     assert got_header == header
-    _assert_same(got, tensors)
+    assert_same_tensors(got, tensors)
 
 
 def _prefix(header_len, payload_len, magic=protocol.MAGIC, version=protocol.PROTOCOL_VERSION, flags=0):
@@ -121,7 +106,7 @@ def _prefix(header_len, payload_len, magic=protocol.MAGIC, version=protocol.PROT
 
 
 def _recv_error(data: bytes, limits=None) -> str:
-    a, b = _pair()
+    a, b = socket_pair()
     with a, b:
         _send_async(a, data)
         b.settimeout(10)
@@ -150,14 +135,14 @@ def test_malformed_frames_raise_protocol_error(data, match):
 def test_payload_limit_is_enforced_before_reading():
     msg = _recv_error(_prefix(2, 1 << 20) + b"{}", Limits(max_payload_bytes=1000))
     assert "over the 1000-byte limit" in msg
-    a, b = _pair()
+    a, b = socket_pair()
     with a, b, pytest.raises(ProtocolError, match="payload is"):
         protocol.send_frame(a, {"x": 1}, protocol.tensors_to_payload({"t": torch.zeros(1000)}),
                             Limits(max_payload_bytes=100))
 
 
 def test_clean_eof_is_connection_closed():
-    a, b = _pair()
+    a, b = socket_pair()
     a.close()
     with b, pytest.raises(protocol.ConnectionClosed):
         protocol.recv_frame(b)
@@ -166,7 +151,7 @@ def test_clean_eof_is_connection_closed():
 @settings(max_examples=60, deadline=None)
 @given(st.binary(max_size=200))
 def test_garbage_never_escapes_as_other_errors(data):
-    a, b = _pair()
+    a, b = socket_pair()
     with a, b:
         _send_async(a, data)
         b.settimeout(10)
@@ -251,149 +236,7 @@ def test_register_request_adds_a_job_type():
 
 
 # --------------------------------------------------------------------------- shared-memory frames
-
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _arena_pair(min_bytes=1 << 16, take=None):
-    a, b = _pair()
-    return a, b, shm.ArenaSender(shm.Budget(), min_bytes=min_bytes), shm.ArenaReceiver(take)
-
-
-def _send_then_recv(a, b, sender, receiver, tensors, header=None):
-    t = threading.Thread(target=protocol.send_frame, args=(a, header or {"event": "x"},
-                                                           protocol.tensors_to_payload(tensors)),
-                         kwargs={"shm": sender}, daemon=True)
-    t.start()
-    out = protocol.recv_frame(b, shm=receiver)
-    t.join()
-    return out
-
-
-def test_arena_frames_round_trip_reuse_the_arena_and_replace_it_when_too_small():
-    a, b, sender, receiver = _arena_pair()
-    with a, b:
-        small = {"t": torch.arange(10)}
-        _, got = _send_then_recv(a, b, sender, receiver, small)
-        _assert_same(got, small)
-        assert receiver.frames == 0  # under min_bytes: the socket
-        big = {"x": torch.randn(300, 257), "y": torch.randn(100, 33).bfloat16(), "e": torch.zeros(0, 4)}
-        for k in range(3):
-            header, got = _send_then_recv(a, b, sender, receiver, big, {"event": "x", "k": k})
-            assert header == {"event": "x", "k": k}  # the shm reference is consumed by the frame layer
-            _assert_same(got, big)
-            assert not any(receiver.arena.holds(t) for t in got.values())  # copies of their own
-        assert (receiver.frames, receiver.arenas, sender.seq) == (3, 1, 3)  # one warm arena, reused
-        bigger = {"z": torch.randn(1000, 1000)}
-        _, got = _send_then_recv(a, b, sender, receiver, bigger)
-        _assert_same(got, bigger)
-        assert receiver.arenas == 2 and receiver.arena.size >= 4_000_000
-        sender.close()
-        receiver.drop()
-
-
-def test_receive_reads_straight_from_the_arena_and_results_left_in_it_are_copied():
-    seen = []
-
-    def take(header):
-        return None if header.get("plain") else lambda name, view: seen.append(name) or (
-            view.float() if view.dtype == torch.bfloat16 else view)
-
-    a, b, sender, receiver = _arena_pair(take=take)
-    with a, b:
-        x = torch.randn(512, 300)
-        want = {"bf": x.bfloat16(), "f32": x}
-        _, got = _send_then_recv(a, b, sender, receiver, want)
-        assert sorted(seen) == ["bf", "f32"]
-        assert got["bf"].dtype == torch.float32 and torch.equal(got["bf"], x.bfloat16().float())  # exact upcast
-        assert torch.equal(got["f32"], x) and not receiver.arena.holds(got["f32"])  # the view was copied out
-        _, again = _send_then_recv(a, b, sender, receiver, {"bf": torch.zeros(512, 300).bfloat16()})
-        assert torch.equal(got["bf"], x.bfloat16().float())  # the arena's reuse leaves earlier results alone
-        _, plain = _send_then_recv(a, b, sender, receiver, want, {"event": "x", "plain": True})
-        _assert_same(plain, want)
-        sender.close()
-        receiver.drop()
-
-
-def test_an_unacknowledged_arena_is_not_overwritten_the_socket_carries_the_next_payload():
-    a, b, sender, receiver = _arena_pair()
-    with a, b:
-        first, second = {"t": torch.full((200, 200), 1.0)}, {"t": torch.full((200, 200), 2.0)}
-        protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload(first), shm=sender)
-        protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload(second), shm=sender)
-        assert sender.frames == 1  # the receiver has not read the first one yet
-        _assert_same(protocol.recv_frame(b, shm=receiver)[1], first)
-        _assert_same(protocol.recv_frame(b, shm=receiver)[1], second)
-        assert sender.idle(now=time.monotonic() + sender.idle_seconds)  # acknowledged and idle
-        protocol.send_frame(a, {}, flags=protocol.FLAG_SHM_DROP)
-        protocol.send_frame(a, {"event": "x"}, None)
-        assert protocol.recv_frame(b, shm=receiver) == ({"event": "x"}, {})  # the notice is consumed
-        assert receiver.arena is None
-        sender.close()
-
-
-def _memfd(size=1 << 20, seal=True) -> int:
-    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, size)
-    if seal:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    return fd
-
-
-def _ref(arena=1, seq=99, offset=64, size=100):
-    return {"arena": arena, "seq": seq, "offset": offset, "size": size}
-
-
-@pytest.mark.parametrize("flags, header, fd, match", [
-    (protocol.FLAG_SHM, {"event": "x"}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": {**_ref(), "name": "../../etc/passwd"}}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(seq=True)}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=-64)}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(arena=7)}, None, "refers to arena 7, but this connection maps 1"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=1 << 30)}, None, "not a payload range"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=0)}, None, "not a payload range"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(seq=1)}, None, "sequence number 1 is not after"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(size=1000)}, None, "not a valid safetensors blob"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, None, "0 file descriptor"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref()}, "memfd", "1 file descriptor(s) came with a frame of flags 0x1"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "file", "not a memfd"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "pipe", "not a regular"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "unsealed", "not sealed"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "five", "too many file"),
-    (protocol.FLAG_SHM_DROP, {"event": "x"}, None, "drop notice must have an empty header"),
-    (protocol.FLAG_SHM_DROP | protocol.FLAG_SHM, {}, None, "not a valid combination"),
-    (0x8, {"event": "x"}, None, "unknown frame flags 0x8"),
-])
-def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tmp_path, flags, header, fd, match):
-    a, b, sender, receiver = _arena_pair()
-    with a, b:
-        _send_then_recv(a, b, sender, receiver, {"t": torch.randn(200, 200)})  # arena 1 mapped, seq 1
-        before = _fd_count()
-        fds = []
-        if fd in ("memfd", "unsealed"):
-            fds = [_memfd(seal=fd == "memfd")]
-        elif fd == "file":
-            (tmp_path / "f").write_bytes(b"\0" * 4096)
-            fds = [os.open(tmp_path / "f", os.O_RDONLY)]
-        elif fd == "pipe":
-            r, w = os.pipe()
-            os.close(w)
-            fds = [r]
-        elif fd == "five":
-            fds = [_memfd() for _ in range(5)]
-        raw = json.dumps(header).encode()
-        shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0)
-                          + raw, fds)
-        for f in fds:
-            os.close(f)
-        b.settimeout(10)
-        with pytest.raises(ProtocolError, match=re.escape(match)):
-            protocol.recv_frame(b, shm=receiver)
-        assert _fd_count() <= before  # what came with the frame was closed
-        sender.close()
-        receiver.drop()
-
+# (the arena itself: tests/test_shm.py)
 
 def test_shm_frames_on_a_connection_without_the_feature_are_refused():
     msg = _recv_error(_prefix(2, 0, flags=protocol.FLAG_SHM) + b"{}")

@@ -1,7 +1,8 @@
 """One client connection of rank 0's socket server (:mod:`ltx_mgpu.pool.server`): a reader
 thread (the ``hello`` handshake within ``HELLO_TIMEOUT`` seconds, then frames -> validated
 requests handed to :meth:`Server.handle`) and a writer thread (an outbound queue, so a slow
-client never blocks the job loop; it also drops the connection's idle shared-memory arena).
+client never blocks the job loop; it also drops the connection's idle shared-memory arena and
+spare).
 
 The queue, the job loop's interface and the listening socket are :class:`ltx_mgpu.pool.server.Server`'s;
 the frames and messages are :mod:`ltx_mgpu.protocol`'s, the arena :mod:`ltx_mgpu.shm`'s.
@@ -66,21 +67,24 @@ class Connection:
     def enable(self, features: list[str]) -> list[str]:
         """Turn on the requested features this pool offers; returns those on for this connection."""
         if shm.FEATURE in features and self.server.shm_budget is not None and self.shm is None:
-            self.shm = shm.ArenaSender(self.server.shm_budget)
-        return [shm.FEATURE] if self.shm is not None else []
+            self.shm = shm.ArenaSender(self.server.shm_budget, own=shm.FEATURE_OWN in features)
+        if self.shm is None:
+            return []
+        return [shm.FEATURE] + [shm.FEATURE_OWN] * self.shm.own
 
     def _next(self):
         """The next outbound item; meanwhile, an arena idle for its time is dropped (notice sent)."""
         while True:
             sender = self.shm
-            wait = None if sender is None or sender.arena is None else \
+            wait = None if sender is None or not sender.holding() else \
                 max(0.05, sender.last_used + sender.idle_seconds - time.monotonic())
             try:
                 return self.out.get(timeout=wait)
             except queue.Empty:
                 if sender.idle():
-                    protocol.send_frame(self.sock, {}, flags=protocol.FLAG_SHM_DROP)
-                    sender.close()
+                    if sender.arena is not None:
+                        protocol.send_frame(self.sock, {}, flags=protocol.FLAG_SHM_DROP)
+                    sender.drop()
 
     def _write_loop(self) -> None:
         try:

@@ -143,7 +143,7 @@ class Server:
     # ---- requests (reader threads)
     def hello_answer(self) -> dict:
         """The pool description plus the optional ``features`` this pool offers."""
-        return {**self.describe(), "features": [shm.FEATURE] if self.shm_budget is not None else []}
+        return {**self.describe(), "features": [shm.FEATURE, shm.FEATURE_OWN] if self.shm_budget is not None else []}
 
     def handle(self, conn: Connection, req: protocol.Request) -> None:
         """Dispatch one validated request from ``conn``."""

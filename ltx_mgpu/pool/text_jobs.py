@@ -277,9 +277,9 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     Returns (rank 0): ``{"count", "version", "dropped_tokens", "num_tokens", "owners",
     "placement", "key", "wire_dtype", "broadcast_bytes", "seconds": {"encode", "broadcast"}}``
     (plus ``rank_digests`` [rank][prompt] hex and ``consistent`` with ``verify``) and tensors
-    ``prompt_<i>``: ``[T_i, D]`` in ``wire_dtype`` (bf16 when the pool computes in bf16, else
-    float32; the embeddings are float32 upcasts of it, ``embeddings_from_result`` restores
-    them exactly), prompt order.
+    ``prompt_<i>``: ``[T_i, D]`` in ``wire_dtype`` (float32 at world size 1; with more ranks
+    bf16 when the pool computes in bf16, of which the embeddings are float32 upcasts that
+    ``embeddings_from_result`` restores exactly), prompt order.
 
     Raises:
         BadInput: no encoder loaded, an ``expect`` mismatch, bad parameters; a prompt over the
@@ -293,6 +293,11 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     per_rank = [owners.count(r) for r in range(ctx.world_size)]
     rounds = max(1, max(math.ceil(n / batch_size) for n in per_rank))
     mine = [i for i in range(count) if owners[i] == ctx.rank]
+    # At world size 1 nothing is broadcast: rank 0 encodes straight to float32, the client's
+    # format (as the in-process encode does), so a result handed over in shared memory
+    # (``ltx_mgpu.shm``, ``shm_own``) is the client's tensor as it is, no upcast on either side.
+    # With more ranks the rows are broadcast in the wire dtype and sent in it.
+    out_dtype = torch.float32 if ctx.world_size == 1 else state.wire
     local, error = {}, None
     t0 = time.perf_counter()
     for k in range(rounds):
@@ -301,7 +306,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         if chunk and error is None:
             try:
                 out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size,
-                                             out_dtype=state.wire)
+                                             out_dtype=out_dtype)
             except (ValueError, torch.OutOfMemoryError) as e:  # PromptTooLongError is a ValueError
                 error = failure_message(e, "encoding")
                 local.clear()
@@ -326,18 +331,17 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
                                                 "devices": [str(ctx.device)], "job": ctx.job_id})
     if not ctx.is_main:
         return {}, {}
-    # Rank 0 sends every prompt in the wire dtype (tp.wire_dtype: bf16 when the pool computes in
-    # bf16, else float32). The embeddings are float32 upcasts of it, so the client's upcast
-    # (remote_text.embeddings_from_result) restores them bit for bit from half the bytes. Its
-    # own prompts come from the encoder already in the wire dtype (encode(out_dtype=wire): no
-    # float32 round trip in the pool, no device->host copy back); the others come down in it.
-    wire = state.wire
-    rows = [local[i].tensor if i in local else t.detach().to(device="cpu", dtype=wire, copy=True)
+    # Rank 0 sends every prompt in ``out_dtype``: float32 at world size 1; else the wire dtype
+    # (tp.wire_dtype: bf16 when the pool computes in bf16), of which the embeddings are float32
+    # upcasts, so the client's upcast (remote_text.embeddings_from_result) restores them bit for
+    # bit from half the bytes. Its own prompts come from the encoder already in that dtype (no
+    # device->host copy back); the others come down in it.
+    rows = [local[i].tensor if i in local else t.detach().to(device="cpu", dtype=out_dtype, copy=True)
             for i, t in enumerate(held.tensors)]
     del local
     result = {"count": count, "version": req.version, "dropped_tokens": [int(d) for d in held.dropped],
               "num_tokens": [int(r.shape[0]) for r in rows], "owners": owners, "placement": req.placement,
-              "key": req.key, "wire_dtype": str(wire).removeprefix("torch."), "broadcast_bytes": held.nbytes,
+              "key": req.key, "wire_dtype": str(out_dtype).removeprefix("torch."), "broadcast_bytes": held.nbytes,
               "seconds": {"encode": t_encode, "broadcast": t_broadcast}}
     if digests is not None:
         result["rank_digests"] = digests

@@ -1,0 +1,294 @@
+"""The shared-memory arena and hand-over (``ltx_mgpu.shm``, ``ltx_mgpu.shm_receive``) between a
+sender and a receiver on a socket pair: round trips, reuse, acknowledgement, hand-over of spares,
+and every malformed frame refused naming its rule without leaking a descriptor."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from ltx_mgpu import protocol, shm
+from ltx_mgpu.protocol import ProtocolError
+from pool_support import assert_same_tensors, socket_pair
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _arena_pair(min_bytes=1 << 16, take=None):
+    a, b = socket_pair()
+    return a, b, shm.ArenaSender(shm.Budget(), min_bytes=min_bytes), shm.ArenaReceiver(take)
+
+
+def _send_then_recv(a, b, sender, receiver, tensors, header=None):
+    t = threading.Thread(target=protocol.send_frame, args=(a, header or {"event": "x"},
+                                                           protocol.tensors_to_payload(tensors)),
+                         kwargs={"shm": sender}, daemon=True)
+    t.start()
+    out = protocol.recv_frame(b, shm=receiver)
+    t.join()
+    return out
+
+
+def test_arena_frames_round_trip_reuse_the_arena_and_replace_it_when_too_small():
+    a, b, sender, receiver = _arena_pair()
+    with a, b:
+        small = {"t": torch.arange(10)}
+        _, got = _send_then_recv(a, b, sender, receiver, small)
+        assert_same_tensors(got, small)
+        assert receiver.frames == 0  # under min_bytes: the socket
+        big = {"x": torch.randn(300, 257), "y": torch.randn(100, 33).bfloat16(), "e": torch.zeros(0, 4)}
+        for k in range(3):
+            header, got = _send_then_recv(a, b, sender, receiver, big, {"event": "x", "k": k})
+            assert header == {"event": "x", "k": k}  # the shm reference is consumed by the frame layer
+            assert_same_tensors(got, big)
+            assert not any(receiver.arena.holds(t) for t in got.values())  # copies of their own
+        assert (receiver.frames, receiver.arenas, sender.seq) == (3, 1, 3)  # one warm arena, reused
+        bigger = {"z": torch.randn(1000, 1000)}
+        _, got = _send_then_recv(a, b, sender, receiver, bigger)
+        assert_same_tensors(got, bigger)
+        assert receiver.arenas == 2 and receiver.arena.size >= 4_000_000
+        sender.close()
+        receiver.drop()
+
+
+def test_receive_reads_straight_from_the_arena_and_results_left_in_it_are_copied():
+    seen = []
+
+    def take(header):
+        return None if header.get("plain") else lambda name, view: seen.append(name) or (
+            view.float() if view.dtype == torch.bfloat16 else view)
+
+    a, b, sender, receiver = _arena_pair(take=take)
+    with a, b:
+        x = torch.randn(512, 300)
+        want = {"bf": x.bfloat16(), "f32": x}
+        _, got = _send_then_recv(a, b, sender, receiver, want)
+        assert sorted(seen) == ["bf", "f32"]
+        assert got["bf"].dtype == torch.float32 and torch.equal(got["bf"], x.bfloat16().float())  # exact upcast
+        assert torch.equal(got["f32"], x) and not receiver.arena.holds(got["f32"])  # the view was copied out
+        _, again = _send_then_recv(a, b, sender, receiver, {"bf": torch.zeros(512, 300).bfloat16()})
+        assert torch.equal(got["bf"], x.bfloat16().float())  # the arena's reuse leaves earlier results alone
+        _, plain = _send_then_recv(a, b, sender, receiver, want, {"event": "x", "plain": True})
+        assert_same_tensors(plain, want)
+        sender.close()
+        receiver.drop()
+
+
+def test_an_unacknowledged_arena_is_not_overwritten_the_socket_carries_the_next_payload():
+    a, b, sender, receiver = _arena_pair()
+    with a, b:
+        first, second = {"t": torch.full((200, 200), 1.0)}, {"t": torch.full((200, 200), 2.0)}
+        protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload(first), shm=sender)
+        protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload(second), shm=sender)
+        assert sender.frames == 1  # the receiver has not read the first one yet
+        assert_same_tensors(protocol.recv_frame(b, shm=receiver)[1], first)
+        assert_same_tensors(protocol.recv_frame(b, shm=receiver)[1], second)
+        assert sender.idle(now=time.monotonic() + sender.idle_seconds)  # acknowledged and idle
+        protocol.send_frame(a, {}, flags=protocol.FLAG_SHM_DROP)
+        protocol.send_frame(a, {"event": "x"}, None)
+        assert protocol.recv_frame(b, shm=receiver) == ({"event": "x"}, {})  # the notice is consumed
+        assert receiver.arena is None
+        sender.close()
+
+
+def _memfd(size=1 << 20, seal=True) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _ref(arena=1, seq=99, offset=64, size=100):
+    return {"arena": arena, "seq": seq, "offset": offset, "size": size}
+
+
+@pytest.mark.parametrize("flags, header, fd, match", [
+    (protocol.FLAG_SHM, {"event": "x"}, None, "shm reference must be"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": {**_ref(), "name": "../../etc/passwd"}}, None, "shm reference must be"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(seq=True)}, None, "shm reference must be"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=-64)}, None, "shm reference must be"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(arena=7)}, None, "refers to arena 7, but this connection maps 1"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=1 << 30)}, None, "not a payload range"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=0)}, None, "not a payload range"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(seq=1)}, None, "sequence number 1 is not after"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(size=1000)}, None, "not a valid safetensors blob"),
+    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, None, "0 file descriptor"),
+    (protocol.FLAG_SHM, {"event": "x", "shm": _ref()}, "memfd", "1 file descriptor(s) came with a frame of flags 0x1"),
+    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "file", "not a memfd"),
+    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "pipe", "not a regular"),
+    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "unsealed", "not sealed"),
+    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "five", "too many file"),
+    (protocol.FLAG_SHM_DROP, {"event": "x"}, None, "drop notice must have an empty header"),
+    (protocol.FLAG_SHM_DROP | protocol.FLAG_SHM, {}, None, "not a valid combination"),
+    (0x8, {"event": "x"}, None, "unknown frame flags 0x8"),
+])
+def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tmp_path, flags, header, fd, match):
+    a, b, sender, receiver = _arena_pair()
+    with a, b:
+        _send_then_recv(a, b, sender, receiver, {"t": torch.randn(200, 200)})  # arena 1 mapped, seq 1
+        before = _fd_count()
+        fds = []
+        if fd in ("memfd", "unsealed"):
+            fds = [_memfd(seal=fd == "memfd")]
+        elif fd == "file":
+            (tmp_path / "f").write_bytes(b"\0" * 4096)
+            fds = [os.open(tmp_path / "f", os.O_RDONLY)]
+        elif fd == "pipe":
+            r, w = os.pipe()
+            os.close(w)
+            fds = [r]
+        elif fd == "five":
+            fds = [_memfd() for _ in range(5)]
+        raw = json.dumps(header).encode()
+        shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0)
+                          + raw, fds)
+        for f in fds:
+            os.close(f)
+        b.settimeout(10)
+        with pytest.raises(ProtocolError, match=re.escape(match)):
+            protocol.recv_frame(b, shm=receiver)
+        assert _fd_count() <= before  # what came with the frame was closed
+        sender.close()
+        receiver.drop()
+
+
+
+
+# --------------------------------------------------------------------------- hand-over (shm_own)
+
+def _own_pair(take=None, own_min_bytes=1 << 18):
+    a, b = socket_pair()
+    sender = shm.ArenaSender(shm.Budget(), min_bytes=1 << 16, own=True, own_min_bytes=own_min_bytes)
+    return a, b, sender, shm.ArenaReceiver(take)
+
+
+def _spare_made(sender):
+    if sender._making is not None:
+        sender._making.join(timeout=30)
+
+
+def test_a_ready_spare_is_handed_over_the_receiver_keeps_views_of_it_and_the_sender_lets_go():
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        first = {"x": torch.randn(512, 512)}  # 1 MiB: no spare yet, the connection's arena carries it
+        _, got = _send_then_recv(a, b, sender, receiver, first)
+        assert_same_tensors(got, first)
+        assert (receiver.owned, receiver.arenas) == (0, 1)
+        _spare_made(sender)  # made in the background after that first large payload
+        kept = []
+        for k in range(3):
+            want = {"x": torch.randn(512, 512), "y": torch.arange(1000)}
+            before = _fd_count()
+            _, got = _send_then_recv(a, b, sender, receiver, want, {"event": "x", "k": k})
+            assert_same_tensors(got, want)
+            assert not receiver.arena.holds(got["x"])  # not the connection's arena: memory of its own
+            kept.append((got, want))
+            _spare_made(sender)
+            # the sender closed the handed-over descriptor, the receiver its copy: the one open
+            # descriptor of a spare is the next spare's
+            assert _fd_count() == before
+        assert receiver.owned == 3 and sender.handed == 3 and receiver.arenas == 1
+        sender.close()
+        receiver.drop()
+        for got, want in kept:  # the mappings live on with the tensors
+            assert_same_tensors(got, want)
+            got["x"].zero_()  # and are the receiver's to write
+        assert sender.budget.used == 0  # nothing handed over counts against the pool's budget
+
+
+def test_handed_over_frames_need_no_acknowledgement_and_receive_applies():
+    calls = []
+
+    def take(header):
+        return lambda name, view: calls.append(name) or (view.float() if view.dtype == torch.bfloat16 else view)
+
+    a, b, sender, receiver = _own_pair(take=take)
+    with a, b:
+        x = torch.randn(600, 600)
+        _send_then_recv(a, b, sender, receiver, {"bf": x.bfloat16(), "f": x})  # through the arena
+        calls.clear()
+        for k in (1, 2):  # same size: the spare fits; neither is read before both are out
+            _spare_made(sender)
+            protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload({"bf": (x * k).bfloat16(), "f": x * k}),
+                                shm=sender)
+        assert sender.handed == 2
+        _, one = protocol.recv_frame(b, shm=receiver)
+        _, two = protocol.recv_frame(b, shm=receiver)
+        assert torch.equal(one["bf"], x.bfloat16().float()) and torch.equal(one["f"], x)
+        assert torch.equal(two["bf"], (x * 2).bfloat16().float()) and torch.equal(two["f"], x * 2)
+        assert calls == ["bf", "f", "bf", "f"] and receiver.owned == 2
+        sender.close()
+        receiver.drop()
+
+
+def test_a_spare_far_larger_than_the_payload_is_not_handed_over():
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        _send_then_recv(a, b, sender, receiver, {"x": torch.randn(2048, 1024)})  # 8 MiB: an 8 MiB spare
+        _spare_made(sender)
+        _, got = _send_then_recv(a, b, sender, receiver, {"x": torch.ones(512, 256)})  # 0.5 MiB
+        assert receiver.owned == 0 and torch.equal(got["x"], torch.ones(512, 256))  # the arena carried it
+        _spare_made(sender)  # a fitting spare is made instead
+        _, got = _send_then_recv(a, b, sender, receiver, {"x": torch.ones(512, 256)})
+        assert receiver.owned == 1
+        sender.close()
+        receiver.drop()
+
+
+def test_an_idle_sender_drops_its_spare_and_makes_a_new_one_later():
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
+        _spare_made(sender)
+        assert sender.holding() and sender.budget.used > 0
+        assert sender.idle(now=time.monotonic() + sender.idle_seconds)
+        sender.drop()
+        assert not sender.holding() and sender.budget.used == 0
+        _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})  # no spare: arena again
+        _spare_made(sender)
+        _, got = _send_then_recv(a, b, sender, receiver, {"x": torch.ones(512, 512)})
+        assert receiver.owned == 1 and torch.equal(got["x"], torch.ones(512, 512))
+        sender.close()
+        receiver.drop()
+
+
+def _own(offset=64, size=100, **extra):
+    return {"own": True, "offset": offset, "size": size, **extra}
+
+
+@pytest.mark.parametrize("ref, fds, match", [
+    (_own(), 0, "0 descriptors came with a handed-over frame"),
+    (_own(), 2, "2 descriptors came with a handed-over frame"),
+    (_own(seq=3), 1, "handed-over shm reference must be"),
+    ({**_own(), "own": 1}, 1, "handed-over shm reference must be"),
+    (_own(offset=8), 1, "not a payload range of the"),
+    (_own(size=1 << 21), 1, "not a payload range of the"),
+    (_own(), 1, "handed-over payload is not a valid safetensors blob"),
+])
+def test_broken_hand_overs_are_refused_naming_the_rule_and_leak_no_descriptor(ref, fds, match):
+    a, b = socket_pair()
+    receiver = shm.ArenaReceiver()
+    with a, b:
+        before = _fd_count()
+        sent = [_memfd() for _ in range(fds)]
+        flags = protocol.FLAG_SHM | (protocol.FLAG_SHM_FD if fds else 0)
+        raw = json.dumps({"event": "x", "shm": ref}).encode()
+        shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0)
+                          + raw, sent)
+        for f in sent:
+            os.close(f)
+        b.settimeout(10)
+        with pytest.raises(ProtocolError, match=re.escape(match)):
+            protocol.recv_frame(b, shm=receiver)
+        assert _fd_count() <= before
