@@ -36,9 +36,10 @@ What it does, in one process (every ratio is within this run):
    * ``pool``: ``PoolClient.encode_prompts(encoder, prompts, cache=None)`` - what a ComfyUI
      node does: the ``encode`` job with the resident encoder's key (a pool without it
      rejects the request and the client loads, then retries), the job (Gemma forward,
-     the replication to every rank, kept resident), the result in the wire dtype (bf16 for a
-     bf16 pool) through the shared-memory arena (``ltx_mgpu.shm``; the socket under 1 MiB),
-     upcast to float32 on receipt (each row reports ``wire_bytes`` and ``transport``);
+     the replication to every rank, kept resident), the result (float32 from a one-rank pool)
+     in shared memory (``ltx_mgpu.shm``: handed over in a spare the pool made ahead, else
+     copied out of the connection's arena; the socket under 1 MiB; each row reports
+     ``wire_bytes`` and ``transport``);
    * ``pool request``: the ``encode`` request alone, whose result gives the pool-side split
      (``seconds.encode``: Gemma + features on rank 0; ``seconds.broadcast``: the replication);
      the rest is the job's framing, the socket and the client.
@@ -263,7 +264,7 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         def pool():
             return client.encode_prompts(remote, prompts, cache=None, batch_size=batch, timeout=600)[0]
 
-        def pool_request():  # as encode_prompts sends it (receive=upcast: float32 straight from the arena)
+        def pool_request():  # as encode_prompts sends it (receive=upcast: a float32 result is kept as it is)
             result, tensors = client.request("encode", {"prompts": prompts, "batch_size": batch, "expect": key},
                                              timeout=600, receive=upcast)
             split.append({**result["seconds"], "wire_dtype": result["wire_dtype"]})
@@ -272,12 +273,13 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         reference = in_process()
         diff = _max_diff(reference, pool())
         result_bytes = sum(e.tensor.numel() * e.tensor.element_size() for e in reference)
-        shm_before = client.shm_stats["frames"]
+        shm_before, owned_before = client.shm_stats["frames"], client.shm_stats["owned"]
         times = alternate({"in-process": in_process, "pool": pool, "pool request": pool_request},
                           args.warmup, args.runs)
         split = split[args.warmup:]
         wire = getattr(torch, split[-1]["wire_dtype"])
         shm_frames = client.shm_stats["frames"] - shm_before
+        owned = client.shm_stats["owned"] - owned_before
         med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
         pool_encode = statistics.median(s["encode"] for s in split) * 1e3
         pool_broadcast = statistics.median(s["broadcast"] for s in split) * 1e3
@@ -288,7 +290,8 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
                       "max_abs_diff_pool_vs_in_process": diff,
                       "result_bytes": result_bytes, "wire_dtype": str(wire).removeprefix("torch."),
                       "wire_bytes": result_bytes // 4 * wire.itemsize,
-                      "transport": f"shm arena ({shm_frames} frames)" if shm_frames else "socket"}
+                      "transport": (f"shared memory ({shm_frames} frames, {owned} handed over)" if shm_frames
+                                    else "socket")}
         log(f"{weights} {label}: in-process {med['in-process']:.2f} ms, pool {med['pool']:.2f} ms "
             f"({overhead:+.1%}), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
             f"broadcast {pool_broadcast:.2f} + rest {med['pool request'] - pool_encode - pool_broadcast:.2f}; "

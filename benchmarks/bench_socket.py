@@ -65,7 +65,7 @@ def _median_s(fn, repeat: int, warmup: int = 5) -> float:
 
 def _upcast(name: str, t: torch.Tensor) -> torch.Tensor:
     """What ``ltx_mgpu.remote_text.upcast`` does to a received bf16 embedding."""
-    return shm.host_empty(t.shape, torch.float32).copy_(t)
+    return torch.empty(t.shape, dtype=torch.float32).copy_(t)
 
 
 def _pair_seconds(tensors: dict, repeat: int, arena: bool, upcast: bool = False) -> float:
@@ -206,9 +206,9 @@ def main(argv=None) -> int:
             f32 = torch.randn(nbytes // 2)
             bf16 = f32.bfloat16()
             timed.append((f"{label} bf16 from float32 rows (pool side)",
-                          _median_s(lambda: shm.host_empty(f32.shape, torch.bfloat16).copy_(f32), args.repeat)))
+                          _median_s(lambda: torch.empty(f32.shape, dtype=torch.bfloat16).copy_(f32), args.repeat)))
             timed.append((f"{label} float32 from bf16 (client side, socket)",
-                          _median_s(lambda: shm.host_empty(bf16.shape, torch.float32).copy_(bf16), args.repeat)))
+                          _median_s(lambda: torch.empty(bf16.shape, dtype=torch.float32).copy_(bf16), args.repeat)))
             for name, s in timed:
                 rows.append((name, f"{s * 1e3:8.2f} ms", f"{nbytes / s / 1e9:6.2f} GB/s"))
             client.request("unload", {"names": ["selftest.blob"]})
