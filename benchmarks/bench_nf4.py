@@ -394,14 +394,20 @@ def main(argv=None) -> int:
                   f"{g('plain_forward_peak_bytes', 2**30):>10}")
         print(f"goals: peak <= {GOALS['peak_gb_1']} GB at 1x1024, <= {GOALS['ratio_1']}x bf16 at 1x1024, "
               f"<= {GOALS['ratio_8']}x at 8x1024")
+        print("  (ratios from sequential runs; the loader default's verdict uses the interleaved head to head,"
+              " which is what the goals are judged on: a sequential ratio mixes in the GPU's drift)")
+        h2h = results.get("head_to_head", {})
         for n in variants:
             r1, r8 = results["nf4"][n].get(f"1x{args.tokens}"), results["nf4"][n].get(f"8x{args.tokens}")
             if not r1:
                 continue
             peak = r1["peak_without_projection_bytes"]
-            verdict = [f"ratio 1x: {r1['ratio_vs_bf16']:.3f} ({'ok' if r1['ratio_vs_bf16'] <= GOALS['ratio_1'] else 'MISS'})"]
+            ratio1 = h2h[f"1x{args.tokens}"]["ratio"] if n == LOADER and f"1x{args.tokens}" in h2h else r1["ratio_vs_bf16"]
+            verdict = [f"ratio 1x: {ratio1:.3f} ({'ok' if ratio1 <= GOALS['ratio_1'] else 'MISS'})"]
             if r8:
-                verdict.append(f"ratio 8x: {r8['ratio_vs_bf16']:.3f} ({'ok' if r8['ratio_vs_bf16'] <= GOALS['ratio_8'] else 'MISS'})")
+                ratio8 = (h2h[f"8x{args.tokens}"]["ratio"] if n == LOADER and f"8x{args.tokens}" in h2h
+                          else r8["ratio_vs_bf16"])
+                verdict.append(f"ratio 8x: {ratio8:.3f} ({'ok' if ratio8 <= GOALS['ratio_8'] else 'MISS'})")
             if peak is not None:
                 verdict.append(f"peak 1x w/o projection: {peak / 1e9:.2f} GB "
                                f"({'ok' if peak / 1e9 <= GOALS['peak_gb_1'] else 'MISS'})")

@@ -5,7 +5,10 @@ Why: at 1x1024 tokens an eager NF4 forward of Gemma 3 12B is bound by the host, 
 bitsandbytes' ``dequantize_4bit`` costs three kernel launches per weight (the 8-bit block scales,
 the offset, the 4-bit values) plus its Python bookkeeping, 336 times per forward; on the H200
 the per-layer fill measured ~0.56 ms, and the NF4 encode 1.3-1.4x the bf16 one. Here one
-launch dequantizes all 7 projections of a decoder layer, double-quantized scales included.
+launch dequantizes all 7 projections of a decoder layer, double-quantized scales included:
+0.25-0.27 ms per 12B layer (2.1-2.3 TB/s counted as packed bytes + scales read and bf16
+written) against 0.51-0.83 ms for bitsandbytes in the same runs (``benchmarks/bench_nf4.py``,
+"dequant one layer"), and the loader's NF4 encode at 1x1024 tokens came to 1.21x our bf16.
 
 The arithmetic is bitsandbytes', step for step (``../shared/notes/gemma-nf4.md`` §5;
 ``bitsandbytes.functional.dequantize_4bit``), so the output is bit-identical:
