@@ -43,7 +43,7 @@ from ltx_mgpu.pool import launch
 from ltx_mgpu.pool.launch import PoolError, PoolSpec, PoolStartError
 from ltx_mgpu.shm import FEATURE as SHM
 from ltx_mgpu.shm import FEATURE_OWN as SHM_OWN
-from ltx_mgpu.shm import ArenaReceiver
+from ltx_mgpu.shm_receive import ArenaReceiver
 from ltx_mgpu.shm import available as shm_available
 
 __all__ = ["PoolClient", "Job", "PoolError", "PoolStartError", "PoolFatalError", "BadInputError",

@@ -141,6 +141,11 @@ def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Payload 
         flags |= FLAG_SHM | (FLAG_SHM_FD if fds else 0)
     try:
         raw = encode_header(header, limits)
+    except BaseException:
+        if placed is not None:
+            shm.unsent()  # nothing went out: keep the arena's acknowledgement in step
+        raise
+    try:
         send_with_fds(sock, _PREFIX.pack(MAGIC, PROTOCOL_VERSION, flags, len(raw), n) + raw, fds)
     finally:
         if placed is not None:
@@ -178,7 +183,7 @@ def _recv_bytes(sock: socket.socket, n: int, what: str, at_start: bool = False,
 
 
 def recv_frame(sock: socket.socket, limits: Limits | None = None, shm=None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read one frame: ``(header, tensors)``. ``shm`` (an ``ltx_mgpu.shm.ArenaReceiver``, on
+    """Read one frame: ``(header, tensors)``. ``shm`` (an ``ltx_mgpu.shm_receive.ArenaReceiver``, on
     connections that enabled the feature) reads ``shm`` frames and applies drop notices.
 
     Raises:

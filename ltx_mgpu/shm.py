@@ -21,8 +21,9 @@ Frames (flags of the frame prefix, see ``ltx_mgpu.protocol``):
 * ``FLAG_SHM``: no payload bytes follow on the socket; the JSON header carries
   ``"shm": {"arena": int, "seq": int, "offset": int, "size": int}`` and the payload (the same
   safetensors blob the socket would carry) lies at ``[offset, offset + size)`` of the arena;
-* ``FLAG_SHM_FD`` (with ``FLAG_SHM``): the frame introduces a new arena: its file descriptor
-  rides on the frame's first byte (``SCM_RIGHTS``); the receiver replaces (unmaps) its old one;
+* ``FLAG_SHM_FD`` (with ``FLAG_SHM``): a file descriptor rides on the frame's first byte
+  (``SCM_RIGHTS``): a new arena's, which replaces (unmaps) the receiver's old one, or a
+  handed-over spare's (see below);
 * ``FLAG_SHM_DROP``: an empty frame (header ``{}``) telling the receiver to unmap its arena
   (the sender dropped it after :data:`IDLE_SECONDS` without use).
 
@@ -40,10 +41,11 @@ Only connections that asked for it (the ``features`` request) get ``shm`` frames
 a background thread, after the previous large payload: allocating and faulting in fresh pages
 is the slow part, 92 ms for 200 MB on the H200 host) and then gives away: the frame carries the
 descriptor and ``"shm": {"own": true, "offset", "size"}``, the sender unmaps and closes its
-side once the frame is out, and the receiver's tensors are views of that mapping, kept as long
-as they live (no copy at either end after the sender's one write; nothing to acknowledge). A
-spare is used only when it fits the payload within a factor of two, so a small result never
-pins a large one's memory.
+side once the frame is out, and the receiver maps ``[0, offset + size)`` privately
+(copy-on-write, like any memory of its own) and returns views of it, kept as long as they live
+(nothing to acknowledge; no copy unless a ``receive`` makes one, e.g. an upcast). A spare is
+used only when it fits the payload within a factor of two (:func:`fits`), so a small result
+never pins a large one's memory; the receiver refuses a larger one.
 
 Settings (environment of the pool, or of the client for ``LTX_MGPU_SHM``):
 ``LTX_MGPU_SHM=0`` turns the feature off; ``LTX_MGPU_SHM_MIN_BYTES`` (1 MiB),
@@ -67,8 +69,8 @@ import psutil
 import torch
 
 __all__ = ["FEATURE", "FEATURE_OWN", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "HEADER_BYTES", "MIN_BYTES",
-           "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "Budget", "ArenaSender", "ArenaReceiver",
-           "ShmError", "Take", "send_with_fds", "recvmsg_into"]
+           "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "Budget", "ArenaSender", "ShmError", "Take",
+           "send_with_fds", "recvmsg_into"]
 
 FEATURE = "shm"
 FEATURE_OWN = "shm_own"
@@ -191,9 +193,9 @@ class ArenaSender:
     """The pool's side of one connection: places payloads in its arena, or with ``own`` hands
     large ones over in a spare (see the module doc).
 
-    ``place`` and ``sent`` are called by the connection's one writer thread; the spare is made
-    by a background thread under ``_lock``. Counters: ``frames`` (placed), ``handed`` (of which
-    handed over)."""
+    ``place``, ``sent``, ``unsent`` and ``drop`` are called by the connection's one writer
+    thread; the spare is made by a background thread and swapped in under ``_lock``. Counters:
+    ``frames`` (placed), ``handed`` (of which handed over)."""
 
     def __init__(self, budget: Budget, min_bytes: int = MIN_BYTES, idle_seconds: float = IDLE_SECONDS,
                  own: bool = False, own_min_bytes: int = OWN_MIN_BYTES):
@@ -208,6 +210,7 @@ class ArenaSender:
         self._spare: _Arena | None = None
         self._making: threading.Thread | None = None
         self._given: list[_Arena] = []
+        self._last: str | None = None  # what the last place() used: "arena", "gift" or None
         self._closed = False
 
     def place(self, payload) -> tuple[dict, list[int]] | None:
@@ -220,33 +223,55 @@ class ArenaSender:
         if n < self.min_bytes:
             return None
         need = HEADER_BYTES + n
-        if self.own and n >= self.own_min_bytes:
-            gift = self._take_spare(need)
-            self._make_spare_soon(need)
+        own = self.own and n >= self.own_min_bytes
+        try:
+            gift = self._take_spare(need) if own else None
             if gift is not None:
-                _write(gift, payload)
+                try:
+                    _write(gift, payload)
+                except BaseException:
+                    gift.close()
+                    raise
                 self._given.append(gift)
+                self._last = "gift"
                 self.handed += 1
                 self.frames += 1
                 self.last_used = time.monotonic()
                 return {"own": True, "offset": HEADER_BYTES, "size": n}, [gift.fd]
-        arena, fds = self.arena, []
-        if arena is not None and int(arena.ack[0]) != self.seq:
-            return None  # the receiver is still reading the previous frame
-        if arena is None or arena.size < need:
-            arena = self._grow(need)
-            if arena is None:
-                return None
-            fds = [arena.fd]
-        _write(arena, payload)
-        self.seq += 1
-        self.frames += 1
-        self.last_used = time.monotonic()
-        return {"arena": self.arena_id, "seq": self.seq, "offset": HEADER_BYTES, "size": n}, fds
+            arena, fds = self.arena, []
+            if arena is not None and int(arena.ack[0]) != self.seq:
+                return None  # the receiver is still reading the previous frame
+            if arena is None or arena.size < need:
+                arena = self._grow(need)
+                if arena is None:
+                    return None
+                fds = [arena.fd]
+            _write(arena, payload)
+            self._last = "arena"
+            self.seq += 1
+            self.frames += 1
+            self.last_used = time.monotonic()
+            return {"arena": self.arena_id, "seq": self.seq, "offset": HEADER_BYTES, "size": n}, fds
+        finally:
+            if own:  # after this payload has its memory: the spare never takes the budget from it
+                self._make_spare_soon(need)
+
+    def unsent(self) -> None:
+        """The frame of the last :meth:`place` could not be sent (its header broke the limits):
+        undo it, so the arena's acknowledgement stays in step (a gift is dropped)."""
+        if self._last == "arena":
+            self.seq -= 1
+        elif self._last == "gift":
+            self.handed -= 1
+            self.sent()
+        if self._last is not None:
+            self.frames -= 1
+        self._last = None
 
     def sent(self) -> None:
         """The frame of the last :meth:`place` is out: unmap and close what was handed over
         (its memory is the receiver's now)."""
+        self._last = None
         while self._given:
             self._given.pop().close()
 
@@ -265,34 +290,40 @@ class ArenaSender:
         return arena
 
     def _take_spare(self, need: int) -> _Arena | None:
-        """The ready spare if it holds ``need`` bytes without wasting more than half of it (a
-        spare too large is dropped, a new one of the right size is made next)."""
+        """The ready spare if it :func:`fits` ``need`` bytes; a spare that does not fit is
+        dropped (a new one of the right size is made next)."""
         with self._lock:
             spare = self._spare
             if spare is None or spare.size < need:
                 return None
             self._spare = None
         self.budget.release(spare.size)  # from here on it is the receiver's memory
-        if spare.size > 2 * need:
+        if not fits(spare.size, need):
             spare.close()
             return None
         return spare
 
     def _make_spare_soon(self, need: int) -> None:
-        """Start making a spare of at least ``need`` bytes in the background, unless one is
-        being made or a fitting one is ready."""
+        """Start making a spare for ``need`` bytes in the background, unless one is being made
+        or a fitting one is ready."""
         size = -(-need // _ROUND) * _ROUND
         with self._lock:
-            busy = self._making is not None and self._making.is_alive()
-            if self._closed or busy or (self._spare is not None and size <= self._spare.size <= 2 * size):
+            if self._closed or self._busy() or (self._spare is not None and fits(self._spare.size, need)):
                 return
             self._making = threading.Thread(target=self._make_spare, args=(size,), name="shm-spare", daemon=True)
             self._making.start()
 
+    def _busy(self) -> bool:
+        return self._making is not None and self._making.is_alive()
+
     def _make_spare(self, size: int) -> None:
         if not self.budget.reserve(size):
             return
-        arena = _make_arena(size)
+        try:
+            arena = _make_arena(size)
+        except BaseException:
+            self.budget.release(size)
+            raise
         if arena is None:
             self.budget.release(size)
             return
@@ -305,8 +336,9 @@ class ArenaSender:
             old.close()
 
     def holding(self) -> bool:
-        """Whether an arena or a spare is held (something to drop when idle)."""
-        return self.arena is not None or self._spare is not None
+        """Whether an arena or a spare is held or a spare is being made (something to drop
+        when idle)."""
+        return self.arena is not None or self._spare is not None or self._busy()
 
     def idle(self, now: float | None = None) -> bool:
         """Whether what is held is acknowledged and unused for ``idle_seconds`` (time to drop it)."""
@@ -315,8 +347,9 @@ class ArenaSender:
                 and (self.arena is None or int(self.arena.ack[0]) == self.seq))
 
     def drop(self) -> None:
-        """Drop the arena and the spare (their memory goes once the receiver unmapped the arena
-        too); new ones are made when needed."""
+        """Drop the arena (its memory goes once the receiver unmapped it too) and the spare;
+        new ones are made when needed. A spare still being made is kept when it is done and
+        dropped at the next idle check (:meth:`holding` counts it)."""
         with self._lock:
             spare, self._spare = self._spare, None
         for held in (self.arena, spare):
@@ -331,6 +364,13 @@ class ArenaSender:
         with self._lock:
             self._closed = True
         self.drop()
+
+
+def fits(size: int, need: int) -> bool:
+    """Whether a spare of ``size`` bytes may carry a ``need``-byte frame: it holds it and
+    wastes at most half of itself (a small result never pins a large one's memory; the
+    receiver refuses a hand-over that breaks this rule)."""
+    return need <= size <= 2 * need
 
 
 def _write(arena: _Arena, payload) -> None:
@@ -356,5 +396,3 @@ def _make_arena(size: int) -> _Arena | None:
     except (OSError, MemoryError):
         return None
 
-
-from ltx_mgpu.shm_receive import ArenaReceiver  # noqa: E402  (it builds on the definitions above)

@@ -15,35 +15,42 @@ from typing import Any, Mapping
 import torch
 
 from ltx_mgpu.payload import PayloadError, parse_payload
-from ltx_mgpu.shm import _SEALS, FLAG_SHM, FLAG_SHM_DROP, FLAG_SHM_FD, HEADER_BYTES, ShmError, Take, _Arena
+from ltx_mgpu.shm import (_ROUND, _SEALS, FLAG_SHM, FLAG_SHM_DROP, FLAG_SHM_FD, HEADER_BYTES, ShmError, Take, _Arena,
+                          fits)
 
 __all__ = ["ArenaReceiver"]
 
 _REF_KEYS = {"arena", "seq", "offset", "size"}
+_OWN_KEYS = {"own", "offset", "size"}
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-def _map_owned(fd: int, size: int) -> torch.Tensor:
-    """Map ``size`` bytes of ``fd`` shared (pages populated) as a uint8 tensor that owns the
-    mapping: it is unmapped when the tensor and every view of it are gone. The descriptor may be
-    closed right after. (``mmap.mmap`` would keep a duplicate descriptor open per mapping for as
-    long as it lives: a client keeping hundreds of results would run out of descriptors.)
+def _map_owned(fd: int, length: int) -> torch.Tensor:
+    """Map the first ``length`` bytes of ``fd`` (shared, pages populated) as a uint8 tensor that
+    owns the mapping: it is unmapped when the tensor and every view of it are gone (not at
+    interpreter exit, where a view may still be read). The descriptor may be closed right after.
+    ``mmap.mmap`` would keep a duplicate descriptor open per mapping for as long as it lives: a
+    client keeping hundreds of results would run out of descriptors.
+
+    The mapping is shared (a private writable mapping would be copied page by page when
+    populated); after the pool has let go no other process maps it, but a child ``fork()`` ed
+    while it lives shares it, as with any shared memory.
 
     Raises:
         OSError: ``mmap(2)`` failed (errno).
     """
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                      fd, 0)
+    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    buf = (ctypes.c_uint8 * size).from_address(addr)
-    weakref.finalize(buf, _libc.munmap, addr, size)
+    buf = (ctypes.c_uint8 * length).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, length).atexit = False
     return torch.frombuffer(buf, dtype=torch.uint8)
-_OWN_KEYS = {"own", "offset", "size"}
+
 
 
 def _check_fd(fd: int) -> int:
@@ -60,6 +67,12 @@ def _check_fd(fd: int) -> int:
     if not HEADER_BYTES < st.st_size <= (1 << 40):
         raise ShmError(f"the shared-memory arena has {st.st_size} bytes")
     return st.st_size
+
+
+def _arena_limit(max_bytes: int) -> int:
+    """The largest arena a sender may make for payloads of at most ``max_bytes`` (``ArenaSender``
+    rounds the header plus the payload up to whole MiB)."""
+    return -(-(HEADER_BYTES + max_bytes) // _ROUND) * _ROUND
 
 
 def _int(v: Any) -> bool:
@@ -98,7 +111,7 @@ class ArenaReceiver:
                            "combination")
         if bool(fds) != bool(flags & FLAG_SHM_FD):
             raise ShmError(f"{len(fds)} file descriptor(s) came with a frame of flags {flags:#x} (one comes with, and "
-                           "only with, a frame introducing a shared-memory arena)")
+                           "only with, a frame introducing a shared-memory arena or handing memory over)")
         if flags == FLAG_SHM_DROP:
             if header:
                 raise ShmError("a shared-memory drop notice must have an empty header")
@@ -125,6 +138,9 @@ class ArenaReceiver:
                 raise ShmError(f"{len(fds)} descriptors came with one frame (at most one new arena)")
             if fds:
                 size = _check_fd(fds[0])
+                if size > _arena_limit(max_bytes):  # mapped whole and populated: bounded by what frames may carry
+                    raise ShmError(f"the shared-memory arena has {size} bytes, more than a {max_bytes}-byte payload "
+                                   "needs")
                 try:
                     arena = _Arena(fds[0], size)
                 except (OSError, ValueError) as e:
@@ -190,8 +206,11 @@ class ArenaReceiver:
             if off < HEADER_BYTES or off % 8 or not 0 < n <= max_bytes or off + n > size:
                 raise ShmError(f"bytes [{off}, {off + n}) are not a payload range of the {size}-byte handed-over "
                                f"memory (at most {max_bytes} bytes from offset >= {HEADER_BYTES}, 8-aligned)")
+            if not fits(size, off + n):
+                raise ShmError(f"{size} bytes of handed-over memory for a {off + n}-byte frame: more than twice "
+                               "what it carries")
             try:
-                u8 = _map_owned(fds[0], size)
+                u8 = _map_owned(fds[0], off + n)
             except OSError as e:
                 raise ShmError(f"cannot map the {size}-byte handed-over memory: {e}") from None
         finally:

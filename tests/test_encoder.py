@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest

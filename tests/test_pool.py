@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ltx_mgpu import protocol, shm
 from ltx_mgpu.client import BadInputError, JobCancelledError, PoolClient
 from ltx_mgpu.pool import engines, launch
+from ltx_mgpu.shm_receive import ArenaReceiver
 from pool_support import raw_connect, raw_hello, read_answer
 
 pytestmark = pytest.mark.slow
@@ -344,7 +345,7 @@ def test_a_client_without_shm_gets_the_same_results_over_the_socket(client, base
 def test_features_are_enabled_per_connection_and_unknown_ones_ignored(client):
     with raw_connect(client.dir) as s:
         raw_hello(s, client.dir)
-        receiver = shm.ArenaReceiver()
+        receiver = ArenaReceiver()
         assert launch.enable_features(s, ["warp-drive", shm.FEATURE], receiver) == [shm.FEATURE]
         protocol.send_frame(s, protocol.make_request("selftest", "big", {"steps": 0, "result_bytes": 2 << 20}))
         s.settimeout(30)
@@ -360,7 +361,7 @@ def test_features_are_enabled_per_connection_and_unknown_ones_ignored(client):
 def test_a_client_sending_shared_memory_frames_is_refused_and_closed(client):
     with raw_connect(client.dir) as s:
         raw_hello(s, client.dir)
-        launch.enable_features(s, [shm.FEATURE], shm.ArenaReceiver())  # the pool -> client direction only
+        launch.enable_features(s, [shm.FEATURE], ArenaReceiver())  # the pool -> client direction only
         raw = protocol.encode_header({"type": "selftest", "id": "x", "params": {"steps": 0},
                                       "shm": {"arena": 1, "seq": 1, "offset": 64, "size": 100}})
         s.sendall(struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, protocol.FLAG_SHM, len(raw), 0)

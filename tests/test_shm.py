@@ -17,6 +17,7 @@ import torch
 
 from ltx_mgpu import protocol, shm
 from ltx_mgpu.protocol import ProtocolError
+from ltx_mgpu.shm_receive import ArenaReceiver
 from pool_support import assert_same_tensors, socket_pair
 
 
@@ -26,7 +27,7 @@ def _fd_count() -> int:
 
 def _arena_pair(min_bytes=1 << 16, take=None):
     a, b = socket_pair()
-    return a, b, shm.ArenaSender(shm.Budget(), min_bytes=min_bytes), shm.ArenaReceiver(take)
+    return a, b, shm.ArenaSender(shm.Budget(), min_bytes=min_bytes), ArenaReceiver(take)
 
 
 def _send_then_recv(a, b, sender, receiver, tensors, header=None):
@@ -129,6 +130,8 @@ def _ref(arena=1, seq=99, offset=64, size=100):
     (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "pipe", "not a regular"),
     (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "unsealed", "not sealed"),
     (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "five", "too many file"),
+    # sparse and far larger than any payload: refused before it is mapped (and populated)
+    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "huge", "more than a"),
     (protocol.FLAG_SHM_DROP, {"event": "x"}, None, "drop notice must have an empty header"),
     (protocol.FLAG_SHM_DROP | protocol.FLAG_SHM, {}, None, "not a valid combination"),
     (0x8, {"event": "x"}, None, "unknown frame flags 0x8"),
@@ -150,6 +153,8 @@ def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tm
             fds = [r]
         elif fd == "five":
             fds = [_memfd() for _ in range(5)]
+        elif fd == "huge":
+            fds = [_memfd(size=16 << 30)]
         raw = json.dumps(header).encode()
         shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0)
                           + raw, fds)
@@ -170,7 +175,7 @@ def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tm
 def _own_pair(take=None, own_min_bytes=1 << 18):
     a, b = socket_pair()
     sender = shm.ArenaSender(shm.Budget(), min_bytes=1 << 16, own=True, own_min_bytes=own_min_bytes)
-    return a, b, sender, shm.ArenaReceiver(take)
+    return a, b, sender, ArenaReceiver(take)
 
 
 def _spare_made(sender):
@@ -267,21 +272,22 @@ def _own(offset=64, size=100, **extra):
     return {"own": True, "offset": offset, "size": size, **extra}
 
 
-@pytest.mark.parametrize("ref, fds, match", [
-    (_own(), 0, "0 descriptors came with a handed-over frame"),
-    (_own(), 2, "2 descriptors came with a handed-over frame"),
-    (_own(seq=3), 1, "handed-over shm reference must be"),
-    ({**_own(), "own": 1}, 1, "handed-over shm reference must be"),
-    (_own(offset=8), 1, "not a payload range of the"),
-    (_own(size=1 << 21), 1, "not a payload range of the"),
-    (_own(), 1, "handed-over payload is not a valid safetensors blob"),
+@pytest.mark.parametrize("ref, fds, fd_size, match", [
+    (_own(), 0, 256, "0 descriptors came with a handed-over frame"),
+    (_own(), 2, 256, "2 descriptors came with a handed-over frame"),
+    (_own(seq=3), 1, 256, "handed-over shm reference must be"),
+    ({**_own(), "own": 1}, 1, 256, "handed-over shm reference must be"),
+    (_own(offset=8), 1, 256, "not a payload range of the"),
+    (_own(size=1 << 21), 1, 256, "not a payload range of the"),
+    (_own(), 1, 1 << 30, "more than twice what it carries"),  # a sparse 1 GiB file for 164 bytes: never mapped
+    (_own(), 1, 256, "handed-over payload is not a valid safetensors blob"),
 ])
-def test_broken_hand_overs_are_refused_naming_the_rule_and_leak_no_descriptor(ref, fds, match):
+def test_broken_hand_overs_are_refused_naming_the_rule_and_leak_no_descriptor(ref, fds, fd_size, match):
     a, b = socket_pair()
-    receiver = shm.ArenaReceiver()
+    receiver = ArenaReceiver()
     with a, b:
         before = _fd_count()
-        sent = [_memfd() for _ in range(fds)]
+        sent = [_memfd(size=fd_size) for _ in range(fds)]
         flags = protocol.FLAG_SHM | (protocol.FLAG_SHM_FD if fds else 0)
         raw = json.dumps({"event": "x", "shm": ref}).encode()
         shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0)
@@ -292,3 +298,45 @@ def test_broken_hand_overs_are_refused_naming_the_rule_and_leak_no_descriptor(re
         with pytest.raises(ProtocolError, match=re.escape(match)):
             protocol.recv_frame(b, shm=receiver)
         assert _fd_count() <= before
+
+
+def test_a_frame_whose_header_breaks_the_limits_after_placement_leaves_the_arena_in_step():
+    a, b, sender, receiver = _arena_pair()
+    with a, b:
+        _send_then_recv(a, b, sender, receiver, {"t": torch.randn(200, 200)})
+        seq = sender.seq
+        with pytest.raises(ProtocolError, match="header"):
+            protocol.send_frame(a, {"event": "x", "pad": "x" * 300}, protocol.tensors_to_payload({"t": torch.ones(200, 200)}),
+                                limits=protocol.Limits(max_header_bytes=256), shm=sender)
+        assert sender.seq == seq and sender.frames == 1  # undone: the acknowledged arena is reused next
+        _, got = _send_then_recv(a, b, sender, receiver, {"t": torch.full((200, 200), 3.0)})
+        assert torch.equal(got["t"], torch.full((200, 200), 3.0)) and receiver.frames == 2 and receiver.arenas == 1
+        sender.close()
+        receiver.drop()
+
+
+def test_a_spare_being_made_counts_as_held_so_the_idle_check_drops_it_when_it_lands():
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        gate = threading.Event()
+        make = shm._make_arena
+
+        def slow(size):  # the spare's allocation only (the connection's arena uses the same function)
+            if threading.current_thread().name == "shm-spare":
+                gate.wait(10)
+            return make(size)
+
+        shm._make_arena = slow
+        try:
+            _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
+            sender.drop()  # idle drop while the spare is still being made
+            assert sender.arena is None and sender.holding()  # not forgotten: the writer keeps checking
+            gate.set()
+            _spare_made(sender)
+            assert sender.holding() and sender.idle(now=time.monotonic() + sender.idle_seconds)
+            sender.drop()
+            assert not sender.holding() and sender.budget.used == 0
+        finally:
+            shm._make_arena = make
+        sender.close()
+        receiver.drop()

@@ -73,7 +73,8 @@ class Connection:
         return [shm.FEATURE] + [shm.FEATURE_OWN] * self.shm.own
 
     def _next(self):
-        """The next outbound item; meanwhile, an arena idle for its time is dropped (notice sent)."""
+        """The next outbound item; meanwhile, shared memory idle for its time is dropped (the
+        arena with a notice to the client; a spare the client never saw, silently)."""
         while True:
             sender = self.shm
             wait = None if sender is None or not sender.holding() else \

@@ -76,7 +76,7 @@ def hello(sock: socket.socket, token: str, rid: str = "hello") -> dict:
 
 def enable_features(sock: socket.socket, features: list[str], shm=None, rid: str = "features") -> list[str]:
     """Turn on optional protocol features (offered in the ``hello`` answer's ``features``) for
-    this connection; returns those now on. ``shm``: the ``ltx_mgpu.shm.ArenaReceiver`` that
+    this connection; returns those now on. ``shm``: the ``ltx_mgpu.shm_receive.ArenaReceiver`` that
     reads the connection's frames once ``shm`` is on.
 
     Raises:
