@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ltx_mgpu.text.gemma import encode_hidden_states
 from ltx_mgpu.text.nf4 import quantize_nf4
-from ltx_mgpu.text.tokenizer import tokenize
+from gemma_support import hidden as gemma_hidden
 
 LONG = "a red camera walks slowly through the city at night while the rain falls and music plays"
 PROMPTS = ["the cat", LONG, LONG + " " + LONG, ""]
@@ -19,5 +18,5 @@ def quantize_tiny(tiny_gemma_dir: Path, tmp_path_factory) -> Path:
 
 
 def hidden(tower, prompts=PROMPTS):
-    ids, mask, _ = tokenize(tower, prompts)
-    return encode_hidden_states(tower, ids, mask), mask
+    """``(hidden states, attention mask)`` of ``prompts`` (default: the NF4 tests' own)."""
+    return gemma_hidden(tower, prompts)

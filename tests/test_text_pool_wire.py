@@ -1,0 +1,79 @@
+"""Encode results on the wire, each test with its own pool: float32 and bf16 through the shared-memory
+arena and the socket reach the client bit for bit; a bf16 pool on one GPU sends float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ltx_mgpu.client import PoolClient
+from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, encode_prompts, upcast
+from ltx_mgpu.text.encoder import TextEncoderSpec
+from pool_support import cleanup, short_dir
+from text_pool_support import PROMPTS, checkpoints_by_version, encode, reference
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_ltx_20, tiny_ltx_23):
+    return checkpoints_by_version(tiny_ltx_20, tiny_ltx_23)
+
+
+# --------------------------------------------------------------------------- the wire: dtype and shared memory
+
+
+def test_encode_results_come_through_the_arena_and_bf16_on_the_wire_is_exact(tiny_gemma_dir, checkpoints,
+                                                                             monkeypatch):
+    """float32 (a CPU pool) and bf16 results, through the shared arena (every payload: min bytes 1)
+    and the socket, give the float32 a client expects, bit for bit."""
+    monkeypatch.setenv("LTX_MGPU_SHM_MIN_BYTES", "1")  # read by the pool started below
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
+        plain = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, start=False, shm=False)
+        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
+        ref = reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:3], batch_size=2)
+        got, _ = encode_prompts(client, encoder, PROMPTS[:3], batch_size=2)  # receive=upcast, from the arena
+        assert client.shm_stats["frames"] >= 1
+        for g, r in zip(got, ref):
+            assert g.tensor.dtype == torch.float32 and torch.equal(g.tensor, r.tensor)
+        got, _ = encode_prompts(plain, encoder, PROMPTS[:3], batch_size=2)
+        assert all(torch.equal(g.tensor, r.tensor) for g, r in zip(got, ref))
+        # bf16 on the wire (what a bf16 pool sends: its encoder's rows in bf16, of which the
+        # float32 embeddings are upcasts): the client's upcast restores the rows exactly.
+        rows = [r.tensor.bfloat16().float() for r in ref] + [torch.randn(700, 6144).bfloat16().float()]
+        wire = {f"prompt_{i}": t.to(torch.bfloat16) for i, t in enumerate(rows)}
+        assert all(w.dtype == torch.bfloat16 for w in wire.values())
+        result = {"count": len(rows), "version": "2.3", "dropped_tokens": [0] * len(rows)}
+        for c, receive in ((client, upcast), (client, None), (plain, None)):
+            frames = c.shm_stats["frames"]
+            _, echoed = c.request("selftest", {"steps": 0, "echo": True}, tensors=wire, receive=receive, timeout=60)
+            assert c.shm_stats["frames"] == frames + (c is client)
+            for e, want in zip(embeddings_from_result(result, echoed), rows):
+                assert e.tensor.dtype == torch.float32 and torch.equal(e.tensor, want)
+        plain.close()
+        client.shutdown()
+    finally:
+        cleanup(rt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_bf16_pool_on_one_gpu_sends_float32_and_gives_the_in_process_embeddings_bit_for_bit(tiny_gemma_dir,
+                                                                                          checkpoints):
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus=[0], runtime_dir=rt, startup_timeout=300)
+        spec = TextEncoderSpec(tiny_gemma_dir, checkpoints["2.3"], device="cuda:0", dtype="bfloat16")
+        ref = spec.build().encode(PROMPTS[:3], batch_size=2)
+        encoder = PoolTextEncoder.from_spec(spec)
+        result, tensors = encode(client, encoder, PROMPTS[:3], verify=False)
+        # world size 1: float32 straight from the encoder (nothing is broadcast in bf16)
+        assert result["wire_dtype"] == "float32" and all(t.dtype == torch.float32 for t in tensors.values())
+        for e, r in zip(embeddings_from_result(result, tensors), ref):
+            assert e.tensor.dtype == torch.float32 and torch.equal(e.tensor, r.tensor)
+        got, _ = encode_prompts(client, encoder, PROMPTS[:3], batch_size=2)
+        assert all(torch.equal(g.tensor, r.tensor) for g, r in zip(got, ref))
+        client.shutdown()
+    finally:
+        cleanup(rt)
