@@ -148,7 +148,9 @@ def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ltx_mgpu", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ltx_mgpu",
+                                     description="LTX-2 multi-GPU engine: prompt encoding with Gemma 3, the sidecar "
+                                                 "GPU pool, and video generation through it.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -156,9 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", help="directory to build into (default: the ltx_mgpu cache)")
     p.set_defaults(func=_cmd_make_assets)
 
-    p = sub.add_parser("encode", help="encode prompts to LTX-2 embeddings (safetensors); --pool: in the GPU pool")
-    p.add_argument("--gemma", help="Gemma 3: HF snapshot dir, ComfyUI single file, or NF4 artifact dir")
-    p.add_argument("--projection", help="LTX-2 checkpoint or text projection file (text_embedding_projection.*)")
+    p = sub.add_parser("encode", help="encode prompts to LTX-2 embeddings (safetensors); --pool: in the GPU pool",
+                       description="Encode prompts to LTX-2 prompt embeddings (one safetensors file), taking what "
+                                   "the embedding cache already holds. Without --gemma/--projection the embedded "
+                                   "default is used (a real Gemma 3 270M when its package is installed).")
+    p.add_argument("--gemma", help="Gemma 3: HF snapshot dir, ComfyUI single file, or NF4 artifact dir "
+                                   "(with --projection)")
+    p.add_argument("--projection", help="LTX-2 checkpoint or text projection file (text_embedding_projection.*; "
+                                        "with --gemma)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a text file, one prompt per line")
     p.add_argument("--out", required=True, help="output .safetensors file")
@@ -175,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Gemma of the embedded default: the real Gemma 3 270M when its package is installed "
                         "(auto), or the tiny random one")
     p.add_argument("--pool", action="store_true",
-                   help="encode in the sidecar pool (attach to the running one, else start one for this run)")
+                   help="encode in the sidecar pool: attach to the one started with the same --gpus/--nproc, "
+                        "else start one for this run")
     p.add_argument("--gpus", default=None, help="with --pool: GPU indices like 0,1, 'all' (default) or 'cpu'")
     p.add_argument("--nproc", type=int, default=None, help="with --pool: number of ranks (CPU pools)")
     p.add_argument("--placement", choices=["single", "accelerate", "batch_parallel"], default="single",

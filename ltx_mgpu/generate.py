@@ -130,8 +130,9 @@ class GenerateReport:
             f"world size {self.world_size} ({self.device} ranks)",
             f"  prompts: {prompts}, cache hits {self.cache_hits}, encoded {self.cache_misses}; "
             f"text encoder {self._text_encoder_state()}",
-            f"  pool: pid {self.pool_pid}, {'started for this run and stopped' if self.pool_started else 'attached'}; "
-            f"resident after sampling: {', '.join(self.pool_models) or '-'}",
+            f"  pool: pid {self.pool_pid}, "
+            + (f"started for this run and stopped (it held {', '.join(self.pool_models) or 'nothing'} after sampling)"
+               if self.pool_started else f"attached; it keeps {', '.join(self.pool_models) or 'nothing'} resident"),
             f"  times: {times}",
         ]
         if self.audio_note:

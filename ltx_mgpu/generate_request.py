@@ -133,6 +133,8 @@ def validate_request(req: GenerateRequest) -> None:
     parent = Path(req.out).absolute().parent
     if not parent.is_dir():
         raise ValueError(f"--out {req.out}: the directory {parent} does not exist")
+    if Path(req.out).suffix.lower() != ".mp4":
+        raise ValueError(f"--out {req.out}: the video is written as MP4 (H.264); give a name ending in .mp4")
 
 
 # --------------------------------------------------------------------------- models and geometry

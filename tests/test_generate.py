@@ -77,7 +77,7 @@ def test_generate_writes_the_video_and_a_second_run_is_served_by_the_cache(tmp_p
     rc, out, err = _generate(capsys, tmp_path / "again.mp4", runtime, cache)
     assert rc == 0, err
     assert "prompts: 2, cache hits 2, encoded 0; text encoder not loaded" in out
-    assert "resident after sampling: ltx\n" in out  # the pool's own view: no text_encoder
+    assert "(it held ltx after sampling)\n" in out  # the pool's own view: no text_encoder
     assert "load Gemma" not in err and "encode" not in err.replace("encoded", "")
     assert _video_frames(tmp_path / "again.mp4") == (FRAMES, WIDTH, HEIGHT)
     second = load_file(tmp_path / "again.latents.safetensors")
@@ -113,8 +113,9 @@ def test_stop_mid_denoise_writes_nothing_and_the_attached_pool_keeps_serving(tmp
     (["--gpus", "0,1"], "--gpus 0,1: no GPU is visible; use --gpus N for N CPU ranks"),
     (["--gpus", "0,0"], "--gpus 0,0: give distinct GPU indices"),
     (["--gpus", "two"], "'two': give a rank count (--gpus 2) or GPU indices (--gpus 0,1 or --gpus 3,)"),
+    (["--out", "x.avi"], "--out x.avi: the video is written as MP4 (H.264); give a name ending in .mp4"),
 ], ids=["gpus3", "frames", "height", "width", "checkpoint-only", "gpu-ids-without-gpus", "gpu-ids-repeated",
-        "gpus-word"])
+        "gpus-word", "out-not-mp4"])
 def test_bad_requests_fail_before_any_pool_starts(tmp_path, capsys, args, message):
     runtime = short_dir()
     try:

@@ -24,7 +24,8 @@ from ltx_mgpu.pool import launch
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default=None,
-                   help="GPU indices like 0,1, 'all' (default: every visible GPU) or 'cpu' (CPU ranks on gloo)")
+                   help="GPU indices like 0,1, 'all' (default: every visible GPU, or one CPU rank when there is "
+                        "none) or 'cpu' (CPU ranks on gloo)")
     p.add_argument("--nproc", type=int, default=None, help="number of ranks (CPU pools; one per GPU otherwise)")
     p.add_argument("--runtime-dir", default=None,
                    help="base of the pool's private directory (default $LTX_MGPU_RUNTIME_DIR, $XDG_RUNTIME_DIR/"
