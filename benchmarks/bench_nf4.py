@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize-from", choices=["memory", "disk"], default="memory")
     ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where the artifact (and snapshot) go")
     ap.add_argument("--keep", action="store_true", help="keep the artifact directory")
+    ap.add_argument("--dequant-sweep", action="store_true",
+                    help="also time the Triton layer dequant for each blocks-per-program x warps setting")
     ap.add_argument("--out", default=None, help="write raw results as JSON here (updated as it goes)")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -378,6 +380,14 @@ def main(argv=None) -> int:
             except Exception as exc:
                 results["dequant_ms"][method] = repr(exc)
                 print(f"dequant {method}: FAILED {exc!r}", flush=True)
+        if args.dequant_sweep and device.type == "cuda":
+            for blocks in (8, 16, 32, 64, 128):
+                for warps in (2, 4, 8):
+                    launch = UnitDequant([m.weight for m in lins], views, blocks=blocks, num_warps=warps)
+                    med, _ = _time(device, launch, max(args.warmup, 1), args.runs)
+                    results["dequant_ms"][f"triton-unit-b{blocks}-w{warps}"] = med
+                    print(f"dequant one layer, Triton unit, {blocks} blocks x {warps} warps per program: {med:.3f} ms, "
+                          f"{(read + 2 * numel) / med / 1e6:.0f} GB/s", flush=True)
         save()
 
         # ---- summary

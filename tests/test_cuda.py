@@ -103,9 +103,11 @@ def test_triton_nf4_dequant_is_bit_identical_to_bitsandbytes(shape):
 
 @needs_bnb
 @needs_triton
-def test_triton_unit_dequant_fills_every_weight_of_a_unit_in_one_launch():
+@pytest.mark.parametrize("blocks, warps", [(32, 4), (8, 2), (128, 8)])
+def test_triton_unit_dequant_fills_every_weight_of_a_unit_in_one_launch(blocks, warps):
     """Weights of different sizes (one with a nested-block count that is not a multiple of 256)
-    into views of one buffer, as FastDequant lays out a decoder layer."""
+    into views of one buffer, as FastDequant lays out a decoder layer; every launch setting
+    gives the same bytes."""
     from ltx_mgpu.text.nf4_triton import UnitDequant
 
     shapes = [(256, 512), (8, 96), (1024, 384), (64, 64)]
@@ -116,7 +118,7 @@ def test_triton_unit_dequant_fills_every_weight_of_a_unit_in_one_launch():
     for a, b in shapes:
         views.append(buf[at:at + a * b])
         at += a * b
-    launch = UnitDequant([p for p, _ in pairs], views)
+    launch = UnitDequant([p for p, _ in pairs], views, blocks=blocks, num_warps=warps)
     launch()
     for view, (_, ref), shape in zip(views, pairs, shapes):
         assert torch.equal(view.view(shape), ref)

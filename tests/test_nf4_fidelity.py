@@ -95,6 +95,20 @@ def test_fast_dequant_variants_match(nf4_tower):
     assert len(nf4_linears(nf4_tower.model)) == 42
 
 
+def test_triton_unit_dequant_refuses_bad_input_before_any_launch(nf4_tower):
+    """Checked on any machine (the launch itself needs CUDA: tests/test_cuda.py)."""
+    from ltx_mgpu.text.nf4_triton import UnitDequant
+
+    w = next(iter(nf4_linears(nf4_tower.model).values())).weight
+    out = torch.empty(w.quant_state.shape, dtype=torch.bfloat16).view(-1)
+    with pytest.raises(ValueError, match="blocks must be a power of two"):
+        UnitDequant([w], [out], blocks=24)
+    with pytest.raises(ValueError, match="need one output per weight"):
+        UnitDequant([w], [])
+    with pytest.raises(ValueError, match="runs on CUDA; the weights are on cpu"):
+        UnitDequant([w], [out])
+
+
 # --------------------------------------------------------------------------- real weights (optional)
 
 

@@ -100,14 +100,23 @@ class UnitDequant:
         outs: one contiguous, 4-byte-aligned bf16 tensor per weight with
             ``prod(quant_state.shape)`` elements, on the weights' device (e.g. views of one
             reused layer buffer).
+        blocks, num_warps: quantization blocks per program (a power of two) and warps per
+            program: launch tuning only, the output is the same (``benchmarks/bench_nf4.py
+            --dequant-sweep`` times them).
 
     Raises:
         ValueError: no weights, a blocksize other than 64, a weight without double
-            quantization, mixed devices, code tables, blocksizes or nested blocksizes, or an
-            output of the wrong size, dtype, layout, alignment or device. The checks run here, before any launch.
+            quantization, mixed devices, code tables, blocksizes or nested blocksizes, an
+            output of the wrong size, dtype, layout, alignment or device, or ``blocks`` not a
+            power of two. The checks run here, before any launch.
     """
 
-    def __init__(self, weights: Sequence[Any], outs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, weights: Sequence[Any], outs: Sequence[torch.Tensor], *, blocks: int = BLOCKS,
+                 num_warps: int = 4) -> None:
+        if blocks < 1 or blocks & (blocks - 1) or num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"blocks must be a power of two and num_warps one of 1, 2, 4, 8, 16; got {blocks}, "
+                             f"{num_warps}")
+        self.blocks, self.num_warps = int(blocks), int(num_warps)
         if not weights or len(weights) != len(outs):
             raise ValueError(f"need one output per weight, got {len(weights)} weights and {len(outs)} outputs")
         if weights[0].quant_state.blocksize != 64:
@@ -142,7 +151,7 @@ class UnitDequant:
             offsets.append(qs.offset.reshape(1).to(device=device, dtype=torch.float32))
             self.numel += n
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
-        per_program = BLOCKS * (first.blocksize // 2)
+        per_program = self.blocks * (first.blocksize // 2)
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + -(-r[0] // per_program))
@@ -158,4 +167,4 @@ class UnitDequant:
         """Launch: every output now holds its weight's bf16 values (on the current stream)."""
         _kernel()[(self.programs,)](self.table, self.starts, self.offsets, self.code, WEIGHTS=self.count,
                                     BYTES_PER_BLOCK=self.bytes_per_block, BLOCKS_PER_NESTED=self.blocks_per_nested,
-                                    BLOCKS=BLOCKS, enable_fp_fusion=False)
+                                    BLOCKS=self.blocks, num_warps=self.num_warps, enable_fp_fusion=False)
