@@ -220,14 +220,14 @@ def encode_prompts(client: PoolClient, encoder: PoolTextEncoder | TextEncoderSpe
         # None loaded yet, or another client swapped the pool's text encoder in between: load
         # ours and retry (twice at most: the first load itself may be swapped out before our
         # request runs).
-        for attempt in range(3):
+        for _ in range(2):
             try:
                 return send(chunk)
             except BadInputError:
-                if attempt == 2 or loaded_key(client) == key:
+                if loaded_key(client) == key:
                     raise  # ours is resident: the request itself was bad
             ensure_text_encoder(client, encoder, key, on_progress, should_cancel, timeout)
-        raise AssertionError("unreachable")
+        return send(chunk)
 
     ranks = client.spec.nproc if encoder.placement == "batch_parallel" else 1
     request_size = batch_size * ranks

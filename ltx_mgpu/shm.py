@@ -41,9 +41,9 @@ Only connections that asked for it (the ``features`` request) get ``shm`` frames
 a background thread, after the previous large payload: allocating and faulting in fresh pages
 is the slow part, 92 ms for 200 MB on the H200 host) and then gives away: the frame carries the
 descriptor and ``"shm": {"own": true, "offset", "size"}``, the sender unmaps and closes its
-side once the frame is out, and the receiver maps ``[0, offset + size)`` privately
-(copy-on-write, like any memory of its own) and returns views of it, kept as long as they live
-(nothing to acknowledge; no copy unless a ``receive`` makes one, e.g. an upcast). A spare is
+side once the frame is out, and the receiver maps ``[0, offset + size)`` (shared, populated;
+no other process maps it any more) and returns views of it, kept as long as they live (nothing
+to acknowledge; no copy unless a ``receive`` makes one, e.g. an upcast). A spare is
 used only when it fits the payload within a factor of two (:func:`fits`), so a small result
 never pins a large one's memory; the receiver refuses a larger one.
 
@@ -69,8 +69,8 @@ import psutil
 import torch
 
 __all__ = ["FEATURE", "FEATURE_OWN", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "HEADER_BYTES", "MIN_BYTES",
-           "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "Budget", "ArenaSender", "ShmError", "Take",
-           "send_with_fds", "recvmsg_into"]
+           "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "arena_size", "fits", "Budget", "ArenaSender",
+           "ShmError", "Take", "send_with_fds", "recvmsg_into"]
 
 FEATURE = "shm"
 FEATURE_OWN = "shm_own"
@@ -276,7 +276,7 @@ class ArenaSender:
             self._given.pop().close()
 
     def _grow(self, need: int) -> _Arena | None:
-        size = -(-need // _ROUND) * _ROUND
+        size = arena_size(need)
         old = self.arena.size if self.arena is not None else 0  # < size: its budget carries over
         if not self.budget.reserve(size - old):
             return None
@@ -306,7 +306,7 @@ class ArenaSender:
     def _make_spare_soon(self, need: int) -> None:
         """Start making a spare for ``need`` bytes in the background, unless one is being made
         or a fitting one is ready."""
-        size = -(-need // _ROUND) * _ROUND
+        size = arena_size(need)
         with self._lock:
             if self._closed or self._busy() or (self._spare is not None and fits(self._spare.size, need)):
                 return
@@ -364,6 +364,12 @@ class ArenaSender:
         with self._lock:
             self._closed = True
         self.drop()
+
+
+def arena_size(need: int) -> int:
+    """The size in bytes of an arena or spare made for a ``need``-byte frame (header + payload):
+    ``need`` rounded up to whole MiB."""
+    return -(-need // _ROUND) * _ROUND
 
 
 def fits(size: int, need: int) -> bool:

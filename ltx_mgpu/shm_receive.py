@@ -15,8 +15,8 @@ from typing import Any, Mapping
 import torch
 
 from ltx_mgpu.payload import PayloadError, parse_payload
-from ltx_mgpu.shm import (_ROUND, _SEALS, FLAG_SHM, FLAG_SHM_DROP, FLAG_SHM_FD, HEADER_BYTES, ShmError, Take, _Arena,
-                          fits)
+from ltx_mgpu.shm import (_SEALS, FLAG_SHM, FLAG_SHM_DROP, FLAG_SHM_FD, HEADER_BYTES, ShmError, Take, _Arena,
+                          arena_size, fits)
 
 __all__ = ["ArenaReceiver"]
 
@@ -72,7 +72,7 @@ def _check_fd(fd: int) -> int:
 def _arena_limit(max_bytes: int) -> int:
     """The largest arena a sender may make for payloads of at most ``max_bytes`` (``ArenaSender``
     rounds the header plus the payload up to whole MiB)."""
-    return -(-(HEADER_BYTES + max_bytes) // _ROUND) * _ROUND
+    return arena_size(HEADER_BYTES + max_bytes)
 
 
 def _int(v: Any) -> bool:

@@ -66,3 +66,55 @@ def tiny_ltx_23(assets_root):
     from ltx_mgpu.assets import tiny_ltx_checkpoint
 
     return tiny_ltx_checkpoint("2.3", assets_root)
+
+
+# --------------------------------------------------------------------------- shared by several test files
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_ltx_20, tiny_ltx_23):
+    """The tiny LTX checkpoints keyed by version (test_text_pool*)."""
+    return {"2.0": tiny_ltx_20, "2.3": tiny_ltx_23}
+
+
+@pytest.fixture(scope="session")
+def gemma(tiny_gemma_dir, tiny_gemma_comfy_file):
+    """The tiny Gemma's snapshot dir, its ComfyUI single file and the snapshot-loaded tower
+    (test_gemma*)."""
+    from ltx_mgpu.text.gemma import load_gemma_text_tower
+
+    return {"snapshot": tiny_gemma_dir, "comfy": tiny_gemma_comfy_file, "tower": load_gemma_text_tower(tiny_gemma_dir)}
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_gemma_dir, tmp_path_factory):
+    """The tiny Gemma quantized on the CPU into a fresh NF4 artifact, one per module (test_nf4*)."""
+    from ltx_mgpu.text.nf4 import quantize_nf4
+
+    return quantize_nf4(tiny_gemma_dir, tmp_path_factory.mktemp("nf4") / "tiny-nf4", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def nf4_tower(artifact):
+    """The module's NF4 artifact loaded on the CPU (tests may wrap its layers, and undo it)."""
+    from ltx_mgpu.text.nf4 import load_nf4
+
+    return load_nf4(artifact)
+
+
+@pytest.fixture(scope="module")
+def bf16_tower(tiny_gemma_dir):
+    """The tiny Gemma loaded in bf16 from its snapshot."""
+    from ltx_mgpu.text.gemma import load_gemma_text_tower
+
+    return load_gemma_text_tower(tiny_gemma_dir)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_ltx_23):
+    """ComfyUI-like model folders ($LTX_MGPU_MODELS_DIR), a private pool runtime dir and cache
+    (test_nodes*)."""
+    from nodes_support import model_folders
+
+    with model_folders(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_ltx_23) as models:
+        yield models

@@ -1,21 +1,15 @@
-"""Helpers shared by the Gemma tests: the prompts, the tiny Gemma with its snapshot-loaded tower,
-a tower's hidden states and a bit-for-bit comparison of two sets of them."""
+"""Helpers shared by the Gemma tests: the prompts, a tower's hidden states and a bit-for-bit
+comparison of two sets of them (the ``gemma`` fixture is in conftest.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from ltx_mgpu.text.gemma import encode_hidden_states, load_gemma_text_tower
+from ltx_mgpu.text.gemma import encode_hidden_states
 from ltx_mgpu.text.tokenizer import tokenize
 
 LONG = "a red camera walks slowly through the city at night while the rain falls and music plays"
 PROMPTS = ["the cat", LONG, LONG + " " + LONG, "日本 x\ty\n  é", ""]  # 2..~90 tokens: sliding window 16 exercised
-
-
-def load_gemma(tiny_gemma_dir, tiny_gemma_comfy_file) -> dict:
-    """The tiny Gemma (conftest builds it once per session) and its snapshot-loaded tower (each
-    test file wraps this in a session fixture)."""
-    return {"snapshot": tiny_gemma_dir, "comfy": tiny_gemma_comfy_file, "tower": load_gemma_text_tower(tiny_gemma_dir)}
 
 
 def hidden(tower, prompts=PROMPTS):

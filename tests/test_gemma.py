@@ -12,18 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from gemma_support import PROMPTS, assert_identical, hidden, load_gemma
+from gemma_support import PROMPTS, assert_identical, hidden
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
 from ltx_mgpu.text.gemma import compile_text_tower, encode_hidden_states, load_gemma_text_tower
 from ltx_mgpu.text.gemma_sources import GemmaFormatError, detect_gemma_format
 from ltx_mgpu.text.tokenizer import tokenize
-
-
-@pytest.fixture(scope="session")
-def gemma(tiny_gemma_dir, tiny_gemma_comfy_file):
-    return load_gemma(tiny_gemma_dir, tiny_gemma_comfy_file)
 
 
 # --------------------------------------------------------------------------- formats

@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemma_support import LONG, load_gemma
+from gemma_support import LONG
 
 from ltx_mgpu.assets.gemma import BOS_ID, EOS_ID, PAD_ID
 from ltx_mgpu.text.gemma import encode_hidden_states, load_gemma_text_tower
 from ltx_mgpu.text.tokenizer import PromptTooLongError, tokenize
-
-
-@pytest.fixture(scope="session")
-def gemma(tiny_gemma_dir, tiny_gemma_comfy_file):
-    return load_gemma(tiny_gemma_dir, tiny_gemma_comfy_file)
 
 
 # --------------------------------------------------------------------------- tokenize / encode

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gemma_support import PROMPTS, assert_identical, hidden, load_gemma
+from gemma_support import PROMPTS, assert_identical, hidden
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -21,11 +21,6 @@ from ltx_mgpu.assets.gemma import build_tiny_gemma_comfy_file
 from ltx_mgpu.text.gemma import load_gemma_text_tower
 from ltx_mgpu.text.gemma_sources import GemmaFormatError, GemmaWeightsError, gemma3_text_config, gemma_identity
 from ltx_mgpu.text.tokenizer import tokenize
-
-
-@pytest.fixture(scope="session")
-def gemma(tiny_gemma_dir, tiny_gemma_comfy_file):
-    return load_gemma(tiny_gemma_dir, tiny_gemma_comfy_file)
 
 
 def _token_cosine(a, b, mask):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nf4_support import PROMPTS, hidden, quantize_tiny
+from nf4_support import PROMPTS, hidden
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.text.gemma import load_gemma_text_tower
@@ -27,21 +27,6 @@ from ltx_mgpu.text.nf4 import (
 )
 from ltx_mgpu.text.nf4_artifact import NF4_MANIFEST, artifact_bytes, read_manifest
 from ltx_mgpu.text.tokenizer import tokenize
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_gemma_dir, tmp_path_factory):
-    return quantize_tiny(tiny_gemma_dir, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def nf4_tower(artifact):
-    return load_nf4(artifact)
-
-
-@pytest.fixture(scope="module")
-def bf16_tower(tiny_gemma_dir):
-    return load_gemma_text_tower(tiny_gemma_dir)
 
 
 def _quant_tensors(tower) -> dict[str, torch.Tensor]:

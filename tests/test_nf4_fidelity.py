@@ -18,31 +18,16 @@ import math
 
 import pytest
 import torch
-from nf4_support import hidden, quantize_tiny
+from nf4_support import hidden
 
 from ltx_mgpu.text.gemma import encode_hidden_states, load_gemma_text_tower
-from ltx_mgpu.text.nf4 import load_nf4, nf4_linears, save_nf4
+from ltx_mgpu.text.nf4 import nf4_linears, save_nf4
 from ltx_mgpu.text.tokenizer import tokenize
 
 #: Random tiny weights are poor NF4 references (no outlier structure, 6 small layers): the mean
 #: per-token cosine NF4 vs bf16 falls from 0.973 (layer 1) to 0.874 (final, post-norm) on the
 #: seed-0 tiny Gemma (notes §4.2 / §6 report 0.97 -> 0.89 on a similar model). Looser bound:
 TINY_COSINE_BOUND = 0.85
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_gemma_dir, tmp_path_factory):
-    return quantize_tiny(tiny_gemma_dir, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def nf4_tower(artifact):
-    return load_nf4(artifact)
-
-
-@pytest.fixture(scope="module")
-def bf16_tower(tiny_gemma_dir):
-    return load_gemma_text_tower(tiny_gemma_dir)
 
 
 # --------------------------------------------------------------------------- numerics

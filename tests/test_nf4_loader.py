@@ -8,16 +8,11 @@ import filecmp
 
 import pytest
 import torch
-from nf4_support import LONG, quantize_tiny
+from nf4_support import LONG
 
 from ltx_mgpu.text.gemma import load_gemma_text_tower
 from ltx_mgpu.text.gemma_sources import GemmaFormatError
 from ltx_mgpu.text.nf4 import load_nf4, quantize_nf4, save_nf4
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_gemma_dir, tmp_path_factory):
-    return quantize_tiny(tiny_gemma_dir, tmp_path_factory)
 
 
 # --------------------------------------------------------------------------- loader dispatch, cache, CLI

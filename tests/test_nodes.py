@@ -19,16 +19,11 @@ import types
 
 import pytest
 import torch
-from nodes_support import NODES, PACK_MODULE, REPO, av_latent, bridge, denoise_nodes, model_folders, node, runtime
+from nodes_support import NODES, PACK_MODULE, REPO, av_latent, bridge, denoise_nodes, node, runtime
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_ltx_23):
-    """ComfyUI-like model folders ($LTX_MGPU_MODELS_DIR), a private pool runtime dir and cache."""
-    with model_folders(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_ltx_23) as models:
-        yield models
 
 
 # --------------------------------------------------------------------------- contract and loading

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nodes_support import av_latent, bridge, model_folders, node, routes
+from nodes_support import av_latent, bridge, node, routes
 
 PROMPTS = ("a red fox running through snow at dawn", "blurry, low quality")
 pytestmark = pytest.mark.slow
@@ -52,11 +52,6 @@ def progress():
 # --------------------------------------------------------------------------- environment
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_ltx_23):
-    """ComfyUI-like model folders ($LTX_MGPU_MODELS_DIR), a private pool runtime dir and cache."""
-    with model_folders(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_ltx_23) as models:
-        yield models
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,19 @@ def test_an_unacknowledged_arena_is_not_overwritten_the_socket_carries_the_next_
         sender.close()
 
 
+def _assert_refused(a, b, receiver, flags: int, header: dict, fds: list[int], match: str) -> None:
+    """Send a hand-made frame (``flags``, ``header``, no payload, ``fds`` attached and then
+    closed on this side) on ``a`` and check that ``receiver`` refuses it on ``b`` naming ``match``."""
+    raw = json.dumps(header).encode()
+    shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0) + raw,
+                      fds)
+    for f in fds:
+        os.close(f)
+    b.settimeout(10)
+    with pytest.raises(ProtocolError, match=re.escape(match)):
+        protocol.recv_frame(b, shm=receiver)
+
+
 def _memfd(size=1 << 20, seal=True) -> int:
     fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
@@ -155,14 +168,7 @@ def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tm
             fds = [_memfd() for _ in range(5)]
         elif fd == "huge":
             fds = [_memfd(size=16 << 30)]
-        raw = json.dumps(header).encode()
-        shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0)
-                          + raw, fds)
-        for f in fds:
-            os.close(f)
-        b.settimeout(10)
-        with pytest.raises(ProtocolError, match=re.escape(match)):
-            protocol.recv_frame(b, shm=receiver)
+        _assert_refused(a, b, receiver, flags, header, fds, match)
         assert _fd_count() <= before  # what came with the frame was closed
         sender.close()
         receiver.drop()
@@ -289,14 +295,7 @@ def test_broken_hand_overs_are_refused_naming_the_rule_and_leak_no_descriptor(re
         before = _fd_count()
         sent = [_memfd(size=fd_size) for _ in range(fds)]
         flags = protocol.FLAG_SHM | (protocol.FLAG_SHM_FD if fds else 0)
-        raw = json.dumps({"event": "x", "shm": ref}).encode()
-        shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0)
-                          + raw, sent)
-        for f in sent:
-            os.close(f)
-        b.settimeout(10)
-        with pytest.raises(ProtocolError, match=re.escape(match)):
-            protocol.recv_frame(b, shm=receiver)
+        _assert_refused(a, b, receiver, flags, {"event": "x", "shm": ref}, sent, match)
         assert _fd_count() <= before
 
 

@@ -18,7 +18,7 @@ from ltx_mgpu.text.cache import EmbeddingCache
 from ltx_mgpu.text.encoder import TextEncoderSpec, load_embeddings
 from ltx_mgpu.text.encoder import encode_prompts as encode_in_process
 from pool_support import cleanup, pool_pids, short_dir, wait_all_gone
-from text_pool_support import PROMPTS, check, checkpoints_by_version, encode, reference
+from text_pool_support import PROMPTS, check, encode, reference
 
 pytestmark = pytest.mark.slow
 REPO = launch.repo_root()
@@ -46,11 +46,6 @@ def pool2(base):
     stop = _cli("pool", "stop", *common)
     assert stop.returncode == 0 and f"stopped pool pid {pids[0][0]}" in stop.stdout, stop.stderr
     assert wait_all_gone(pids) == []
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tiny_ltx_20, tiny_ltx_23):
-    return checkpoints_by_version(tiny_ltx_20, tiny_ltx_23)
 
 
 # --------------------------------------------------------------------------- placements

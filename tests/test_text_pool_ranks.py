@@ -19,7 +19,7 @@ from ltx_mgpu.remote_text import PoolTextEncoder
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text import sharding
 from pool_support import raw_connect, raw_hello, read_answer
-from text_pool_support import PROMPTS, check, checkpoints_by_version, encode, reference
+from text_pool_support import PROMPTS, check, encode, reference
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,6 @@ def pool4(base):
     client = PoolClient.connect(gpus="cpu", nproc=4, runtime_dir=base, startup_timeout=180)
     yield client
     client.shutdown()
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tiny_ltx_20, tiny_ltx_23):
-    return checkpoints_by_version(tiny_ltx_20, tiny_ltx_23)
 
 
 # --------------------------------------------------------------------------- batch-parallel splits

@@ -10,14 +10,9 @@ from ltx_mgpu.client import PoolClient
 from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, encode_prompts, upcast
 from ltx_mgpu.text.encoder import TextEncoderSpec
 from pool_support import cleanup, short_dir
-from text_pool_support import PROMPTS, checkpoints_by_version, encode, reference
+from text_pool_support import PROMPTS, encode, reference
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tiny_ltx_20, tiny_ltx_23):
-    return checkpoints_by_version(tiny_ltx_20, tiny_ltx_23)
 
 
 # --------------------------------------------------------------------------- the wire: dtype and shared memory

@@ -12,16 +12,15 @@ installed. Packaging: pyproject ``[project]`` / ``[tool.comfy]``, ``.comfyignore
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from nodes_support import load_pack
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / "workflows"
@@ -72,18 +71,6 @@ CORE_NODES: dict[str, dict] = {
                              ("codec", "COMBO")],
                   "outputs": []},
 }
-
-
-def load_pack():
-    """Import the pack the way ComfyUI does (a file location under a mangled module name)."""
-    name = "ltx_mgpu_pack_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "__init__.py", submodule_search_locations=[str(REPO)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _contract_of_ours(cls) -> dict:

@@ -1,5 +1,5 @@
-"""Helpers shared by the text-pool tests: the prompts, the tiny checkpoints by version, in-process
-reference embeddings, an uncached encode through a pool and the check of its result."""
+"""Helpers shared by the text-pool tests: the prompts, in-process reference embeddings, an
+uncached encode through a pool and the check of its result (``checkpoints`` is in conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,6 @@ PROMPTS = [
     "two cats",
     "an astronaut floating above the earth, the sun rising behind",
 ]
-
-
-def checkpoints_by_version(tiny_ltx_20, tiny_ltx_23) -> dict:
-    """The tiny LTX checkpoints keyed by version (each test file wraps this in a fixture)."""
-    return {"2.0": tiny_ltx_20, "2.3": tiny_ltx_23}
 
 
 _REFERENCE: dict = {}

@@ -127,7 +127,7 @@ class UnitDequant:
         if device.type != "cuda":
             raise ValueError(f"the Triton NF4 dequant runs on CUDA; the weights are on {device}")
         rows, offsets = [], []
-        self.numel = 0
+        self._keep: list[torch.Tensor] = []  # tensors the table points into that exist only here
         for w, out in zip(weights, outs):
             qs = w.quant_state
             if not getattr(qs, "nested", False):
@@ -145,11 +145,10 @@ class UnitDequant:
                                  f"{out.device}")
             code2 = qs.state2.code.to(device=device, dtype=torch.float32).contiguous()
             nested = qs.state2.absmax.to(torch.float32).contiguous()
-            self._keep = getattr(self, "_keep", []) + [code2, nested]
+            self._keep += [code2, nested]
             rows.append([n // 2, w.data.data_ptr(), qs.absmax.data_ptr(), nested.data_ptr(), code2.data_ptr(),
                          out.data_ptr()])
             offsets.append(qs.offset.reshape(1).to(device=device, dtype=torch.float32))
-            self.numel += n
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         per_program = self.blocks * (first.blocksize // 2)
         starts = [0]
