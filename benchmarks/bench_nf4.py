@@ -125,8 +125,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the artifact directory")
     ap.add_argument("--dequant-sweep", action="store_true",
                     help="also time the Triton layer dequant for each blocks-per-program x warps setting")
+    ap.add_argument("--sm-carveouts", default="",
+                    help="comma-separated SM counts: the head to head also times the loader's NF4 encode with "
+                         "cuBLAS leaving that many SMs to the side stream's dequant (torch's experimental carveout)")
     ap.add_argument("--out", default=None, help="write raw results as JSON here (updated as it goes)")
     args = ap.parse_args(argv)
+    carveouts = [int(k) for k in args.sm_carveouts.split(",") if k]
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS and v != LOADER]
     if unknown:
@@ -333,17 +337,30 @@ def main(argv=None) -> int:
             use_causal_skip(bf)
             bf_encoder = PromptEncoder(GemmaTextTower(bf, None, config, "random", Path("random-12b")), projection)
             results["head_to_head"] = {}
+            def carved(k, ids, mask):
+                def run():
+                    torch._C._set_sm_carveout_experimental(k)
+                    try:
+                        return encoder.encode_tokens(ids, mask)
+                    finally:
+                        torch._C._set_sm_carveout_experimental(None)
+                return run
+
             for b in batches:
                 ids, mask = inputs[b]
-                r = time_interleaved(device, {"bf16": lambda: bf_encoder.encode_tokens(ids, mask),
-                                              LOADER: lambda: encoder.encode_tokens(ids, mask)},
-                                     args.warmup, 2 * args.runs)
+                fns = {"bf16": lambda: bf_encoder.encode_tokens(ids, mask), LOADER: lambda: encoder.encode_tokens(ids, mask)}
+                fns.update({f"{LOADER}-carveout{k}": carved(k, ids, mask) for k in carveouts})
+                r = time_interleaved(device, fns, args.warmup, 2 * args.runs)
                 ratio = r[LOADER][0] / r["bf16"][0]
                 results["head_to_head"][f"{b}x{args.tokens}"] = {
                     "bf16_ms": r["bf16"][0], "nf4_ms": r[LOADER][0], "ratio": ratio,
-                    "bf16_times_ms": r["bf16"][1], "nf4_times_ms": r[LOADER][1]}
+                    "bf16_times_ms": r["bf16"][1], "nf4_times_ms": r[LOADER][1],
+                    "carveouts": {k: r[f"{LOADER}-carveout{k}"][0] for k in carveouts}}
                 print(f"head to head {b}x{args.tokens} (interleaved): bf16 {r['bf16'][0]:.2f} ms, {LOADER} NF4 "
                       f"{r[LOADER][0]:.2f} ms = {ratio:.3f}x", flush=True)
+                for k in carveouts:
+                    ms = r[f"{LOADER}-carveout{k}"][0]
+                    print(f"  with {k} SMs carved out of cuBLAS: {ms:.2f} ms = {ms / r['bf16'][0]:.3f}x", flush=True)
             del bf_encoder, bf
             gc.collect()
             if device.type == "cuda":

@@ -151,6 +151,48 @@ def attention(batch: int, tokens: int) -> None:
         print(f"attention {batch}x{tokens} flex: n/a ({type(e).__name__}: {str(e)[:120]})")
 
 
+def gemm_floor(model, proj: Projection, batch: int, tokens: int) -> None:
+    """Time the encode's GEMMs alone (same shapes and weights, outputs preallocated, nothing
+    between them): the floor the rest of the encode sits on at this GPU's matmul rate. Also the
+    same with q/k/v and gate/up each as one GEMM on concatenated weights (made for the probe)."""
+    m = batch * tokens
+    x = {n: torch.randn(m, n, device=DEV, dtype=torch.bfloat16) for n in {l.in_features for l in _linears(model)}}
+    feats = torch.randn(m, proj.in_features, device=DEV, dtype=torch.bfloat16)
+    proj_w = [w.detach() for k, w in proj.named_parameters() if k.endswith("weight")]
+    outs: dict[tuple, torch.Tensor] = {}
+
+    def mm(a, w):
+        key = (a.shape[0], w.shape[0])
+        if key not in outs:
+            outs[key] = torch.empty(key, device=DEV, dtype=torch.bfloat16)
+        torch.mm(a, w.t(), out=outs[key])
+
+    def run(weights):
+        for w in weights:
+            mm(x[w.shape[1]], w)
+        for w in proj_w:
+            mm(feats, w)
+
+    layer_w = [lin.weight.detach() for lin in _linears(model)]
+    flops = 2 * m * (sum(w.numel() for w in layer_w) + sum(w.numel() for w in proj_w))
+    ms = _time(lambda: run(layer_w))
+    print(f"[gemm floor] {batch}x{tokens}: the encode's {len(layer_w) + len(proj_w)} GEMMs alone {ms:.1f} ms "
+          f"({flops / ms / 1e9:.0f} TFLOPS)", flush=True)
+    fused = []
+    for layer in model.layers.requires_grad_(False):
+        a, f = layer.self_attn, layer.mlp
+        fused += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
+                  torch.cat([f.gate_proj.weight, f.up_proj.weight]), f.down_proj.weight]
+    ms_f = _time(lambda: run(fused))
+    print(f"[gemm floor] {batch}x{tokens}: with q/k/v and gate/up fused: {ms_f:.1f} ms "
+          f"({flops / ms_f / 1e9:.0f} TFLOPS)", flush=True)
+    del fused, outs
+
+
+def _linears(model):
+    return [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -160,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", default=None, help="also profile the tower compiled as MODE@SCOPE")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--gemm-floor", action="store_true", help="also time the encode's GEMMs alone")
     args = ap.parse_args(argv)
     from transformers import Gemma3TextModel
 
@@ -177,6 +220,8 @@ def main(argv=None) -> int:
         "audio_aggregate_embed.bias": torch.zeros(2048, device=DEV, dtype=torch.bfloat16),
     })
     tower = GemmaTextTower(model=model, tokenizer=None, config=config, format="random", path=Path("random-12b"))
+    if args.gemm_floor:
+        gemm_floor(model, proj, args.batch, args.tokens)
     ids = torch.randint(4, GEMMA_12B["vocab"], (args.batch, args.tokens))
     mask = torch.ones_like(ids)
     if not args.no_eager:
