@@ -33,13 +33,13 @@ What it does, in one process (every ratio is within this run):
    then the median of ``--runs``):
 
    * ``in-process``: ``TextEncoderSpec.build().encode(prompts, batch_size)``;
-   * ``pool``: ``PoolClient.encode_prompts(encoder, prompts, cache=None)`` - what a ComfyUI
-     node does: the ``encode`` job with the resident encoder's key (a pool without it
-     rejects the request and the client loads, then retries), the job (Gemma forward,
-     the replication to every rank, kept resident), the result (float32 from a one-rank pool)
-     in shared memory (``ltx_mgpu.shm``: handed over in a spare the pool made ahead, else
-     copied out of the connection's arena; the socket under 1 MiB; each row reports
-     ``wire_bytes`` and ``transport``);
+   * ``pool``: ``PoolClient.encode_prompts(encoder, prompts, cache=None, keep=False)`` - what
+     the ComfyUI encode node does: the ``encode`` job with the resident encoder's key (a pool
+     without it rejects the request and the client loads, then retries), the job (Gemma
+     forward, the replication to every rank, not kept resident), the result (float32 from a
+     one-rank pool) in shared memory (``ltx_mgpu.shm``: handed over in a spare the pool made
+     ahead, the encoder's rows written straight into it, else copied out of the connection's
+     arena; the socket under 1 MiB; each row reports ``wire_bytes`` and ``transport``);
    * ``pool request``: the ``encode`` request alone, whose result gives the pool-side split
      (``seconds.encode``: Gemma + features on rank 0; ``seconds.broadcast``: the replication);
      the rest is the job's framing, the socket and the client.
@@ -262,12 +262,13 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
             return encoder.encode(prompts, batch_size=batch)
 
         def pool():
-            return client.encode_prompts(remote, prompts, cache=None, batch_size=batch, timeout=600)[0]
+            return client.encode_prompts(remote, prompts, cache=None, batch_size=batch, timeout=600, keep=False)[0]
 
         def pool_request():  # as encode_prompts sends it (receive=upcast: a float32 result is kept as it is)
-            result, tensors = client.request("encode", {"prompts": prompts, "batch_size": batch, "expect": key},
-                                             timeout=600, receive=upcast)
-            split.append({**result["seconds"], "wire_dtype": result["wire_dtype"]})
+            result, tensors = client.request("encode", {"prompts": prompts, "batch_size": batch, "expect": key,
+                                                        "keep": False}, timeout=600, receive=upcast)
+            split.append({**result["seconds"], "wire_dtype": result["wire_dtype"],
+                          "in_place": result.get("rows_in_place", False)})
             return embeddings_from_result(result, tensors)
 
         reference = in_process()
@@ -290,8 +291,9 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
                       "max_abs_diff_pool_vs_in_process": diff,
                       "result_bytes": result_bytes, "wire_dtype": str(wire).removeprefix("torch."),
                       "wire_bytes": result_bytes // 4 * wire.itemsize,
-                      "transport": (f"shared memory ({shm_frames} frames, {owned} handed over)" if shm_frames
-                                    else "socket")}
+                      "transport": (f"shared memory ({shm_frames} frames, {owned} handed over, "
+                                    f"{sum(s['in_place'] for s in split)} of {len(split)} requests written in place)"
+                                    if shm_frames else "socket")}
         log(f"{weights} {label}: in-process {med['in-process']:.2f} ms, pool {med['pool']:.2f} ms "
             f"({overhead:+.1%}), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
             f"broadcast {pool_broadcast:.2f} + rest {med['pool request'] - pool_encode - pool_broadcast:.2f}; "

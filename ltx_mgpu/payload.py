@@ -23,9 +23,10 @@ last of them is dropped, so keeping one small tensor keeps the whole payload's m
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -87,6 +88,40 @@ def _prepare(name: str, t: Any) -> torch.Tensor:
     return t.contiguous()
 
 
+def payload_layout(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, dict[str, int]]:
+    """Where the tensors of ``specs`` (name, dtype, shape) lie in their safetensors blob, known
+    before they exist (``ltx_mgpu.pool`` writes a result straight into shared memory there).
+
+    Returns:
+        ``(head, starts)``: the blob's first bytes (u64 header length + JSON header, padded to 8
+        bytes, as :func:`tensors_to_payload` writes it) and each tensor's byte offset in the
+        blob; the blob is ``len(head)`` + the tensors' bytes in name order.
+
+    Raises:
+        TypeError: as :func:`tensors_to_payload` (a bad name or a dtype safetensors cannot carry).
+    """
+    if sys.byteorder != "little":
+        raise TypeError("safetensors is little-endian; this big-endian host is not supported")
+    header: dict[str, Any] = {}
+    offsets: dict[str, int] = {}
+    offset = 0
+    for name, dtype, shape in sorted(specs, key=lambda s: s[0]):
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise TypeError(f"tensor names must be non-empty strings other than '__metadata__', got {name!r}")
+        if dtype not in CODES:
+            raise TypeError(f"{name!r} has dtype {dtype}, which safetensors cannot carry; "
+                            f"supported: {sorted(map(str, CODES))}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": CODES[dtype], "shape": [int(d) for d in shape],
+                        "data_offsets": [offset, offset + nbytes]}
+        offsets[name] = offset
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, {name: len(head) + off for name, off in offsets.items()}
+
+
 def tensors_to_payload(tensors: Mapping[str, torch.Tensor] | None) -> Payload | None:
     """Lay named tensors out as a safetensors blob (header + raw bytes), without copying data
     that already is contiguous CPU memory.
@@ -95,7 +130,7 @@ def tensors_to_payload(tensors: Mapping[str, torch.Tensor] | None) -> Payload | 
     tensors sharing memory (views of one another, ComfyUI's inference tensors) are fine. The
     payload *refers* to the tensors' memory until it is sent: do not modify them meanwhile.
     ``None`` or ``{}`` gives ``None`` (no payload). The output parses with
-    ``safetensors.torch.load`` and :func:`parse_payload`.
+    ``safetensors.torch.load`` and :func:`parse_payload`; the layout is :func:`payload_layout`'s.
 
     Raises:
         TypeError: a name is not a non-empty string (or is ``__metadata__``), a value is not a
@@ -103,23 +138,11 @@ def tensors_to_payload(tensors: Mapping[str, torch.Tensor] | None) -> Payload | 
     """
     if not tensors:
         return None
-    if sys.byteorder != "little":
-        raise TypeError("safetensors is little-endian; this big-endian host is not supported")
-    header: dict[str, Any] = {}
-    keep: list = []
-    data: list = []
-    offset = 0
-    for name in sorted(tensors):
-        t = _prepare(name, tensors[name])
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        keep.append(t)
-        if nbytes:
-            data.append(t.reshape(-1).view(torch.uint8).numpy())
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-    return Payload([struct.pack("<Q", len(raw)) + raw, *data], keep)
+    prepared = {name: _prepare(name, tensors[name]) for name in sorted(tensors)}
+    head, _ = payload_layout([(name, t.dtype, t.shape) for name, t in prepared.items()])
+    keep = list(prepared.values())
+    data = [t.reshape(-1).view(torch.uint8).numpy() for t in keep if t.numel()]
+    return Payload([head, *data], keep)
 
 
 def _no_duplicates(pairs: list) -> dict:

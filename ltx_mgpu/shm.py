@@ -46,6 +46,10 @@ no other process maps it any more) and returns views of it, kept as long as they
 to acknowledge; no copy unless a ``receive`` makes one, e.g. an upcast). A spare is
 used only when it fits the payload within a factor of two (:func:`fits`), so a small result
 never pins a large one's memory; the receiver refuses a larger one.
+A producer that knows its payload's layout in advance (``ltx_mgpu.payload.payload_layout``)
+can :meth:`ArenaSender.reserve` the spare and write the tensors at their places; that payload
+is then handed over without being copied (the pool's one-rank ``encode``: the encoder's float32
+upcast goes straight into the client's memory, instead of into fresh pages and then a copy).
 
 Settings (environment of the pool, or of the client for ``LTX_MGPU_SHM``):
 ``LTX_MGPU_SHM=0`` turns the feature off; ``LTX_MGPU_SHM_MIN_BYTES`` (1 MiB),
@@ -208,6 +212,7 @@ class ArenaSender:
         self.frames = self.handed = 0
         self._lock = threading.Lock()
         self._spare: _Arena | None = None
+        self._reserved: _Arena | None = None  # a spare set aside by reserve() (budget released)
         self._making: threading.Thread | None = None
         self._given: list[_Arena] = []
         self._last: str | None = None  # what the last place() used: "arena", "gift" or None
@@ -225,7 +230,9 @@ class ArenaSender:
         need = HEADER_BYTES + n
         own = self.own and n >= self.own_min_bytes
         try:
-            gift = self._take_spare(need) if own else None
+            gift = self._take_reserved(payload) if own else None
+            if gift is None and own:
+                gift = self._take_spare(need)
             if gift is not None:
                 try:
                     _write(gift, payload)
@@ -255,6 +262,39 @@ class ArenaSender:
         finally:
             if own:  # after this payload has its memory: the spare never takes the budget from it
                 self._make_spare_soon(need)
+
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        """Set the ready spare aside for the next payload, of ``nbytes`` bytes, so that its
+        producer can write it in place: the uint8 view of the ``[HEADER_BYTES, HEADER_BYTES +
+        nbytes)`` bytes where :meth:`place` puts the payload, or None (hand-over off, under
+        :attr:`own_min_bytes`, or no spare that :func:`fits`; the payload then goes as usual).
+
+        The reservation is used by the payload whose tensors all lie at their places in it
+        (:func:`~ltx_mgpu.payload.payload_layout` gives them), and then nothing is copied; any
+        other payload leaves it alone. A new reservation drops an unused one. Called from the
+        job's thread; :meth:`place` runs on the connection's writer thread.
+        """
+        need = HEADER_BYTES + int(nbytes)
+        if not self.own or nbytes < self.own_min_bytes:
+            return None
+        spare = self._take_spare(need)
+        if spare is None:
+            return None
+        with self._lock:
+            old, self._reserved = self._reserved, spare
+        if old is not None:
+            old.close()
+        return spare.u8[HEADER_BYTES:need]
+
+    def _take_reserved(self, payload) -> _Arena | None:
+        """The reserved arena if ``payload`` was written in it, every tensor at its place (then
+        nothing is copied); otherwise None, and the reservation stays for its own payload."""
+        with self._lock:
+            arena = self._reserved
+            if arena is None or not _in_place(arena, payload):
+                return None
+            self._reserved = None
+        return arena
 
     def unsent(self) -> None:
         """The frame of the last :meth:`place` could not be sent (its header broke the limits):
@@ -338,7 +378,7 @@ class ArenaSender:
     def holding(self) -> bool:
         """Whether an arena or a spare is held or a spare is being made (something to drop
         when idle)."""
-        return self.arena is not None or self._spare is not None or self._busy()
+        return self.arena is not None or self._spare is not None or self._reserved is not None or self._busy()
 
     def idle(self, now: float | None = None) -> bool:
         """Whether what is held is acknowledged and unused for ``idle_seconds`` (time to drop it)."""
@@ -352,10 +392,13 @@ class ArenaSender:
         dropped at the next idle check (:meth:`holding` counts it)."""
         with self._lock:
             spare, self._spare = self._spare, None
+            reserved, self._reserved = self._reserved, None
         for held in (self.arena, spare):
             if held is not None:
                 self.budget.release(held.size)
                 held.close()
+        if reserved is not None:  # its budget was released when it was set aside
+            reserved.close()
         self.arena = None
         self.sent()
 
@@ -380,7 +423,8 @@ def fits(size: int, need: int) -> bool:
 
 
 def _write(arena: _Arena, payload) -> None:
-    """Copy ``payload``'s parts to ``arena`` from offset :data:`HEADER_BYTES`."""
+    """Copy ``payload``'s parts to ``arena`` from offset :data:`HEADER_BYTES`; a part already at
+    its place (written there through :meth:`ArenaSender.reserve`) is left as it is."""
     off = HEADER_BYTES
     for part in payload.parts:
         if isinstance(part, (bytes, bytearray)):  # the safetensors header: small
@@ -388,8 +432,23 @@ def _write(arena: _Arena, payload) -> None:
             off += len(part)
         else:  # a tensor's bytes (numpy uint8 view): torch copies without holding the GIL
             src = torch.from_numpy(part)
-            arena.u8[off:off + src.numel()].copy_(src)
+            if src.data_ptr() != arena.base + off:
+                arena.u8[off:off + src.numel()].copy_(src)
             off += src.numel()
+
+
+def _in_place(arena: _Arena, payload) -> bool:
+    """Whether every tensor part of ``payload`` already lies where :func:`_write` would put it
+    in ``arena`` (and at least one does)."""
+    off, placed = HEADER_BYTES, False
+    for part in payload.parts:
+        n = memoryview(part).nbytes
+        if not isinstance(part, (bytes, bytearray)):
+            if torch.from_numpy(part).data_ptr() != arena.base + off:
+                return False
+            placed = True
+        off += n
+    return placed and off <= arena.size
 
 
 def _make_arena(size: int) -> _Arena | None:

@@ -88,6 +88,26 @@ def test_batched_equals_one_by_one(encoder, batch_size):
         torch.testing.assert_close(b.tensor, s, rtol=1e-5, atol=1e-5)
 
 
+def test_rows_written_into_given_tensors_equal_the_returned_ones(encoder):
+    """encode(out=...): token_counts gives the shapes in advance; the rows land in the caller's
+    tensors (one flat buffer here, as the pool's shared memory) and equal a plain encode; a
+    wrong shape is refused before any forward."""
+    counts = encoder.token_counts(PROMPTS)
+    width = encoder.projection.out_features
+    flat = torch.full((sum(counts) * width,), float("nan"))
+    out = list(flat.split([n * width for n in counts]))
+    out = [t.view(n, width) for t, n in zip(out, counts)]
+    got = encoder.encode(PROMPTS, batch_size=3, out=out)
+    plain = encoder.encode(PROMPTS, batch_size=3)
+    for g, o, p in zip(got, out, plain):
+        assert g.tensor.data_ptr() == o.data_ptr() and torch.equal(g.tensor, p.tensor)
+    assert not flat.isnan().any()
+    with pytest.raises(ValueError, match="out must be CPU"):
+        encoder.encode(PROMPTS[:2], out=[torch.empty(counts[0], width), torch.empty(counts[1] + 1, width)])
+    with pytest.raises(ValueError, match="one tensor per prompt"):
+        encoder.encode(PROMPTS[:2], out=out[:1])
+
+
 def test_prompt_over_budget_is_truncated_with_a_warning(tower, tiny_ltx_23):
     proj = load_projection(tiny_ltx_23, num_layers=tower.num_hidden_states)
     enc = PromptEncoder(tower, proj, token_budget=16)

@@ -339,3 +339,60 @@ def test_a_spare_being_made_counts_as_held_so_the_idle_check_drops_it_when_it_la
             shm._make_arena = make
         sender.close()
         receiver.drop()
+
+
+def _reserved_views(sender, specs):
+    """What ``JobContext.result_buffers`` makes: the payload's tensors as views of a reservation."""
+    from ltx_mgpu.payload import payload_layout
+
+    head, starts = payload_layout(specs)
+    region = sender.reserve(len(head) + sum(torch.Size(s).numel() * d.itemsize for _, d, s in specs))
+    if region is None:
+        return None
+    return {n: region[starts[n]:starts[n] + torch.Size(s).numel() * d.itemsize].view(d).view(s) for n, d, s in specs}
+
+
+def test_a_payload_written_in_its_reservation_is_handed_over_without_a_copy(monkeypatch):
+    """reserve(): the producer writes the payload where place() would put it; place() then hands
+    that memory over without copying it (the copy is refused here), another payload sent
+    meanwhile leaves the reservation alone, and the receiver gets the written values."""
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        x = torch.randn(512, 512)
+        _send_then_recv(a, b, sender, receiver, {"x": x})  # through the arena; a spare is made after it
+        _spare_made(sender)
+        specs = [("prompt_0", torch.float32, (300, 512)), ("prompt_1", torch.float32, (212, 512))]
+        views = _reserved_views(sender, specs)
+        assert views is not None and sender._spare is None and sender.holding()
+        want = {"prompt_0": torch.randn(300, 512), "prompt_1": torch.randn(212, 512)}
+        for n, v in views.items():
+            v.copy_(want[n])
+        # a payload that is not the reservation's (another event) takes the normal path
+        other = {"y": torch.randn(512, 512)}
+        _, got = _send_then_recv(a, b, sender, receiver, other)
+        assert_same_tensors(got, other)
+        assert sender._reserved is not None and sender.handed == 0
+        copies = []
+        real_copy = torch.Tensor.copy_
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: copies.append(1) or real_copy(self, src, *a, **k))
+        _, got = _send_then_recv(a, b, sender, receiver, views)
+        monkeypatch.undo()
+        assert copies == [] and sender.handed == 1 and receiver.owned == 1 and sender._reserved is None
+        assert_same_tensors(got, want)
+        del views
+        sender.close()
+        receiver.drop()
+
+
+def test_a_reservation_needs_the_feature_a_large_payload_and_a_fitting_spare():
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        assert sender.reserve(1 << 20) is None  # no spare yet
+        _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
+        _spare_made(sender)
+        assert sender.reserve(1 << 10) is None  # under own_min_bytes
+        assert sender.reserve(8 << 20) is None  # the 1 MiB spare cannot hold it
+        plain = shm.ArenaSender(shm.Budget(), min_bytes=1 << 16)  # no hand-over feature
+        assert plain.reserve(1 << 20) is None
+        sender.close()
+        receiver.drop()

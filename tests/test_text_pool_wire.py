@@ -3,6 +3,8 @@ arena and the socket reach the client bit for bit; a bf16 pool on one GPU sends 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -48,6 +50,48 @@ def test_encode_results_come_through_the_arena_and_bf16_on_the_wire_is_exact(tin
             for e, want in zip(embeddings_from_result(result, echoed), rows):
                 assert e.tensor.dtype == torch.float32 and torch.equal(e.tensor, want)
         plain.close()
+        client.shutdown()
+    finally:
+        cleanup(rt)
+
+
+@pytest.mark.filterwarnings("ignore:prompt . is longer than")
+def test_a_one_rank_pool_writes_the_rows_into_the_memory_it_hands_over(tiny_gemma_dir, checkpoints, monkeypatch):
+    """keep=False at world size 1 (what the ComfyUI node sends): once a spare is ready, the
+    encoder writes the float32 rows straight into the shared memory that is handed over
+    (``rows_in_place``), and the client gets the in-process embeddings bit for bit in memory of
+    its own; with keep=True (the pool holds the rows resident) the rows are never the client's."""
+    monkeypatch.setenv("LTX_MGPU_SHM_MIN_BYTES", "1")  # read by the pool started below
+    monkeypatch.setenv("LTX_MGPU_SHM_OWN_MIN_BYTES", "1")
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
+        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
+        # prompts at the token budget: a spare is handed over only when it fits within 2x (shm.fits)
+        prompts = [(p + " ") * 100 for p in PROMPTS[:3]]
+        ref = reference(tiny_gemma_dir, checkpoints["2.0"], prompts, batch_size=2)
+        assert sum(r.tensor.numel() * 4 for r in ref) > 1 << 19
+        key = encoder.key()
+        encode(client, encoder, prompts)  # loads; its result is the first large payload
+        seen = []
+        for _ in range(20):  # the spare is made in the background after each large result
+            result, tensors = client.request("encode", {"prompts": prompts, "batch_size": 2, "expect": key,
+                                                        "keep": False}, timeout=120)
+            seen.append(result["rows_in_place"])
+            for e, r in zip(embeddings_from_result(result, tensors), ref):
+                assert e.tensor.dtype == torch.float32 and torch.equal(e.tensor, r.tensor)
+            if seen[-1]:
+                break
+            time.sleep(0.2)
+        assert seen[-1], f"never written in place: {seen}"
+        assert client.shm_stats["owned"] >= 1
+        for t in tensors.values():
+            t.zero_()  # the client's to write: the next result is unaffected
+        result, tensors = client.request("encode", {"prompts": prompts, "batch_size": 2, "expect": key,
+                                                    "keep": True}, timeout=120)
+        assert result["rows_in_place"] is False
+        for e, r in zip(embeddings_from_result(result, tensors), ref):
+            assert torch.equal(e.tensor, r.tensor)
         client.shutdown()
     finally:
         cleanup(rt)

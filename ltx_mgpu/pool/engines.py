@@ -30,16 +30,17 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import math
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ltx_mgpu import protocol
+from ltx_mgpu import protocol, shm
 
 Handler = Callable[["JobContext", dict, dict], "tuple[dict, dict]"]
 
@@ -196,6 +197,7 @@ class JobContext:
     _emit_progress: Callable[[str, int, int], None] | None = None
     _emit_log: Callable[[str, str], None] | None = None
     _cancel_requested: Callable[[], bool] | None = None
+    _reserve_result: Callable[[int], torch.Tensor | None] | None = None
     checks: int = field(default=0)
 
     @property
@@ -213,6 +215,31 @@ class JobContext:
         print(f"[rank {self.rank}] {level}: {message}", flush=True)
         if self._emit_log is not None:
             self._emit_log(level, message)
+
+    def result_buffers(self, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> dict[str, torch.Tensor] | None:
+        """CPU tensors, one per ``(name, dtype, shape)`` of ``specs``, that lie where this job's
+        result payload will be handed to the client in shared memory (``ltx_mgpu.shm``,
+        ``ArenaSender.reserve``): a handler that fills them and returns them under those names
+        (and no other tensors) has its result sent without a copy. ``None`` when that is not
+        on offer (not rank 0, a client without the ``shm_own`` feature, a small result, no
+        spare memory ready, or a layout that would misalign a dtype): then return ordinary
+        tensors. Not a collective.
+
+        The tensors are the client's memory once sent: do not keep them past the job.
+        """
+        from ltx_mgpu.payload import payload_layout
+
+        if self._reserve_result is None or not specs:
+            return None
+        head, starts = payload_layout(specs)
+        sizes = {name: math.prod(shape) * dtype.itemsize for name, dtype, shape in specs}
+        if any((shm.HEADER_BYTES + starts[name]) % dtype.itemsize for name, dtype, _ in specs):
+            return None
+        region = self._reserve_result(len(head) + sum(sizes.values()))
+        if region is None:
+            return None
+        return {name: region[starts[name]:starts[name] + sizes[name]].view(dtype).view(tuple(shape))
+                for name, dtype, shape in specs}
 
     def check_cancel(self) -> None:
         """Collective step boundary: rank 0 decides continue/cancel and broadcasts it over the

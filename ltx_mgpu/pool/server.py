@@ -253,6 +253,12 @@ class Server:
     def emit_log(self, job: Job, level: str, message: str, rank: int = 0) -> None:
         job.conn.send(protocol.make_event("log", job.id, level=level, message=message, rank=rank))
 
+    def reserve_result(self, job: Job, nbytes: int):
+        """Shared memory for ``job``'s ``nbytes``-byte result payload, to be written in place
+        (``shm.ArenaSender.reserve``; ``JobContext.result_buffers``), or None."""
+        sender = job.conn.shm
+        return None if sender is None else sender.reserve(nbytes)
+
     def finish(self, job: Job, result: dict, tensors: dict | None) -> None:
         """Send the job's ``result`` (and tensors) and mark it done."""
         try:

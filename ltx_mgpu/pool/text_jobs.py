@@ -259,6 +259,18 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
     return state, list(params["prompts"]), batch_size, keep, verify
 
 
+def _result_rows(ctx: JobContext, state: Any, prompts: list[str]) -> list[torch.Tensor] | None:
+    """At world size 1: float32 ``[T_i, width]`` tensors in the shared memory the result will
+    be handed over in (``JobContext.result_buffers``), so the encoder's upcast writes the
+    client's tensors directly (no copy into the arena, no fresh pages), or None. Only without
+    ``keep``: the client may write to what it receives, which must not be the pool's
+    resident copy."""
+    counts = state.encoder.token_counts(prompts)
+    width = state.request.width
+    bufs = ctx.result_buffers([(f"prompt_{i}", torch.float32, (n, width)) for i, n in enumerate(counts)])
+    return None if bufs is None else [bufs[f"prompt_{i}"] for i in range(len(prompts))]
+
+
 @register_engine("encode")
 def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Encode prompts with the resident text encoder; afterwards every rank holds every prompt's
@@ -275,7 +287,8 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     number of times (the most any rank needs) and rank 0 reports ``progress("encode", k, n)``.
 
     Returns (rank 0): ``{"count", "version", "dropped_tokens", "num_tokens", "owners",
-    "placement", "key", "wire_dtype", "broadcast_bytes", "seconds": {"encode", "broadcast"}}``
+    "placement", "key", "wire_dtype", "broadcast_bytes", "seconds": {"encode", "broadcast"},
+    "rows_in_place"}`` (the rows were written into the shared memory they are handed over in)
     (plus ``rank_digests`` [rank][prompt] hex and ``consistent`` with ``verify``) and tensors
     ``prompt_<i>``: ``[T_i, D]`` in ``wire_dtype`` (float32 at world size 1; with more ranks
     bf16 when the pool computes in bf16, of which the embeddings are float32 upcasts that
@@ -300,13 +313,19 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     out_dtype = torch.float32 if ctx.world_size == 1 else state.wire
     local, error = {}, None
     t0 = time.perf_counter()
+    dest = None
+    if ctx.world_size == 1 and not keep:
+        try:
+            dest = _result_rows(ctx, state, prompts)
+        except ValueError as e:  # PromptTooLongError: reported as the encode would
+            error = failure_message(e, "encoding")
     for k in range(rounds):
         ctx.check_cancel()
         chunk = mine[k * batch_size:(k + 1) * batch_size]
         if chunk and error is None:
             try:
-                out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size,
-                                             out_dtype=out_dtype)
+                out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size, out_dtype=out_dtype,
+                                           out=None if dest is None else [dest[i] for i in chunk])
             except (ValueError, torch.OutOfMemoryError) as e:  # PromptTooLongError is a ValueError
                 error = failure_message(e, "encoding")
                 local.clear()
@@ -342,7 +361,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     result = {"count": count, "version": req.version, "dropped_tokens": [int(d) for d in held.dropped],
               "num_tokens": [int(r.shape[0]) for r in rows], "owners": owners, "placement": req.placement,
               "key": req.key, "wire_dtype": str(out_dtype).removeprefix("torch."), "broadcast_bytes": held.nbytes,
-              "seconds": {"encode": t_encode, "broadcast": t_broadcast}}
+              "seconds": {"encode": t_encode, "broadcast": t_broadcast}, "rows_in_place": dest is not None}
     if digests is not None:
         result["rank_digests"] = digests
         result["consistent"] = all(d == digests[0] for d in digests)

@@ -162,6 +162,7 @@ def run_job(state: Rank, spec: dict, tensors: dict, server: Server | None = None
         ctx._emit_progress = lambda phase, step, total: server.emit_progress(job, phase, step, total)
         ctx._emit_log = lambda level, message: server.emit_log(job, level, message)
         ctx._cancel_requested = lambda: server.cancel_requested(job)
+        ctx._reserve_result = lambda nbytes: server.reserve_result(job, nbytes)
     code, message, result, out = _OK, "", {}, {}
     try:
         handler = resolve_engine(spec["type"])

@@ -82,32 +82,58 @@ class PromptEncoder:
         self.trim = trim
         self._staging: torch.Tensor | None = None
 
+    def token_counts(self, prompts: Sequence[str]) -> list[int]:
+        """The number of tokens (BOS included, after truncation to the budget) each prompt's
+        embedding will have: the ``T_valid`` of :meth:`encode`'s rows, known before encoding.
+
+        Raises:
+            ValueError: a non-string prompt; PromptTooLongError: as :meth:`encode`.
+        """
+        from ltx_mgpu.text.tokenizer import tokenize
+
+        self._check_prompts(prompts)
+        if not prompts:
+            return []
+        _, mask, _ = tokenize(self.tower, list(prompts), max_length=self.token_budget, truncate=self.truncate)
+        return [int(n) for n in mask.sum(dim=1).tolist()]
+
+    @staticmethod
+    def _check_prompts(prompts: Sequence[str]) -> None:
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise ValueError(f"prompt {i} is {type(p).__name__}, expected str")
+
     @torch.inference_mode()
-    def encode(self, prompts: Sequence[str], batch_size: int = 8,
-               out_dtype: torch.dtype = torch.float32) -> list[PromptEmbedding]:
+    def encode(self, prompts: Sequence[str], batch_size: int = 8, out_dtype: torch.dtype = torch.float32,
+               out: Sequence[torch.Tensor] | None = None) -> list[PromptEmbedding]:
         """Encode prompts in sub-batches of ``batch_size``.
 
         Args:
             out_dtype: the dtype of the returned rows: float32 (ComfyUI's conditioning, the
                 default) or the projection's compute dtype, in which the rows are computed, so
                 that a transport (the pool's wire) needs no conversion; exact either way.
+            out: optional CPU tensors to write the rows into, one per prompt, each
+                ``[T_valid, D_out]`` (:meth:`token_counts`) in ``out_dtype`` (the pool passes
+                views of the shared memory its result will be handed over in).
 
         Returns:
             One :class:`PromptEmbedding` per prompt, in order: ``[T_valid, D_out]`` in
-            ``out_dtype`` on CPU, each with its own storage (safe to serialise independently).
+            ``out_dtype`` on CPU, each with its own storage (safe to serialise independently),
+            or the ``out`` tensors.
 
         Raises:
-            ValueError: ``batch_size < 1`` or a non-string prompt.
+            ValueError: ``batch_size < 1``, a non-string prompt, or ``out`` of the wrong number,
+                shape, dtype or device.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
         """
         from ltx_mgpu.text.tokenizer import tokenize
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise ValueError(f"prompt {i} is {type(p).__name__}, expected str")
-        out: list[PromptEmbedding] = []
+        self._check_prompts(prompts)
+        if out is not None and len(out) != len(prompts):
+            raise ValueError(f"out must hold one tensor per prompt: {len(out)} for {len(prompts)} prompts")
+        result: list[PromptEmbedding] = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
             ids, mask, dropped = tokenize(self.tower, chunk, max_length=self.token_budget, truncate=self.truncate)
@@ -118,13 +144,14 @@ class PromptEncoder:
                         f"{n} tokens were dropped (truncate=False, or --no-truncate, makes it an error)",
                         stacklevel=2,
                     )
-            out.extend(self.encode_tokens(ids, mask, dropped, out_dtype))
-        return out
+            dest = None if out is None else out[start:start + batch_size]
+            result.extend(self.encode_tokens(ids, mask, dropped, out_dtype, out=dest))
+        return result
 
     @torch.inference_mode()
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      dropped: Sequence[int] | None = None,
-                      out_dtype: torch.dtype = torch.float32) -> list[PromptEmbedding]:
+                      dropped: Sequence[int] | None = None, out_dtype: torch.dtype = torch.float32,
+                      out: Sequence[torch.Tensor] | None = None) -> list[PromptEmbedding]:
         """Encode already-tokenised prompts (one Gemma forward).
 
         The batch runs at the length of its longest prompt (``ltx_mgpu.text.forward.run_tower``;
@@ -135,23 +162,30 @@ class PromptEncoder:
             input_ids: ``[B, T]`` int64, left-padded.
             attention_mask: ``[B, T]``, 1 for real tokens.
             dropped: tokens cut from each prompt by truncation (recorded in the result).
-            out_dtype: as :meth:`encode`.
+            out_dtype, out: as :meth:`encode` (``out``: one tensor per row).
 
         Returns:
             One :class:`PromptEmbedding` per row: ``[T_valid, D_out]`` in ``out_dtype`` on CPU
-            with its own storage.
+            with its own storage (the ``out`` tensors when given).
 
         Raises:
-            ValueError: shapes differ, or the padding is not on the left.
+            ValueError: shapes differ, the padding is not on the left, or ``out`` does not match
+                the rows (checked before the forward).
         """
         from ltx_mgpu.text.forward import run_tower
 
-        out = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
-        features = self.projection.normalised(out.hidden_states, out.attention_mask)
-        del out
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
+        if out is not None:
+            want = [(n, self.projection.out_features) for n in lengths]
+            got = [tuple(t.shape) for t in out]
+            if got != want or any(t.dtype != out_dtype or t.device.type != "cpu" for t in out):
+                raise ValueError(f"out must be CPU {out_dtype} tensors of shapes {want}; got "
+                                 f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in out]}")
+        states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
+        features = self.projection.normalised(states.hidden_states, states.attention_mask)
+        del states
         dropped = list(dropped) if dropped is not None else [0] * len(lengths)
-        rows = self._project_rows(features, lengths, out_dtype)
+        rows = self._project_rows(features, lengths, out_dtype, out)
         return [PromptEmbedding(row, self.projection.version, int(d)) for row, d in zip(rows, dropped)]
 
     #: Tokens per projection GEMM when the projection and the host copy are pipelined: enough
@@ -159,9 +193,10 @@ class PromptEncoder:
     PIPELINE_TOKENS = 1024
 
     def _project_rows(self, features: torch.Tensor, lengths: Sequence[int],
-                      out_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+                      out_dtype: torch.dtype = torch.float32,
+                      out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Project ``features`` (``[B, m, L*D]``) and return each prompt's valid rows as its own
-        ``out_dtype`` CPU tensor (one copy each).
+        ``out_dtype`` CPU tensor (one copy each, into ``out[j]`` when given).
 
         On a GPU the batch is projected in groups of about :attr:`PIPELINE_TOKENS` tokens; each
         group's valid rows go to a reused pinned staging buffer in the projection's dtype
@@ -171,8 +206,10 @@ class PromptEncoder:
         """
         b, m = features.shape[:2]
         if features.device.type != "cuda":
-            out = self.projection.project(features)
-            return [out[j, m - n:].to(out_dtype, copy=True) for j, n in enumerate(lengths)]
+            projected = self.projection.project(features)
+            if out is not None:
+                return [out[j].copy_(projected[j, m - n:]) for j, n in enumerate(lengths)]
+            return [projected[j, m - n:].to(out_dtype, copy=True) for j, n in enumerate(lengths)]
         width = self.projection.out_features
         numel = sum(lengths) * width
         staging = self._staging
@@ -182,21 +219,22 @@ class PromptEncoder:
         stream = torch.cuda.current_stream(features.device)
         pending, at = [], 0
         for g0 in range(0, b, group):
-            out = self.projection.project(features[g0:g0 + group])
+            projected = self.projection.project(features[g0:g0 + group])
             views = []
             for j in range(g0, min(b, g0 + group)):
                 n = lengths[j]
                 host = staging[at:at + n * width].view(n, width)
-                host.copy_(out[j - g0, m - n:], non_blocking=True)
+                host.copy_(projected[j - g0, m - n:], non_blocking=True)
                 views.append(host)
                 at += n * width
             done = torch.cuda.Event()
             done.record(stream)
             pending.append((done, views))
-        rows = []
+        rows: list[torch.Tensor] = []
         for done, views in pending:
             done.synchronize()
-            rows.extend(v.to(out_dtype, copy=True) for v in views)
+            for v in views:
+                rows.append(v.to(out_dtype, copy=True) if out is None else out[len(rows)].copy_(v))
         return rows
 
 
