@@ -110,6 +110,29 @@ def _token_cosine(a, b):
                                                  dim=-1).mean().item()
 
 
+def _with_gpu_embeddings(encoder: PromptEncoder, ids: torch.Tensor, mask: torch.Tensor):
+    """``encoder.encode_tokens(ids, mask)`` with the tower's host-memory embedding table
+    (``forward.HostEmbedding``) swapped for a GPU copy during the call (made once, 2 GB for
+    12B): what keeping the table in host memory costs in time."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    model = encoder.tower.model
+    host = model.get_input_embeddings()
+    with torch.device("meta"):
+        emb = Gemma3TextScaledWordEmbedding(host.num_embeddings, host.embedding_dim, host.padding_idx,
+                                            embed_scale=float(host.embed_scale))
+    emb.weight = torch.nn.Parameter(host.weight.detach().to(host.device), requires_grad=False)
+    emb.embed_scale = host.embed_scale.detach().clone()
+
+    def run():
+        model.set_input_embeddings(emb)
+        try:
+            return encoder.encode_tokens(ids, mask)
+        finally:
+            model.set_input_embeddings(host)
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -128,6 +151,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sm-carveouts", default="",
                     help="comma-separated SM counts: the head to head also times the loader's NF4 encode with "
                          "cuBLAS leaving that many SMs to the side stream's dequant (torch's experimental carveout)")
+    ap.add_argument("--gpu-embeddings", action="store_true",
+                    help="the head to head also times the loader's NF4 tower with its embedding table on the GPU")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the head to head, profile one encode of each (GPU busy time, host operators)")
     ap.add_argument("--out", default=None, help="write raw results as JSON here (updated as it goes)")
     args = ap.parse_args(argv)
     carveouts = [int(k) for k in args.sm_carveouts.split(",") if k]
@@ -350,6 +377,8 @@ def main(argv=None) -> int:
                 ids, mask = inputs[b]
                 fns = {"bf16": lambda: bf_encoder.encode_tokens(ids, mask), LOADER: lambda: encoder.encode_tokens(ids, mask)}
                 fns.update({f"{LOADER}-carveout{k}": carved(k, ids, mask) for k in carveouts})
+                if args.gpu_embeddings and device.type == "cuda":
+                    fns[f"{LOADER}-gpu-embeddings"] = _with_gpu_embeddings(encoder, ids, mask)
                 r = time_interleaved(device, fns, args.warmup, 2 * args.runs)
                 ratio = r[LOADER][0] / r["bf16"][0]
                 results["head_to_head"][f"{b}x{args.tokens}"] = {
@@ -361,6 +390,14 @@ def main(argv=None) -> int:
                 for k in carveouts:
                     ms = r[f"{LOADER}-carveout{k}"][0]
                     print(f"  with {k} SMs carved out of cuBLAS: {ms:.2f} ms = {ms / r['bf16'][0]:.3f}x", flush=True)
+                if args.gpu_embeddings and device.type == "cuda":
+                    ms = results["head_to_head"][f"{b}x{args.tokens}"]["gpu_embeddings_ms"] = r[f"{LOADER}-gpu-embeddings"][0]
+                    print(f"  with the embedding table on the GPU: {ms:.2f} ms = {ms / r['bf16'][0]:.3f}x", flush=True)
+                if args.profile and b == batches[0] and device.type == "cuda":
+                    from benchmarks.profile_text import busy_and_host
+
+                    busy_and_host(f"bf16 {b}x{args.tokens}", lambda: bf_encoder.encode_tokens(ids, mask))
+                    busy_and_host(f"{LOADER} NF4 {b}x{args.tokens}", lambda: encoder.encode_tokens(ids, mask))
             del bf_encoder, bf
             gc.collect()
             if device.type == "cuda":

@@ -70,6 +70,28 @@ def stages(label: str, encoder: PromptEncoder, ids: torch.Tensor, mask: torch.Te
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=80), flush=True)
 
 
+def busy_and_host(label: str, fn, rows: int = 15) -> None:
+    """For any encode ``fn``: wall time, GPU kernel time, the host time around the kernels, and
+    the host operators that take the most CPU time (self), the question being whether the
+    encode is bound by the GPU or by the host's launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wall = _time(fn)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    print(f"[{label}] wall {wall:.1f} ms, GPU kernel time {busy:.1f} ms ({wall - busy:.1f} ms without a kernel "
+          f"running)", flush=True)
+    idle_gaps(label, prof, top=5)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    host_around_gpu(label, prof, top=3)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60),
+          flush=True)
+
+
 def idle_gaps(label: str, prof, top: int = 12, min_us: float = 20.0) -> None:
     """Print where the GPU sat idle inside the profiled encode: the total of the gaps between
     consecutive kernels (and copies) longer than ``min_us``, and the ``top`` longest with the
