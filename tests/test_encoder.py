@@ -89,23 +89,25 @@ def test_batched_equals_one_by_one(encoder, batch_size):
 
 
 def test_rows_written_into_given_tensors_equal_the_returned_ones(encoder):
-    """encode(out=...): token_counts gives the shapes in advance; the rows land in the caller's
-    tensors (one flat buffer here, as the pool's shared memory) and equal a plain encode; a
-    wrong shape is refused before any forward."""
+    """encode(out=...): token_counts gives the shapes in advance; out(i) is asked for prompt i's
+    row once it is ready, the row lands there (one flat buffer here, as the pool's shared
+    memory) and equals a plain encode; out(i) giving None means a new tensor; a wrong shape is
+    refused, naming the row."""
     counts = encoder.token_counts(PROMPTS)
     width = encoder.projection.out_features
     flat = torch.full((sum(counts) * width,), float("nan"))
-    out = list(flat.split([n * width for n in counts]))
-    out = [t.view(n, width) for t, n in zip(out, counts)]
-    got = encoder.encode(PROMPTS, batch_size=3, out=out)
+    rows = [t.view(n, width) for t, n in zip(flat.split([n * width for n in counts]), counts)]
+    asked = []
+    got = encoder.encode(PROMPTS, batch_size=3, out=lambda i: asked.append(i) or rows[i])
     plain = encoder.encode(PROMPTS, batch_size=3)
-    for g, o, p in zip(got, out, plain):
-        assert g.tensor.data_ptr() == o.data_ptr() and torch.equal(g.tensor, p.tensor)
+    assert asked == list(range(len(PROMPTS)))
+    for g, r, p in zip(got, rows, plain):
+        assert g.tensor.data_ptr() == r.data_ptr() and torch.equal(g.tensor, p.tensor)
     assert not flat.isnan().any()
-    with pytest.raises(ValueError, match="out must be CPU"):
-        encoder.encode(PROMPTS[:2], out=[torch.empty(counts[0], width), torch.empty(counts[1] + 1, width)])
-    with pytest.raises(ValueError, match="one tensor per prompt"):
-        encoder.encode(PROMPTS[:2], out=out[:1])
+    some = encoder.encode(PROMPTS[:2], out=lambda i: None if i else torch.empty(counts[0], width))
+    assert all(torch.equal(s.tensor, p.tensor) for s, p in zip(some, encoder.encode(PROMPTS[:2])))
+    with pytest.raises(ValueError, match="row 1 needs a CPU"):
+        encoder.encode(PROMPTS[:2], out=lambda i: torch.empty(counts[i] + i, width))
 
 
 def test_prompt_over_budget_is_truncated_with_a_warning(tower, tiny_ltx_23):

@@ -259,16 +259,28 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
     return state, list(params["prompts"]), batch_size, keep, verify
 
 
-def _result_rows(ctx: JobContext, state: Any, prompts: list[str]) -> list[torch.Tensor] | None:
-    """At world size 1: float32 ``[T_i, width]`` tensors in the shared memory the result will
-    be handed over in (``JobContext.result_buffers``), so the encoder's upcast writes the
-    client's tensors directly (no copy into the arena, no fresh pages), or None. Only without
-    ``keep``: the client may write to what it receives, which must not be the pool's
-    resident copy."""
-    counts = state.encoder.token_counts(prompts)
-    width = state.request.width
-    bufs = ctx.result_buffers([(f"prompt_{i}", torch.float32, (n, width)) for i, n in enumerate(counts)])
-    return None if bufs is None else [bufs[f"prompt_{i}"] for i in range(len(prompts))]
+class _HandOverRows:
+    """At world size 1, the encoder's ``out``: on the first row to be written, sets aside the
+    shared memory the result will be handed over in (``JobContext.result_buffers``) for every
+    prompt's float32 ``[T_i, width]`` row, so the encoder's upcast writes the client's tensors
+    directly (no copy into the arena, no fresh pages); None (new tensors) when it cannot.
+    Reserved after the forward, not before: the spare for a large result is made in the
+    background after the previous one and may take longer than the gap between two requests.
+    Only without ``keep``: the client may write to what it receives, which must not be the
+    pool's resident copy."""
+
+    def __init__(self, ctx: JobContext, counts: list[int], width: int):
+        self.ctx, self.counts, self.width = ctx, counts, width
+        self.asked = False
+        self.rows: list[torch.Tensor] | None = None
+
+    def __call__(self, i: int) -> torch.Tensor | None:
+        if not self.asked:
+            self.asked = True
+            specs = [(f"prompt_{k}", torch.float32, (n, self.width)) for k, n in enumerate(self.counts)]
+            bufs = self.ctx.result_buffers(specs)
+            self.rows = None if bufs is None else [bufs[name] for name, _, _ in specs]
+        return None if self.rows is None else self.rows[i]
 
 
 @register_engine("encode")
@@ -316,7 +328,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     dest = None
     if ctx.world_size == 1 and not keep:
         try:
-            dest = _result_rows(ctx, state, prompts)
+            dest = _HandOverRows(ctx, state.encoder.token_counts(prompts), req.width)
         except ValueError as e:  # PromptTooLongError: reported as the encode would
             error = failure_message(e, "encoding")
     for k in range(rounds):
@@ -325,7 +337,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         if chunk and error is None:
             try:
                 out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size, out_dtype=out_dtype,
-                                           out=None if dest is None else [dest[i] for i in chunk])
+                                           out=None if dest is None else (lambda j, chunk=chunk: dest(chunk[j])))
             except (ValueError, torch.OutOfMemoryError) as e:  # PromptTooLongError is a ValueError
                 error = failure_message(e, "encoding")
                 local.clear()
@@ -361,7 +373,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     result = {"count": count, "version": req.version, "dropped_tokens": [int(d) for d in held.dropped],
               "num_tokens": [int(r.shape[0]) for r in rows], "owners": owners, "placement": req.placement,
               "key": req.key, "wire_dtype": str(out_dtype).removeprefix("torch."), "broadcast_bytes": held.nbytes,
-              "seconds": {"encode": t_encode, "broadcast": t_broadcast}, "rows_in_place": dest is not None}
+              "seconds": {"encode": t_encode, "broadcast": t_broadcast}, "rows_in_place": dest is not None and dest.rows is not None}
     if digests is not None:
         result["rank_digests"] = digests
         result["consistent"] = all(d == digests[0] for d in digests)

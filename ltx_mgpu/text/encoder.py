@@ -19,7 +19,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -47,6 +47,21 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return _DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+#: ``out(j) -> tensor | None``: where row ``j`` goes (see :meth:`PromptEncoder.encode`).
+RowAllocator = Callable[[int], "torch.Tensor | None"]
+
+
+def _store(row: torch.Tensor, dtype: torch.dtype, out: RowAllocator | None, j: int) -> torch.Tensor:
+    """``row`` as a CPU ``dtype`` tensor of its own: copied into ``out(j)`` when that gives one."""
+    dest = None if out is None else out(j)
+    if dest is None:
+        return row.to("cpu", dtype, copy=True)
+    if tuple(dest.shape) != tuple(row.shape) or dest.dtype != dtype or dest.device.type != "cpu":
+        raise ValueError(f"row {j} needs a CPU {dtype} tensor of shape {tuple(row.shape)}; out gave "
+                         f"{dest.dtype} {tuple(dest.shape)} on {dest.device}")
+    return dest.copy_(row)
 
 
 class PromptEncoder:
@@ -105,25 +120,27 @@ class PromptEncoder:
 
     @torch.inference_mode()
     def encode(self, prompts: Sequence[str], batch_size: int = 8, out_dtype: torch.dtype = torch.float32,
-               out: Sequence[torch.Tensor] | None = None) -> list[PromptEmbedding]:
+               out: RowAllocator | None = None) -> list[PromptEmbedding]:
         """Encode prompts in sub-batches of ``batch_size``.
 
         Args:
             out_dtype: the dtype of the returned rows: float32 (ComfyUI's conditioning, the
                 default) or the projection's compute dtype, in which the rows are computed, so
                 that a transport (the pool's wire) needs no conversion; exact either way.
-            out: optional CPU tensors to write the rows into, one per prompt, each
-                ``[T_valid, D_out]`` (:meth:`token_counts`) in ``out_dtype`` (the pool passes
-                views of the shared memory its result will be handed over in).
+            out: optional ``out(i)`` -> the CPU tensor to write prompt ``i``'s row into,
+                ``[T_valid, D_out]`` (:meth:`token_counts`) in ``out_dtype``, or None for a new
+                one; called when the row is ready to be written, after the forward (the pool
+                returns views of the shared memory its result will be handed over in, set
+                aside at that moment, when the memory is most likely ready).
 
         Returns:
             One :class:`PromptEmbedding` per prompt, in order: ``[T_valid, D_out]`` in
             ``out_dtype`` on CPU, each with its own storage (safe to serialise independently),
-            or the ``out`` tensors.
+            or the tensors ``out`` gave.
 
         Raises:
-            ValueError: ``batch_size < 1``, a non-string prompt, or ``out`` of the wrong number,
-                shape, dtype or device.
+            ValueError: ``batch_size < 1``, a non-string prompt, or a tensor from ``out`` of the
+                wrong shape, dtype or device.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
         """
         from ltx_mgpu.text.tokenizer import tokenize
@@ -131,8 +148,6 @@ class PromptEncoder:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self._check_prompts(prompts)
-        if out is not None and len(out) != len(prompts):
-            raise ValueError(f"out must hold one tensor per prompt: {len(out)} for {len(prompts)} prompts")
         result: list[PromptEmbedding] = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
@@ -144,14 +159,14 @@ class PromptEncoder:
                         f"{n} tokens were dropped (truncate=False, or --no-truncate, makes it an error)",
                         stacklevel=2,
                     )
-            dest = None if out is None else out[start:start + batch_size]
+            dest = None if out is None else (lambda j, start=start: out(start + j))
             result.extend(self.encode_tokens(ids, mask, dropped, out_dtype, out=dest))
         return result
 
     @torch.inference_mode()
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       dropped: Sequence[int] | None = None, out_dtype: torch.dtype = torch.float32,
-                      out: Sequence[torch.Tensor] | None = None) -> list[PromptEmbedding]:
+                      out: RowAllocator | None = None) -> list[PromptEmbedding]:
         """Encode already-tokenised prompts (one Gemma forward).
 
         The batch runs at the length of its longest prompt (``ltx_mgpu.text.forward.run_tower``;
@@ -162,25 +177,19 @@ class PromptEncoder:
             input_ids: ``[B, T]`` int64, left-padded.
             attention_mask: ``[B, T]``, 1 for real tokens.
             dropped: tokens cut from each prompt by truncation (recorded in the result).
-            out_dtype, out: as :meth:`encode` (``out``: one tensor per row).
+            out_dtype, out: as :meth:`encode` (``out(j)`` for row ``j`` of this batch).
 
         Returns:
             One :class:`PromptEmbedding` per row: ``[T_valid, D_out]`` in ``out_dtype`` on CPU
-            with its own storage (the ``out`` tensors when given).
+            with its own storage (or the tensor ``out`` gave).
 
         Raises:
-            ValueError: shapes differ, the padding is not on the left, or ``out`` does not match
-                the rows (checked before the forward).
+            ValueError: shapes differ, the padding is not on the left, or a tensor from ``out``
+                does not match its row.
         """
         from ltx_mgpu.text.forward import run_tower
 
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
-        if out is not None:
-            want = [(n, self.projection.out_features) for n in lengths]
-            got = [tuple(t.shape) for t in out]
-            if got != want or any(t.dtype != out_dtype or t.device.type != "cpu" for t in out):
-                raise ValueError(f"out must be CPU {out_dtype} tensors of shapes {want}; got "
-                                 f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in out]}")
         states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
         features = self.projection.normalised(states.hidden_states, states.attention_mask)
         del states
@@ -194,9 +203,9 @@ class PromptEncoder:
 
     def _project_rows(self, features: torch.Tensor, lengths: Sequence[int],
                       out_dtype: torch.dtype = torch.float32,
-                      out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                      out: RowAllocator | None = None) -> list[torch.Tensor]:
         """Project ``features`` (``[B, m, L*D]``) and return each prompt's valid rows as its own
-        ``out_dtype`` CPU tensor (one copy each, into ``out[j]`` when given).
+        ``out_dtype`` CPU tensor (one copy each, into ``out(j)`` when it gives one).
 
         On a GPU the batch is projected in groups of about :attr:`PIPELINE_TOKENS` tokens; each
         group's valid rows go to a reused pinned staging buffer in the projection's dtype
@@ -207,9 +216,7 @@ class PromptEncoder:
         b, m = features.shape[:2]
         if features.device.type != "cuda":
             projected = self.projection.project(features)
-            if out is not None:
-                return [out[j].copy_(projected[j, m - n:]) for j, n in enumerate(lengths)]
-            return [projected[j, m - n:].to(out_dtype, copy=True) for j, n in enumerate(lengths)]
+            return [_store(projected[j, m - n:], out_dtype, out, j) for j, n in enumerate(lengths)]
         width = self.projection.out_features
         numel = sum(lengths) * width
         staging = self._staging
@@ -234,7 +241,7 @@ class PromptEncoder:
         for done, views in pending:
             done.synchronize()
             for v in views:
-                rows.append(v.to(out_dtype, copy=True) if out is None else out[len(rows)].copy_(v))
+                rows.append(_store(v, out_dtype, out, len(rows)))
         return rows
 
 
