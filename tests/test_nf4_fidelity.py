@@ -71,18 +71,13 @@ def test_fast_dequant_variants_match(nf4_tower):
     ref, _ = hidden(nf4_tower)
     for method in ("bnb", "lut"):
         for scope in ("layer", "linear"):
-            fast = FastDequant(nf4_tower.model, method, scope, concurrent_sms=8)  # GPU-only: off on the CPU
+            fast = FastDequant(nf4_tower.model, method, scope)
             try:
-                assert FastDequant.attached(nf4_tower.model) is fast
                 out, _ = hidden(nf4_tower)
-                assert not fast._concurrent
             finally:
                 fast.remove()
-            assert FastDequant.attached(nf4_tower.model) is None
             assert all(torch.equal(a, b) for a, b in zip(ref, out)), (method, scope)
     assert len(nf4_linears(nf4_tower.model)) == 42
-    with pytest.raises(ValueError, match="concurrent_sms and concurrent_tokens must be >= 0"):
-        FastDequant(nf4_tower.model, "lut", "layer", concurrent_sms=-1)
 
 
 def test_triton_unit_dequant_refuses_bad_input_before_any_launch(nf4_tower):

@@ -160,18 +160,6 @@ class _DenseLinear(torch.nn.Module):
         return y
 
 
-def _carveout(sms: int | None) -> bool:
-    """Ask cuBLAS to leave ``sms`` SMs free (0: none) for the matmuls this process launches from
-    now on (torch's experimental ``_set_sm_carveout_experimental``, made for overlapping
-    communication with GEMMs); ``None`` only checks that torch has it. Returns whether it does."""
-    fn = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if fn is None:
-        return False
-    if sms is not None:
-        fn(sms or None)  # torch prints a one-time warning that the setting is experimental
-    return True
-
-
 class FastDequant:
     """Replace the ``Linear4bit`` projections of a Gemma 3 text tower by buffered dequant + GEMM.
 
@@ -187,14 +175,6 @@ class FastDequant:
         scope: ``"layer"`` or ``"linear"``.
         prefetch: on CUDA, dequantize unit u+1 on a side stream into a second buffer while unit u
             computes (events order the buffer reuse); ignored on CPU.
-        concurrent_sms: with ``prefetch`` and the Triton kernel, for forwards of at most
-            ``concurrent_tokens`` tokens: cuBLAS is asked to leave this many SMs free
-            (:func:`_carveout`) and the side-stream dequant runs as that many programs of
-            ``concurrent_warps`` warps looping over the weights, so it proceeds *beside* the
-            GEMMs instead of between them (the full-grid kernel takes every SM). 0 (default):
-            off. A small prefill's GEMMs are compute-bound and the dequant is memory-bound, so
-            the two share an SM budget well; a large prefill would lose more GEMM time than the
-            dequant costs.
 
     Extra device memory: one unit's weights in bf16, two with ``prefetch`` (Gemma 3 12B: a
     layer is 224 M weights = 449 MB, the largest projection 59 M = 118 MB). Outputs equal the
@@ -203,18 +183,12 @@ class FastDequant:
     """
 
     def __init__(self, model: Any, method: Method = "lut_compiled", scope: Literal["layer", "linear"] = "layer",
-                 prefetch: bool = False, concurrent_sms: int = 0, concurrent_tokens: int = 2048,
-                 concurrent_warps: int = 8) -> None:
+                 prefetch: bool = False) -> None:
         import bitsandbytes as bnb
 
         if method not in METHODS or scope not in ("layer", "linear"):
             raise ValueError(f"method must be one of {METHODS} and scope 'layer' or 'linear'; got {method!r}, {scope!r}")
-        if concurrent_sms < 0 or concurrent_tokens < 0:
-            raise ValueError(f"concurrent_sms and concurrent_tokens must be >= 0, got {concurrent_sms}, {concurrent_tokens}")
         self.method, self.scope = method, scope
-        self.concurrent_sms, self.concurrent_tokens = int(concurrent_sms), int(concurrent_tokens)
-        self.concurrent_warps = int(concurrent_warps)
-        self._concurrent = False  # this forward's mode (set by the model's pre-hook)
         self._slots: list[tuple[Any, str, _DenseLinear]] = []
         self.units: list[list[_DenseLinear]] = []
         self._hooks = []
@@ -246,32 +220,6 @@ class FastDequant:
         self._triton: dict[tuple[int, int], Any] = {}  # (unit, buffer) -> nf4_triton.UnitDequant
         self._ready: dict[int, Any] = {}  # unit -> event: its weights are in its buffer
         self._free: dict[int, Any] = {}  # buffer -> event: the unit that used it has run
-        self._hooks.append(model.register_forward_pre_hook(self._forward_begins, with_kwargs=True))
-        self._hooks.append(model.register_forward_hook(self._forward_ends, always_call=True))
-        model._ltx_mgpu_fast_dequant = self
-        self._model = model
-
-    @staticmethod
-    def attached(model: Any) -> "FastDequant | None":
-        """The :class:`FastDequant` installed on ``model`` (a ``Gemma3TextModel``), if any."""
-        return getattr(model, "_ltx_mgpu_fast_dequant", None)
-
-    def _forward_begins(self, model: Any, args: tuple, kwargs: dict) -> None:
-        """Choose this forward's mode: concurrent (see the class doc) when it is on and the
-        batch has at most :attr:`concurrent_tokens` tokens."""
-        x = kwargs.get("input_ids")
-        if x is None:
-            x = kwargs.get("inputs_embeds", args[0] if args else None)
-        tokens = 0 if x is None else int(x.shape[0]) * int(x.shape[1])
-        self._concurrent = bool(self.concurrent_sms and self.prefetch and self.method == "triton"
-                                and 0 < tokens <= self.concurrent_tokens and _carveout(None))
-        if self._concurrent:
-            _carveout(self.concurrent_sms)
-
-    def _forward_ends(self, *_: Any) -> None:
-        if self._concurrent:
-            _carveout(0)
-            self._concurrent = False
 
     def _buffer(self, k: int, device: torch.device) -> torch.Tensor:
         while len(self._buffers) <= k:
@@ -286,7 +234,7 @@ class FastDequant:
             start += n
         return views
 
-    def _fill(self, u: int, buf: torch.Tensor, side: bool = False) -> None:
+    def _fill(self, u: int, buf: torch.Tensor) -> None:
         unit = self.units[u]
         if self.method == "triton":
             key = (u, buf.data_ptr())
@@ -295,10 +243,7 @@ class FastDequant:
                 from ltx_mgpu.text.nf4_triton import UnitDequant
 
                 launch = self._triton[key] = UnitDequant([w.weight for w in unit], self._views(u, buf))
-            if side and self._concurrent:  # on the SMs cuBLAS leaves free
-                launch(programs=self.concurrent_sms, num_warps=self.concurrent_warps)
-            else:
-                launch()
+            launch()
             return
         if self.method == "lut_compiled":
             spans, start = [], 0
@@ -331,7 +276,7 @@ class FastDequant:
             with torch.cuda.stream(self._stream):
                 if (1 - k) in self._free:
                     self._stream.wait_event(self._free.pop(1 - k))
-                self._fill(u + 1, nxt, side=True)
+                self._fill(u + 1, nxt)
                 self._ready[u + 1] = self._stream.record_event()
 
     def _end(self, u: int) -> None:
@@ -344,9 +289,6 @@ class FastDequant:
         """Put the original ``Linear4bit`` modules back and free the buffers."""
         for h in self._hooks:
             h.remove()
-        self._forward_ends()
-        if getattr(self._model, "_ltx_mgpu_fast_dequant", None) is self:
-            del self._model._ltx_mgpu_fast_dequant
         for parent, attr, wrapper in self._slots:
             setattr(parent, attr, wrapper._refs[0])
         if self._stream is not None:

@@ -20,10 +20,9 @@ The arithmetic is bitsandbytes', step for step (``../shared/notes/gemma-nf4.md``
   rounded once to bf16 (element ``2i`` from the high nibble).
 
 The weights of a unit are addressed through a small table of device pointers (a grouped
-launch: the work is cut into runs of :data:`BLOCKS` quantization blocks; each run finds its
-weight from a table of first-run indices, and the last run of a weight is masked at its end),
-so nothing is copied or re-laid-out at load time. By default each program converts one run;
-a launch with fewer programs has each loop over runs (``UnitDequant.__call__(programs=...)``).
+launch: each program finds its weight from a table of first-program indices and converts a run
+of :data:`BLOCKS` quantization blocks of it; the last run of a weight is masked at its end), so
+nothing is copied or re-laid-out at load time.
 Each program computes its blocks' scales once, then writes each packed byte's two bf16 values
 as one 32-bit word (coalesced stores, no interleaving shuffle).
 """
@@ -50,38 +49,36 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def nf4_unit_dequant(table_ptr, starts_ptr, offset_ptr, code_ptr, runs, stride, WEIGHTS: tl.constexpr,
+    def nf4_unit_dequant(table_ptr, starts_ptr, offset_ptr, code_ptr, WEIGHTS: tl.constexpr,
                          BYTES_PER_BLOCK: tl.constexpr, BLOCKS_PER_NESTED: tl.constexpr, BLOCKS: tl.constexpr):
-        # program p converts the runs p, p + stride, ... (stride = the grid size: one run per
-        # program, or a few programs looping over all runs: UnitDequant(programs=...))
-        for pid in range(tl.program_id(0), runs, stride):
-            # which weight run pid belongs to: starts_ptr[i] = the first run of weight i
-            w = pid * 0
-            for i in tl.static_range(1, WEIGHTS):
-                w += (pid >= tl.load(starts_ptr + i)).to(tl.int32)
-            local = pid - tl.load(starts_ptr + w)
-            # the weight's row of the table: n_bytes, then the addresses of the packed bytes, the 8-bit
-            # block scales, the nested float32 scales, the 256-entry scale code and the bf16 output
-            row = table_ptr + w * 6
-            n_bytes = tl.load(row)
-            packed = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
-            qabsmax = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-            nested = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-            code2 = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-            out = tl.load(row + 5).to(tl.pointer_type(tl.uint32))  # bf16 pairs, element 2i in the low half
-            offset = tl.load(offset_ptr + w)
-            # one scale per 64-weight block, computed once per block (not per byte)
-            blocks = local * BLOCKS + tl.arange(0, BLOCKS)
-            live = blocks * BYTES_PER_BLOCK < n_bytes
-            q = tl.load(qabsmax + blocks, mask=live, other=0).to(tl.int32)
-            scale = tl.load(code2 + q) * tl.load(nested + blocks // BLOCKS_PER_NESTED, mask=live, other=0.0)
-            scale = scale + offset
-            offs = blocks[:, None] * BYTES_PER_BLOCK + tl.arange(0, BYTES_PER_BLOCK)[None, :]
-            mask = offs < n_bytes
-            b = tl.load(packed + offs, mask=mask, other=0).to(tl.int32)
-            hi = (tl.load(code_ptr + (b >> 4)) * scale[:, None]).to(tl.bfloat16).to(tl.uint16, bitcast=True)
-            lo = (tl.load(code_ptr + (b & 15)) * scale[:, None]).to(tl.bfloat16).to(tl.uint16, bitcast=True)
-            tl.store(out + offs, (lo.to(tl.uint32) << 16) | hi.to(tl.uint32), mask=mask)
+        # which weight this program belongs to: starts_ptr[i] = first program of weight i
+        pid = tl.program_id(0)
+        w = pid * 0
+        for i in tl.static_range(1, WEIGHTS):
+            w += (pid >= tl.load(starts_ptr + i)).to(tl.int32)
+        local = pid - tl.load(starts_ptr + w)
+        # the weight's row of the table: n_bytes, then the addresses of the packed bytes, the 8-bit
+        # block scales, the nested float32 scales, the 256-entry scale code and the bf16 output
+        row = table_ptr + w * 6
+        n_bytes = tl.load(row)
+        packed = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+        qabsmax = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+        nested = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        code2 = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        out = tl.load(row + 5).to(tl.pointer_type(tl.uint32))  # bf16 pairs, element 2i in the low half
+        offset = tl.load(offset_ptr + w)
+        # one scale per 64-weight block, computed once per block (not per byte)
+        blocks = local * BLOCKS + tl.arange(0, BLOCKS)
+        live = blocks * BYTES_PER_BLOCK < n_bytes
+        q = tl.load(qabsmax + blocks, mask=live, other=0).to(tl.int32)
+        scale = tl.load(code2 + q) * tl.load(nested + blocks // BLOCKS_PER_NESTED, mask=live, other=0.0)
+        scale = scale + offset
+        offs = blocks[:, None] * BYTES_PER_BLOCK + tl.arange(0, BYTES_PER_BLOCK)[None, :]
+        mask = offs < n_bytes
+        b = tl.load(packed + offs, mask=mask, other=0).to(tl.int32)
+        hi = (tl.load(code_ptr + (b >> 4)) * scale[:, None]).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        lo = (tl.load(code_ptr + (b & 15)) * scale[:, None]).to(tl.bfloat16).to(tl.uint16, bitcast=True)
+        tl.store(out + offs, (lo.to(tl.uint32) << 16) | hi.to(tl.uint32), mask=mask)
 
     return nf4_unit_dequant
 
@@ -160,7 +157,7 @@ class UnitDequant:
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + -(-r[0] // per_program))
-        self.runs = starts[-1]
+        self.programs = starts[-1]
         self.starts = torch.tensor(starts, dtype=torch.int32, device=device)
         self.offsets = torch.cat(offsets)
         self.code = first.code.to(device=device, dtype=torch.float32).contiguous()
@@ -168,18 +165,8 @@ class UnitDequant:
         self.blocks_per_nested = first.state2.blocksize
         self.count = len(rows)
 
-    def __call__(self, programs: int | None = None, num_warps: int | None = None) -> None:
-        """Launch: every output now holds its weight's bf16 values (on the current stream).
-
-        Args:
-            programs: by default one program per run of :attr:`blocks` quantization blocks
-                (:attr:`runs` programs: the whole GPU, the fastest alone); a number gives that
-                many programs, each looping over the runs (the dequant then stays on about that
-                many SMs and can run beside work that leaves them free: ``FastDequant``'s
-                ``concurrent_sms``). Same output either way.
-            num_warps: warps per program (default: the constructor's).
-        """
-        grid = self.runs if programs is None else max(1, min(int(programs), self.runs))
-        _kernel()[(grid,)](self.table, self.starts, self.offsets, self.code, self.runs, grid, WEIGHTS=self.count,
-                           BYTES_PER_BLOCK=self.bytes_per_block, BLOCKS_PER_NESTED=self.blocks_per_nested,
-                           BLOCKS=self.blocks, num_warps=num_warps or self.num_warps, enable_fp_fusion=False)
+    def __call__(self) -> None:
+        """Launch: every output now holds its weight's bf16 values (on the current stream)."""
+        _kernel()[(self.programs,)](self.table, self.starts, self.offsets, self.code, WEIGHTS=self.count,
+                                    BYTES_PER_BLOCK=self.bytes_per_block, BLOCKS_PER_NESTED=self.blocks_per_nested,
+                                    BLOCKS=self.blocks, num_warps=self.num_warps, enable_fp_fusion=False)
