@@ -28,6 +28,12 @@ Python of ``Linear4bit.forward`` / ``matmul_4bit`` per forward of Gemma 3 12B.
   bitsandbytes. It removes the host cost that bounds an eager 1x1024 NF4 forward (3 launches
   and bitsandbytes' Python per weight); the loader's default on a GPU.
 
+Measured and not kept (H200, session 4): cuBLAS leaving SMs free to the side-stream dequant
+(torch's experimental ``_set_sm_carveout_experimental``, 8/16/32 SMs) gave nothing with the
+full-grid kernel, and with the dequant confined to those SMs (a few looping programs) the 1x1024
+encode took 2-7x our bf16: the layer's dequant must finish within the layer, which needs the
+whole GPU's bandwidth.
+
 The wrappers keep each projection's ``Params4bit`` as their ``weight`` parameter (same names,
 same bytes; ``save_nf4`` keeps working) and :meth:`FastDequant.remove` restores the
 ``Linear4bit`` modules. ``benchmarks/bench_nf4.py`` times every combination.
