@@ -45,7 +45,9 @@ What it does, in one process (every ratio is within this run):
      the rest is the job's framing, the socket and the client.
 
    It checks that the pool's embeddings equal the in-process ones (same kernels on the same
-   device: bitwise expected) and prints the overhead ``pool / in-process - 1``.
+   device: bitwise expected) and prints the overhead ``pool / in-process - 1``, and the time of
+   a first read of a fresh result from each path (a handed-over result's pages are mapped on
+   first touch, so its first reader pays what the in-process encode paid while writing).
 
 First it prints the host-memory probe (:func:`host_copy_probe`): the float32 upcast of an
 8x1024-token result into fresh ``torch.empty`` memory, a fresh ``bytearray`` and reused memory.
@@ -286,7 +288,8 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         pool_broadcast = statistics.median(s["broadcast"] for s in split) * 1e3
         overhead = med["pool"] / med["in-process"] - 1
         label = f"{batch}x{args.tokens}"
-        row[label] = {"median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
+        read = {name: _first_read(fn()) for name, fn in (("in-process", in_process), ("pool", pool))}
+        row[label] = {"first_read_ms": read, "median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
                       "overhead": overhead, "pool_encode_ms": pool_encode, "pool_broadcast_ms": pool_broadcast,
                       "max_abs_diff_pool_vs_in_process": diff,
                       "result_bytes": result_bytes, "wire_dtype": str(wire).removeprefix("torch."),
@@ -298,12 +301,23 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
             f"({overhead:+.1%}), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
             f"broadcast {pool_broadcast:.2f} + rest {med['pool request'] - pool_encode - pool_broadcast:.2f}; "
             f"max |pool - in-process| = {diff:.3g}; result {row[label]['wire_bytes'] / 1e6:.1f} MB "
-            f"{row[label]['wire_dtype']} via {row[label]['transport']}")
+            f"{row[label]['wire_dtype']} via {row[label]['transport']}; first read of a fresh result (a sum): "
+            f"in-process {read['in-process']:.2f} ms, pool {read['pool']:.2f} ms")
     encoder = spec._encoder = None  # free the in-process model before the next weights mode
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     client.request("unload", {"names": None}, timeout=300)
+
+
+def _first_read(embeddings) -> float:
+    """Milliseconds to read every element of a fresh result once (a sum): a handed-over result
+    is mapped without populating its pages, so its first reader takes the page faults that the
+    in-process encode took while writing its rows; this shows what that costs."""
+    t0 = time.perf_counter()
+    for e in embeddings:
+        e.tensor.sum()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main(argv=None) -> int:

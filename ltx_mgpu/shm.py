@@ -41,7 +41,7 @@ Only connections that asked for it (the ``features`` request) get ``shm`` frames
 a background thread, after the previous large payload: allocating and faulting in fresh pages
 is the slow part, 92 ms for 200 MB on the H200 host) and then gives away: the frame carries the
 descriptor and ``"shm": {"own": true, "offset", "size"}``, the sender unmaps and closes its
-side once the frame is out, and the receiver maps ``[0, offset + size)`` (shared, populated;
+side once the frame is out, and the receiver maps ``[0, offset + size)`` (shared, pages mapped on first touch;
 no other process maps it any more) and returns views of it, kept as long as they live (nothing
 to acknowledge; no copy unless a ``receive`` makes one, e.g. an upcast). A spare is
 used only when it fits the payload within a factor of two (:func:`fits`), so a small result
