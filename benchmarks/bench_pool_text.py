@@ -62,7 +62,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -75,7 +74,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
-from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
+from benchmarks.timing import sync as _sync  # noqa: E402
+from benchmarks.pool_text_setup import (build_snapshot, exact_prompts, host_copy_probe, snapshot_bytes,  # noqa: E402
+                                        write_projection)
 
 GOAL_OVERHEAD = 0.05
 _T0 = time.perf_counter()
@@ -83,135 +84,6 @@ _T0 = time.perf_counter()
 
 def log(message: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f} s] {message}", flush=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
-# --------------------------------------------------------------------------- inputs
-
-def host_copy_probe(numel: int = 8 * 1024 * 6144, rounds: int = 5) -> dict[str, float]:
-    """Median ms of a bf16 -> float32 copy of ``numel`` values (default: an 8x1024-token LTX-2.3
-    result) on this host into: fresh ``torch.empty`` memory (what the client's upcast uses),
-    a fresh zero-filled ``bytearray`` (what it used before) and reused memory (no page faults)."""
-    src = torch.randn(numel).bfloat16()
-    reused = torch.empty(numel)
-    targets = {"torch.empty": lambda: torch.empty(numel),
-               "bytearray": lambda: torch.frombuffer(bytearray(4 * numel), dtype=torch.float32),
-               "reused": lambda: reused}
-    out = {}
-    for name, make in targets.items():
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            make().copy_(src)
-            times.append((time.perf_counter() - t0) * 1e3)
-        out[name] = statistics.median(times)
-    return out
-
-
-def exact_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[str]:
-    """``count`` distinct prompts of random lowercase words that tokenize to exactly ``tokens``
-    ids, BOS included (so nothing is truncated and every row is ``tokens`` long).
-
-    Raises:
-        RuntimeError: no exact fit was found (a tokenizer without single-letter pieces).
-    """
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    rng = random.Random(seed)
-
-    def n(text: str) -> int:
-        return len(tokenizer(text)["input_ids"])
-
-    prompts = []
-    for _ in range(count):
-        words: list[str] = []
-        while n(" ".join(words)) < tokens:
-            words.append("".join(rng.choice(letters) for _ in range(rng.randint(2, 9))))
-        words.pop()
-        text = " ".join(words)
-        while n(text) < tokens:
-            have = n(text)
-            options = [text + sep + c for sep in (" ", "") for c in letters]
-            fits = [t for t in options if have < n(t) <= tokens]
-            if not fits:
-                raise RuntimeError(f"cannot reach exactly {tokens} tokens from {have}")
-            text = min(fits, key=lambda t: (tokens - n(t), t))
-        prompts.append(text)
-    if len(set(prompts)) != count:
-        raise RuntimeError("prompts are not distinct")
-    return prompts
-
-
-def write_projection(path: Path, layers: int, hidden: int, device: torch.device) -> tuple[float, int]:
-    """A random LTX-2.3 text projection file (bf16 ``text_embedding_projection.*``:
-    ``(layers + 1) x hidden`` -> 4096 video + 2048 audio; drawn on ``device``); returns
-    (seconds to write it, bytes)."""
-    from safetensors.torch import save_file
-
-    gen = torch.Generator(device=device).manual_seed(1)
-    width = (layers + 1) * hidden
-
-    def weight(rows: int) -> torch.Tensor:
-        return (torch.randn(rows, width, generator=gen, device=device) * 0.002).bfloat16().cpu()
-
-    prefix = "text_embedding_projection."
-    tensors = {
-        prefix + "video_aggregate_embed.weight": weight(4096),
-        prefix + "video_aggregate_embed.bias": torch.zeros(4096, dtype=torch.bfloat16),
-        prefix + "audio_aggregate_embed.weight": weight(2048),
-        prefix + "audio_aggregate_embed.bias": torch.zeros(2048, dtype=torch.bfloat16),
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    t0 = time.perf_counter()
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-    return time.perf_counter() - t0, path.stat().st_size
-
-
-def build_snapshot(out: Path, layers: int, device: torch.device, tokenizer_dir: Path) -> dict:
-    """Build the 12B-shaped random Gemma 3 text model on ``device`` and save it with
-    ``save_pretrained`` (bf16 safetensors, 5 GB shards) plus the tokenizer files of
-    ``tokenizer_dir``. Returns ``{"build_seconds", "save_seconds", "bytes"}``."""
-    from transformers import Gemma3TextModel
-
-    torch.manual_seed(0)
-    config = gemma3_text_config(**dict(GEMMA_12B, layers=layers))
-    t0 = time.perf_counter()
-    with torch.device(device):
-        model = Gemma3TextModel._from_config(config, dtype=torch.bfloat16).eval()
-    _sync(device)
-    build_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(str(partial), max_shard_size="5GB")
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, partial / name)
-    os.replace(partial, out)
-    save_s = time.perf_counter() - t0
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return {"build_seconds": build_s, "save_seconds": save_s, "bytes": _dir_bytes(out)}
-
-
-def snapshot_bytes(layers: int = GEMMA_12B["layers"]) -> int:
-    """Weight bytes of a ``layers``-layer bf16 snapshot of the 12B shape (2 x the parameter
-    count: embedding, per layer q/k/v/o + gate/up/down + 4 norms + q/k norms, final norm);
-    23.5 GB at 48 layers."""
-    d, f, q, kv = GEMMA_12B["hidden"], GEMMA_12B["intermediate"], GEMMA_12B["heads"], GEMMA_12B["kv_heads"]
-    hd = GEMMA_12B["head_dim"]
-    layer = d * q * hd * 2 + d * kv * hd * 2 + 3 * d * f + 4 * d + 2 * hd
-    return 2 * (GEMMA_12B["vocab"] * d + layers * layer + d)
 
 
 # --------------------------------------------------------------------------- timing
