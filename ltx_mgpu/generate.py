@@ -164,7 +164,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     from ltx_mgpu.client import PoolClient
     from ltx_mgpu.decode import audio_decode_unavailable, audio_geometry, inspect_vae_source
     from ltx_mgpu.denoise.model import inspect_checkpoint
-    from ltx_mgpu.denoise.sequence_parallel import check_token_budget
+    from ltx_mgpu.denoise.sp_config import check_token_budget
     from ltx_mgpu.remote_denoise import remote_load_transformer, remote_sample
     from ltx_mgpu.remote_text import PoolTextEncoder, encode_prompts
     from ltx_mgpu.text.cache import EmbeddingCache, default_cache_dir

@@ -192,7 +192,7 @@ def world_size_for(req: GenerateRequest, info) -> tuple[int, bool]:
         lists the counts that work). ValueError: more GPUs than visible.
     """
     from ltx_mgpu.denoise.model import check_world_size, meta_transformer
-    from ltx_mgpu.denoise.sequence_parallel import SequenceParallelConfigError, valid_world_sizes
+    from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, valid_world_sizes
 
     gpus_seen = 0 if req.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     if req.gpu_ids is not None:

@@ -227,7 +227,7 @@ def check_world_size(info: CheckpointInfo, world_size: int) -> None:
         SequenceParallelConfigError: ``world_size`` does not divide the video or audio heads.
         CheckpointError: see :func:`meta_transformer`.
     """
-    from ltx_mgpu.denoise.sequence_parallel import check_sequence_parallel_config
+    from ltx_mgpu.denoise.sp_config import check_sequence_parallel_config
 
     check_sequence_parallel_config(meta_transformer(info), int(world_size))
 
