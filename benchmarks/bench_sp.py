@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ltx_core.model.transformer import LTXModelConfigurator, Modality  # noqa: E402
 
 from benchmarks.timing import time_ms  # noqa: E402
-from ltx_mgpu.assets.ltx import tiny_transformer_config  # noqa: E402
+from ltx_mgpu.assets.ltx_config import tiny_transformer_config  # noqa: E402
 from ltx_mgpu.denoise.latents import NestedTensorLike, latent_to_tokens  # noqa: E402
 from ltx_mgpu.denoise.model import LTXDenoiser  # noqa: E402
 from ltx_mgpu.denoise.sampler import _predict, _Stream, sample  # noqa: E402

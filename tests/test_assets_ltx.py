@@ -37,12 +37,8 @@ from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 
 from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
-from ltx_mgpu.assets.ltx import (
-    build_tiny_ltx_checkpoint,
-    tiny_embeddings_processor_ops,
-    tiny_ltx_config,
-    tiny_transformer_config,
-)
+from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint, tiny_embeddings_processor_ops
+from ltx_mgpu.assets.ltx_config import tiny_ltx_config, tiny_transformer_config
 
 VERSIONS = ("2.0", "2.3")
 CPU = torch.device("cpu")
