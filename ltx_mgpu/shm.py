@@ -170,10 +170,12 @@ class _Arena:
         return self.base <= p < self.base + self.size
 
     def close(self) -> None:
-        """Unmap (once no view is left) and close the descriptor this side still holds."""
-        self.ack = self.u8 = None
-        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
-            self.mm.close()
+        """Let go of the mapping and close the descriptor this side still holds. The memory is
+        unmapped when the last tensor viewing it is gone, never before: ``torch.frombuffer``
+        views keep the ``mmap`` object alive but do not stop ``mmap.close()`` from unmapping
+        under them, and a reservation's views are a job's rows (:meth:`ArenaSender.reserve`),
+        so ``mmap.close()`` is never called here."""
+        self.ack = self.u8 = self.mm = None
         if self.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
@@ -212,7 +214,7 @@ class ArenaSender:
         self.frames = self.handed = 0
         self._lock = threading.Lock()
         self._spare: _Arena | None = None
-        self._reserved: _Arena | None = None  # a spare set aside by reserve() (budget released)
+        self._reserved: _Arena | None = None  # a spare set aside by reserve() (still in the budget)
         self._making: threading.Thread | None = None
         self._given: list[_Arena] = []
         self._last: str | None = None  # what the last place() used: "arena", "gift" or None
@@ -271,20 +273,28 @@ class ArenaSender:
 
         The reservation is used by the payload whose tensors all lie at their places in it
         (:func:`~ltx_mgpu.payload.payload_layout` gives them), and then nothing is copied; any
-        other payload leaves it alone. A new reservation drops an unused one. Called from the
-        job's thread; :meth:`place` runs on the connection's writer thread.
+        other payload leaves it alone. It counts against the pool's :class:`Budget` until it is
+        handed over or dropped. It may be dropped before its payload comes (a newer
+        reservation, the idle drop, the connection closing): the views stay valid (the memory
+        goes with the last of them) and the payload is then copied as any other. Called from
+        the job's thread; :meth:`place` runs on the connection's writer thread.
         """
         need = HEADER_BYTES + int(nbytes)
         if not self.own or nbytes < self.own_min_bytes:
             return None
-        spare = self._take_spare(need)
+        spare = self._take_spare(need, release=False)
         if spare is None:
             return None
         with self._lock:
-            old, self._reserved = self._reserved, spare
+            if self._closed:  # closed meanwhile: nothing would ever drop it
+                old, spare = spare, None
+            else:
+                old, self._reserved = self._reserved, spare
+                self.last_used = time.monotonic()
         if old is not None:
+            self.budget.release(old.size)
             old.close()
-        return spare.u8[HEADER_BYTES:need]
+        return None if spare is None else spare.u8[HEADER_BYTES:need]
 
     def _take_reserved(self, payload) -> _Arena | None:
         """The reserved arena if ``payload`` was written in it, every tensor at its place (then
@@ -294,6 +304,7 @@ class ArenaSender:
             if arena is None or not _in_place(arena, payload):
                 return None
             self._reserved = None
+        self.budget.release(arena.size)  # from here on it is the receiver's memory
         return arena
 
     def unsent(self) -> None:
@@ -329,18 +340,21 @@ class ArenaSender:
         self.arena, self.arena_id = arena, self.arena_id + 1
         return arena
 
-    def _take_spare(self, need: int) -> _Arena | None:
+    def _take_spare(self, need: int, release: bool = True) -> _Arena | None:
         """The ready spare if it :func:`fits` ``need`` bytes; a spare that does not fit is
-        dropped (a new one of the right size is made next)."""
+        dropped (a new one of the right size is made next). ``release``: its budget goes with
+        it (it is about to be handed over); else it stays charged (a reservation)."""
         with self._lock:
             spare = self._spare
             if spare is None or spare.size < need:
                 return None
             self._spare = None
-        self.budget.release(spare.size)  # from here on it is the receiver's memory
         if not fits(spare.size, need):
+            self.budget.release(spare.size)
             spare.close()
             return None
+        if release:  # from here on it is the receiver's memory
+            self.budget.release(spare.size)
         return spare
 
     def _make_spare_soon(self, need: int) -> None:
@@ -393,12 +407,10 @@ class ArenaSender:
         with self._lock:
             spare, self._spare = self._spare, None
             reserved, self._reserved = self._reserved, None
-        for held in (self.arena, spare):
+        for held in (self.arena, spare, reserved):
             if held is not None:
                 self.budget.release(held.size)
                 held.close()
-        if reserved is not None:  # its budget was released when it was set aside
-            reserved.close()
         self.arena = None
         self.sent()
 

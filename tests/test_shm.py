@@ -396,3 +396,73 @@ def test_a_reservation_needs_the_feature_a_large_payload_and_a_fitting_spare():
         assert plain.reserve(1 << 20) is None
         sender.close()
         receiver.drop()
+
+
+def _memfds() -> list[int]:
+    out = []
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            if "ltx_mgpu-arena" in os.readlink(f"/proc/self/fd/{f}"):
+                out.append(int(f))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("how", ["drop", "close", "newer reservation"])
+def test_a_reservation_dropped_under_a_job_stays_writable_and_its_payload_is_copied(how):
+    """The idle drop, the connection closing or a newer reservation may take a reservation away
+    while a job still writes its rows there: the rows stay valid memory (unmapped only with the
+    last view), the payload then goes the ordinary way, and the budget gets everything back."""
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
+        _spare_made(sender)
+        views = _reserved_views(sender, [("r", torch.float32, (512, 512))])
+        views["r"].fill_(1.0)
+        if how == "drop":
+            sender.drop()
+        elif how == "close":
+            sender.close()
+        else:
+            _send_then_recv(a, b, sender, receiver, {"y": torch.randn(512, 512)})  # spare taken, a new one made
+            _spare_made(sender)
+            assert _reserved_views(sender, [("s", torch.float32, (512, 512))]) is not None
+        views["r"].fill_(2.0)  # the job's next row: must not touch unmapped memory
+        if how != "close":
+            _, got = _send_then_recv(a, b, sender, receiver, views)
+            assert torch.equal(got["r"], torch.full((512, 512), 2.0))
+        handed = sender.handed
+        sender.close()
+        receiver.drop()
+        assert sender.budget.used == 0 and sender.handed == handed
+    del views
+    assert _memfds() == []
+
+
+def test_a_reservation_racing_close_is_not_kept_and_reservations_count_in_the_budget(monkeypatch):
+    a, b, sender, receiver = _own_pair()
+    with a, b:
+        _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
+        _spare_made(sender)
+        arena_bytes = sender.arena.size
+        assert sender.budget.used == arena_bytes + sender._spare.size
+        views = _reserved_views(sender, [("r", torch.float32, (512, 512))])
+        assert sender.budget.used == arena_bytes + sender._reserved.size  # a reservation is still the pool's
+        views["r"].fill_(3.0)
+        _, got = _send_then_recv(a, b, sender, receiver, views)
+        assert sender.handed == 1 and torch.equal(got["r"], torch.full((512, 512), 3.0))
+        del views, got
+        _spare_made(sender)
+        take = sender._take_spare
+
+        def take_then_close(need, release=True):  # the writer closes the connection right here
+            spare = take(need, release)
+            sender.close()
+            return spare
+
+        monkeypatch.setattr(sender, "_take_spare", take_then_close)
+        assert sender.reserve(1 << 20) is None and sender._reserved is None
+        receiver.drop()
+        assert sender.budget.used == 0
+    assert _memfds() == []

@@ -11,7 +11,7 @@ import torch
 from ltx_mgpu.client import PoolClient
 from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, encode_prompts, upcast
 from ltx_mgpu.text.encoder import TextEncoderSpec
-from pool_support import cleanup, short_dir
+from pool_support import cleanup, pool_pids, running, short_dir
 from text_pool_support import PROMPTS, encode, reference
 
 pytestmark = pytest.mark.slow
@@ -93,6 +93,46 @@ def test_a_one_rank_pool_writes_the_rows_into_the_memory_it_hands_over(tiny_gemm
         for e, r in zip(embeddings_from_result(result, tensors), ref):
             assert torch.equal(e.tensor, r.tensor)
         client.shutdown()
+    finally:
+        cleanup(rt)
+
+
+@pytest.mark.filterwarnings("ignore:prompt . is longer than")
+@pytest.mark.parametrize("how", ["client gone", "idle drop"])
+def test_a_reservation_taken_away_mid_job_leaves_the_pool_serving(tiny_gemma_dir, checkpoints, monkeypatch, how):
+    """A keep=False encode in several rounds has its rows set aside in shared memory after the
+    first; the client disconnecting, or the idle drop (1 s here), takes that memory away from
+    the connection while the job still writes rows into it. The pool must go on serving (it
+    crashed rank 0 with SIGSEGV when dropping unmapped the memory)."""
+    monkeypatch.setenv("LTX_MGPU_SHM_MIN_BYTES", "1")
+    monkeypatch.setenv("LTX_MGPU_SHM_OWN_MIN_BYTES", "1")
+    if how == "idle drop":
+        monkeypatch.setenv("LTX_MGPU_SHM_IDLE_SECONDS", "1.0")
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
+        pids = pool_pids(client)
+        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
+        prompts = [(p + " ") * 100 for p in PROMPTS] * 6  # 42 prompts at the token budget
+        result, _ = encode(client, encoder, prompts, batch_size=64, verify=False)  # a spare is made after it
+        time.sleep(0.3)
+
+        def on_progress(phase, step, total):
+            if how == "client gone" and step == 2:
+                client._sock.shutdown(2)
+
+        params = {"prompts": prompts, "expect": encoder.key(), "keep": False}
+        try:
+            client.request("encode", {**params, "batch_size": 1 if how == "client gone" else 6},
+                           on_progress=on_progress, timeout=120)
+        except Exception:  # noqa: BLE001 - the client closed its own socket
+            assert how == "client gone"
+        time.sleep(1.0)
+        assert running(pids) == [p for p, _ in pids], "the pool lost a process"
+        other = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, start=False)
+        got, _ = encode(other, encoder, PROMPTS[:2], verify=False)
+        assert got["count"] == 2
+        other.shutdown()
     finally:
         cleanup(rt)
 

@@ -94,12 +94,17 @@ class Connection:
                 if item is None:
                     break
                 header, payload = item
+                # drop the references once sent: a handed-over result's memory must not stay
+                # mapped in the pool while the writer waits for the next event
+                item = None
                 try:
                     protocol.send_frame(self.sock, header, payload, shm=self.shm)
                 except ProtocolError as e:  # an event broke the limits (checked before any byte went out)
                     log.error("connection %d: event not sent: %s", self.cid, e)
                     protocol.send_frame(self.sock, protocol.make_event(
                         "error", header.get("id"), kind="bad_input", message=f"the answer could not be sent: {e}"))
+                finally:
+                    payload = None
         except OSError:
             pass
         except BaseException:  # never let a writer die silently

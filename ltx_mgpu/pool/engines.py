@@ -220,12 +220,15 @@ class JobContext:
         """CPU tensors, one per ``(name, dtype, shape)`` of ``specs``, that lie where this job's
         result payload will be handed to the client in shared memory (``ltx_mgpu.shm``,
         ``ArenaSender.reserve``): a handler that fills them and returns them under those names
-        (and no other tensors) has its result sent without a copy. ``None`` when that is not
-        on offer (not rank 0, a client without the ``shm_own`` feature, a small result, no
+        (and no other tensors) has its result sent without a copy, unless the memory was
+        taken back meanwhile (the connection closed or idled out, or a newer reservation):
+        then it is copied as any result; the tensors stay valid either way. ``None`` when it is
+        not on offer (not rank 0, a client without the ``shm_own`` feature, a small result, no
         spare memory ready, or a layout that would misalign a dtype): then return ordinary
         tensors. Not a collective.
 
-        The tensors are the client's memory once sent: do not keep them past the job.
+        The tensors are shared with the client once sent (it may write them): do not keep or
+        read them past the job.
         """
         from ltx_mgpu.payload import payload_layout
 

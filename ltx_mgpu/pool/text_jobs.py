@@ -300,7 +300,8 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
 
     Returns (rank 0): ``{"count", "version", "dropped_tokens", "num_tokens", "owners",
     "placement", "key", "wire_dtype", "broadcast_bytes", "seconds": {"encode", "broadcast"},
-    "rows_in_place"}`` (the rows were written into the shared memory they are handed over in)
+    "rows_in_place"}`` (the rows were written into shared memory set aside to be handed over:
+    then they go without a copy, unless that memory was taken back before the result was sent)
     (plus ``rank_digests`` [rank][prompt] hex and ``consistent`` with ``verify``) and tensors
     ``prompt_<i>``: ``[T_i, D]`` in ``wire_dtype`` (float32 at world size 1; with more ranks
     bf16 when the pool computes in bf16, of which the embeddings are float32 upcasts that

@@ -200,7 +200,7 @@ def _rank0_loop(state: Rank, server: Server) -> None:
             server.fail(job, "bad_input", message)
         else:
             server.fail(job, "cancelled", message)
-        del job, result, out
+        del job, result, out  # a result's tensors may be shared memory handed to the client (result_buffers)
 
 
 def _other_loop(state: Rank) -> None:
