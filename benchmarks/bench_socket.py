@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ltx_mgpu import protocol, shm  # noqa: E402
 from ltx_mgpu.shm_receive import ArenaReceiver  # noqa: E402
+from ltx_mgpu.shm_send import ArenaSender  # noqa: E402
 from ltx_mgpu.client import PoolClient  # noqa: E402
 
 EMBEDDING_BYTES = 1024 * 6144 * 2  # one 1024-token LTX-2.3 embedding in bf16
@@ -73,7 +74,7 @@ def _pair_seconds(tensors: dict, repeat: int, arena: bool, upcast: bool = False)
     """One frame of ``tensors`` over an in-process socket pair, through the socket or the arena;
     ``upcast``: float32 copies in hand at the end (arena: straight from it, as ``encode``)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender = shm.ArenaSender(shm.Budget(), min_bytes=0) if arena else None
+    sender = ArenaSender(shm.Budget(), min_bytes=0) if arena else None
     receiver = ArenaReceiver(take=(lambda header: _upcast) if upcast else None) if arena else None
 
     def once():

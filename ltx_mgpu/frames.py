@@ -121,7 +121,7 @@ def encode_header(header: Mapping[str, Any], limits: Limits | None = None) -> by
 def send_frame(sock: socket.socket, header: Mapping[str, Any], payload: Payload | None = None,
                limits: Limits | None = None, shm=None, flags: int = 0) -> int:
     """Write one frame; returns the bytes written to the socket. The caller serialises writers
-    on ``sock``. ``shm`` (an ``ltx_mgpu.shm.ArenaSender``, only on connections that enabled
+    on ``sock``. ``shm`` (an ``ltx_mgpu.shm_send.ArenaSender``, only on connections that enabled
     the feature) may take the payload into shared memory; ``flags=FLAG_SHM_DROP`` with an empty
     header sends its drop notice.
 

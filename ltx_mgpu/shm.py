@@ -47,7 +47,7 @@ to acknowledge; no copy unless a ``receive`` makes one, e.g. an upcast). A spare
 used only when it fits the payload within a factor of two (:func:`fits`), so a small result
 never pins a large one's memory; the receiver refuses a larger one.
 A producer that knows its payload's layout in advance (``ltx_mgpu.payload.payload_layout``)
-can :meth:`ArenaSender.reserve` the spare and write the tensors at their places; that payload
+can ``ltx_mgpu.shm_send.ArenaSender.reserve`` the spare and write the tensors at their places; that payload
 is then handed over without being copied (the pool's one-rank ``encode``: the encoder's float32
 upcast goes straight into the client's memory, instead of into fresh pages and then a copy).
 
@@ -66,14 +66,12 @@ import mmap
 import os
 import socket
 import threading
-import time
 from typing import Any, Callable, Mapping
 
-import psutil
 import torch
 
 __all__ = ["FEATURE", "FEATURE_OWN", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "HEADER_BYTES", "MIN_BYTES",
-           "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "arena_size", "fits", "Budget", "ArenaSender",
+           "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "arena_size", "fits", "Budget",
            "ShmError", "Take", "send_with_fds", "recvmsg_into"]
 
 FEATURE = "shm"
@@ -173,7 +171,7 @@ class _Arena:
         """Let go of the mapping and close the descriptor this side still holds. The memory is
         unmapped when the last tensor viewing it is gone, never before: ``torch.frombuffer``
         views keep the ``mmap`` object alive but do not stop ``mmap.close()`` from unmapping
-        under them, and a reservation's views are a job's rows (:meth:`ArenaSender.reserve`),
+        under them, and a reservation's views are a job's rows (``shm_send.ArenaSender.reserve``),
         so ``mmap.close()`` is never called here."""
         self.ack = self.u8 = self.mm = None
         if self.fd >= 0:
@@ -195,232 +193,6 @@ def _new_arena(size: int) -> _Arena:
         raise
 
 
-class ArenaSender:
-    """The pool's side of one connection: places payloads in its arena, or with ``own`` hands
-    large ones over in a spare (see the module doc).
-
-    ``place``, ``sent``, ``unsent`` and ``drop`` are called by the connection's one writer
-    thread; the spare is made by a background thread and swapped in under ``_lock``. Counters:
-    ``frames`` (placed), ``handed`` (of which handed over)."""
-
-    def __init__(self, budget: Budget, min_bytes: int = MIN_BYTES, idle_seconds: float = IDLE_SECONDS,
-                 own: bool = False, own_min_bytes: int = OWN_MIN_BYTES):
-        self.budget, self.min_bytes, self.idle_seconds = budget, int(min_bytes), float(idle_seconds)
-        self.own, self.own_min_bytes = bool(own), max(int(own_min_bytes), int(min_bytes))
-        self.arena: _Arena | None = None
-        self.arena_id = 0
-        self.seq = 0
-        self.last_used = time.monotonic()
-        self.frames = self.handed = 0
-        self._lock = threading.Lock()
-        self._spare: _Arena | None = None
-        self._reserved: _Arena | None = None  # a spare set aside by reserve() (still in the budget)
-        self._making: threading.Thread | None = None
-        self._given: list[_Arena] = []
-        self._last: str | None = None  # what the last place() used: "arena", "gift" or None
-        self._closed = False
-
-    def place(self, payload) -> tuple[dict, list[int]] | None:
-        """Put ``payload`` (a ``ltx_mgpu.payload.Payload``) in shared memory: ``(ref, fds)`` for
-        the frame header and the descriptors to attach (a new arena's, a handed-over spare's,
-        else none), or ``None`` to send it through the socket (too small, previous frame not
-        acknowledged, no memory or budget for an arena large enough). Call :meth:`sent` once
-        the frame is out."""
-        n = payload.nbytes
-        if n < self.min_bytes:
-            return None
-        need = HEADER_BYTES + n
-        own = self.own and n >= self.own_min_bytes
-        try:
-            gift = self._take_reserved(payload) if own else None
-            if gift is None and own:
-                gift = self._take_spare(need)
-            if gift is not None:
-                try:
-                    _write(gift, payload)
-                except BaseException:
-                    gift.close()
-                    raise
-                self._given.append(gift)
-                self._last = "gift"
-                self.handed += 1
-                self.frames += 1
-                self.last_used = time.monotonic()
-                return {"own": True, "offset": HEADER_BYTES, "size": n}, [gift.fd]
-            arena, fds = self.arena, []
-            if arena is not None and int(arena.ack[0]) != self.seq:
-                return None  # the receiver is still reading the previous frame
-            if arena is None or arena.size < need:
-                arena = self._grow(need)
-                if arena is None:
-                    return None
-                fds = [arena.fd]
-            _write(arena, payload)
-            self._last = "arena"
-            self.seq += 1
-            self.frames += 1
-            self.last_used = time.monotonic()
-            return {"arena": self.arena_id, "seq": self.seq, "offset": HEADER_BYTES, "size": n}, fds
-        finally:
-            if own:  # after this payload has its memory: the spare never takes the budget from it
-                self._make_spare_soon(need)
-
-    def reserve(self, nbytes: int) -> torch.Tensor | None:
-        """Set the ready spare aside for the next payload, of ``nbytes`` bytes, so that its
-        producer can write it in place: the uint8 view of the ``[HEADER_BYTES, HEADER_BYTES +
-        nbytes)`` bytes where :meth:`place` puts the payload, or None (hand-over off, under
-        :attr:`own_min_bytes`, or no spare that :func:`fits`; the payload then goes as usual).
-
-        The reservation is used by the payload whose tensors all lie at their places in it
-        (:func:`~ltx_mgpu.payload.payload_layout` gives them), and then nothing is copied; any
-        other payload leaves it alone. It counts against the pool's :class:`Budget` until it is
-        handed over or dropped. It may be dropped before its payload comes (a newer
-        reservation, the idle drop, the connection closing): the views stay valid (the memory
-        goes with the last of them) and the payload is then copied as any other. Called from
-        the job's thread; :meth:`place` runs on the connection's writer thread.
-        """
-        need = HEADER_BYTES + int(nbytes)
-        if not self.own or nbytes < self.own_min_bytes:
-            return None
-        spare = self._take_spare(need, release=False)
-        if spare is None:
-            return None
-        with self._lock:
-            if self._closed:  # closed meanwhile: nothing would ever drop it
-                old, spare = spare, None
-            else:
-                old, self._reserved = self._reserved, spare
-                self.last_used = time.monotonic()
-        if old is not None:
-            self.budget.release(old.size)
-            old.close()
-        return None if spare is None else spare.u8[HEADER_BYTES:need]
-
-    def _take_reserved(self, payload) -> _Arena | None:
-        """The reserved arena if ``payload`` was written in it, every tensor at its place (then
-        nothing is copied); otherwise None, and the reservation stays for its own payload."""
-        with self._lock:
-            arena = self._reserved
-            if arena is None or not _in_place(arena, payload):
-                return None
-            self._reserved = None
-        self.budget.release(arena.size)  # from here on it is the receiver's memory
-        return arena
-
-    def unsent(self) -> None:
-        """The frame of the last :meth:`place` could not be sent (its header broke the limits):
-        undo it, so the arena's acknowledgement stays in step (a gift is dropped)."""
-        if self._last == "arena":
-            self.seq -= 1
-        elif self._last == "gift":
-            self.handed -= 1
-            self.sent()
-        if self._last is not None:
-            self.frames -= 1
-        self._last = None
-
-    def sent(self) -> None:
-        """The frame of the last :meth:`place` is out: unmap and close what was handed over
-        (its memory is the receiver's now)."""
-        self._last = None
-        while self._given:
-            self._given.pop().close()
-
-    def _grow(self, need: int) -> _Arena | None:
-        size = arena_size(need)
-        old = self.arena.size if self.arena is not None else 0  # < size: its budget carries over
-        if not self.budget.reserve(size - old):
-            return None
-        arena = _make_arena(size)
-        if arena is None:
-            self.budget.release(size - old)
-            return None
-        if self.arena is not None:
-            self.arena.close()
-        self.arena, self.arena_id = arena, self.arena_id + 1
-        return arena
-
-    def _take_spare(self, need: int, release: bool = True) -> _Arena | None:
-        """The ready spare if it :func:`fits` ``need`` bytes; a spare that does not fit is
-        dropped (a new one of the right size is made next). ``release``: its budget goes with
-        it (it is about to be handed over); else it stays charged (a reservation)."""
-        with self._lock:
-            spare = self._spare
-            if spare is None or spare.size < need:
-                return None
-            self._spare = None
-        if not fits(spare.size, need):
-            self.budget.release(spare.size)
-            spare.close()
-            return None
-        if release:  # from here on it is the receiver's memory
-            self.budget.release(spare.size)
-        return spare
-
-    def _make_spare_soon(self, need: int) -> None:
-        """Start making a spare for ``need`` bytes in the background, unless one is being made
-        or a fitting one is ready."""
-        size = arena_size(need)
-        with self._lock:
-            if self._closed or self._busy() or (self._spare is not None and fits(self._spare.size, need)):
-                return
-            self._making = threading.Thread(target=self._make_spare, args=(size,), name="shm-spare", daemon=True)
-            self._making.start()
-
-    def _busy(self) -> bool:
-        return self._making is not None and self._making.is_alive()
-
-    def _make_spare(self, size: int) -> None:
-        if not self.budget.reserve(size):
-            return
-        try:
-            arena = _make_arena(size)
-        except BaseException:
-            self.budget.release(size)
-            raise
-        if arena is None:
-            self.budget.release(size)
-            return
-        with self._lock:
-            old, self._spare = self._spare, arena
-            if self._closed:
-                old, self._spare = arena, old
-        if old is not None:
-            self.budget.release(old.size)
-            old.close()
-
-    def holding(self) -> bool:
-        """Whether an arena or a spare is held or a spare is being made (something to drop
-        when idle)."""
-        return self.arena is not None or self._spare is not None or self._reserved is not None or self._busy()
-
-    def idle(self, now: float | None = None) -> bool:
-        """Whether what is held is acknowledged and unused for ``idle_seconds`` (time to drop it)."""
-        now = time.monotonic() if now is None else now
-        return (self.holding() and now - self.last_used >= self.idle_seconds
-                and (self.arena is None or int(self.arena.ack[0]) == self.seq))
-
-    def drop(self) -> None:
-        """Drop the arena (its memory goes once the receiver unmapped it too) and the spare;
-        new ones are made when needed. A spare still being made is kept when it is done and
-        dropped at the next idle check (:meth:`holding` counts it)."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-            reserved, self._reserved = self._reserved, None
-        for held in (self.arena, spare, reserved):
-            if held is not None:
-                self.budget.release(held.size)
-                held.close()
-        self.arena = None
-        self.sent()
-
-    def close(self) -> None:
-        """:meth:`drop`, for good (a spare still being made is dropped when it is done)."""
-        with self._lock:
-            self._closed = True
-        self.drop()
-
-
 def arena_size(need: int) -> int:
     """The size in bytes of an arena or spare made for a ``need``-byte frame (header + payload):
     ``need`` rounded up to whole MiB."""
@@ -432,44 +204,3 @@ def fits(size: int, need: int) -> bool:
     wastes at most half of itself (a small result never pins a large one's memory; the
     receiver refuses a hand-over that breaks this rule)."""
     return need <= size <= 2 * need
-
-
-def _write(arena: _Arena, payload) -> None:
-    """Copy ``payload``'s parts to ``arena`` from offset :data:`HEADER_BYTES`; a part already at
-    its place (written there through :meth:`ArenaSender.reserve`) is left as it is."""
-    off = HEADER_BYTES
-    for part in payload.parts:
-        if isinstance(part, (bytes, bytearray)):  # the safetensors header: small
-            arena.mm[off:off + len(part)] = part
-            off += len(part)
-        else:  # a tensor's bytes (numpy uint8 view): torch copies without holding the GIL
-            src = torch.from_numpy(part)
-            if src.data_ptr() != arena.base + off:
-                arena.u8[off:off + src.numel()].copy_(src)
-            off += src.numel()
-
-
-def _in_place(arena: _Arena, payload) -> bool:
-    """Whether every tensor part of ``payload`` already lies where :func:`_write` would put it
-    in ``arena`` (and at least one does)."""
-    off, placed = HEADER_BYTES, False
-    for part in payload.parts:
-        n = memoryview(part).nbytes
-        if not isinstance(part, (bytes, bytearray)):
-            if torch.from_numpy(part).data_ptr() != arena.base + off:
-                return False
-            placed = True
-        off += n
-    return placed and off <= arena.size
-
-
-def _make_arena(size: int) -> _Arena | None:
-    """:func:`_new_arena`, or None when the host is short of memory (less than twice ``size``
-    available) or the allocation fails."""
-    try:
-        if psutil.virtual_memory().available < 2 * size:
-            return None
-        return _new_arena(size)
-    except (OSError, MemoryError):
-        return None
-

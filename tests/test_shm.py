@@ -1,4 +1,4 @@
-"""The shared-memory arena and hand-over (``ltx_mgpu.shm``, ``ltx_mgpu.shm_receive``) between a
+"""The shared-memory arena and hand-over (``ltx_mgpu.shm``, ``shm_send``, ``shm_receive``) between a
 sender and a receiver on a socket pair: round trips, reuse, acknowledgement, hand-over of spares,
 and every malformed frame refused naming its rule without leaking a descriptor."""
 
@@ -15,9 +15,10 @@ import time
 import pytest
 import torch
 
-from ltx_mgpu import protocol, shm
+from ltx_mgpu import protocol, shm, shm_send
 from ltx_mgpu.protocol import ProtocolError
 from ltx_mgpu.shm_receive import ArenaReceiver
+from ltx_mgpu.shm_send import ArenaSender
 from pool_support import assert_same_tensors, socket_pair
 
 
@@ -27,7 +28,7 @@ def _fd_count() -> int:
 
 def _arena_pair(min_bytes=1 << 16, take=None):
     a, b = socket_pair()
-    return a, b, shm.ArenaSender(shm.Budget(), min_bytes=min_bytes), ArenaReceiver(take)
+    return a, b, ArenaSender(shm.Budget(), min_bytes=min_bytes), ArenaReceiver(take)
 
 
 def _send_then_recv(a, b, sender, receiver, tensors, header=None):
@@ -180,7 +181,7 @@ def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tm
 
 def _own_pair(take=None, own_min_bytes=1 << 18):
     a, b = socket_pair()
-    sender = shm.ArenaSender(shm.Budget(), min_bytes=1 << 16, own=True, own_min_bytes=own_min_bytes)
+    sender = ArenaSender(shm.Budget(), min_bytes=1 << 16, own=True, own_min_bytes=own_min_bytes)
     return a, b, sender, ArenaReceiver(take)
 
 
@@ -318,14 +319,14 @@ def test_a_spare_being_made_counts_as_held_so_the_idle_check_drops_it_when_it_la
     a, b, sender, receiver = _own_pair()
     with a, b:
         gate = threading.Event()
-        make = shm._make_arena
+        make = shm_send._make_arena
 
         def slow(size):  # the spare's allocation only (the connection's arena uses the same function)
             if threading.current_thread().name == "shm-spare":
                 gate.wait(10)
             return make(size)
 
-        shm._make_arena = slow
+        shm_send._make_arena = slow
         try:
             _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
             sender.drop()  # idle drop while the spare is still being made
@@ -336,7 +337,7 @@ def test_a_spare_being_made_counts_as_held_so_the_idle_check_drops_it_when_it_la
             sender.drop()
             assert not sender.holding() and sender.budget.used == 0
         finally:
-            shm._make_arena = make
+            shm_send._make_arena = make
         sender.close()
         receiver.drop()
 
@@ -392,7 +393,7 @@ def test_a_reservation_needs_the_feature_a_large_payload_and_a_fitting_spare():
         _spare_made(sender)
         assert sender.reserve(1 << 10) is None  # under own_min_bytes
         assert sender.reserve(8 << 20) is None  # the 1 MiB spare cannot hold it
-        plain = shm.ArenaSender(shm.Budget(), min_bytes=1 << 16)  # no hand-over feature
+        plain = ArenaSender(shm.Budget(), min_bytes=1 << 16)  # no hand-over feature
         assert plain.reserve(1 << 20) is None
         sender.close()
         receiver.drop()

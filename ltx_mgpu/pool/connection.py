@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ltx_mgpu import protocol, shm
+from ltx_mgpu.shm_send import ArenaSender
 from ltx_mgpu.protocol import ConnectionClosed, ProtocolError, SchemaError
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class Connection:
         self.closed = threading.Event()
         self.authenticated = False
         self.peer_pid: int | None = None
-        self.shm: shm.ArenaSender | None = None  # set by the reader (features), used by the writer
+        self.shm: ArenaSender | None = None  # set by the reader (features), used by the writer
         self._reader = threading.Thread(target=self._read_loop, name=f"conn{self.cid}-reader", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name=f"conn{self.cid}-writer", daemon=True)
 
@@ -67,7 +68,7 @@ class Connection:
     def enable(self, features: list[str]) -> list[str]:
         """Turn on the requested features this pool offers; returns those on for this connection."""
         if shm.FEATURE in features and self.server.shm_budget is not None and self.shm is None:
-            self.shm = shm.ArenaSender(self.server.shm_budget, own=shm.FEATURE_OWN in features)
+            self.shm = ArenaSender(self.server.shm_budget, own=shm.FEATURE_OWN in features)
         if self.shm is None:
             return []
         return [shm.FEATURE] + [shm.FEATURE_OWN] * self.shm.own

@@ -218,7 +218,7 @@ class JobContext:
 
     def result_buffers(self, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> dict[str, torch.Tensor] | None:
         """CPU tensors, one per ``(name, dtype, shape)`` of ``specs``, that lie where this job's
-        result payload will be handed to the client in shared memory (``ltx_mgpu.shm``,
+        result payload will be handed to the client in shared memory (``ltx_mgpu.shm_send``,
         ``ArenaSender.reserve``): a handler that fills them and returns them under those names
         (and no other tensors) has its result sent without a copy, unless the memory was
         taken back meanwhile (the connection closed or idled out, or a newer reservation):

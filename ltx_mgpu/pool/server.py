@@ -255,7 +255,7 @@ class Server:
 
     def reserve_result(self, job: Job, nbytes: int):
         """Shared memory for ``job``'s ``nbytes``-byte result payload, to be written in place
-        (``shm.ArenaSender.reserve``; ``JobContext.result_buffers``), or None."""
+        (``shm_send.ArenaSender.reserve``; ``JobContext.result_buffers``), or None."""
         sender = job.conn.shm
         return None if sender is None else sender.reserve(nbytes)
 
