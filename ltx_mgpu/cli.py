@@ -85,7 +85,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         gemma = gemma if gemma is not None else gemma_thunk()
         projection = projection if projection is not None else ckpt
     spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=args.weights, device=args.device,
-                           dtype=args.dtype, truncate=not args.no_truncate)
+                           dtype=args.dtype, truncate=not args.no_truncate, compile=args.compile)
     cache = None if args.no_cache else EmbeddingCache(args.cache or default_cache_dir())
     with warnings.catch_warnings():  # reported below, once per prompt, without a warning's source line
         warnings.filterwarnings("ignore", message=r"prompt \d+ is longer than the")
@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device for Gemma (default cpu)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype: bfloat16 (default) or float32")
     p.add_argument("--no-truncate", action="store_true", help="fail on prompts over 1024 tokens")
+    p.add_argument("--compile", action="store_true",
+                   help="run Gemma's layers through torch.compile (bf16 weights; the first encodes compile, later "
+                        "ones are faster: 42 vs 66-73 ms per 1024-token prompt for Gemma 3 12B on an H200)")
     p.add_argument("--embedded-version", choices=["2.0", "2.3"], default="2.3",
                    help="layout of the embedded tiny checkpoint with the tiny Gemma (the 270M pairs with 2.3)")
     p.add_argument("--embedded-gemma", choices=["auto", "gemma-270m", "tiny"], default="auto",

@@ -115,7 +115,7 @@ for _s in (
         F("weights", ("str",), False, choices=("bf16", "nf4")),
         F("placement", ("str",), False, choices=("single", "accelerate", "batch_parallel")),
         F("dtype", ("str",), False), F("max_memory", ("object", "null"), False), F("token_budget", ("int",), False),
-        F("truncate", ("bool",), False), F("key", ("str", "null"), False)),
+        F("truncate", ("bool",), False), F("compile", ("bool",), False), F("key", ("str", "null"), False)),
         doc="load Gemma 3 (+ the LTX-2 text projection) into the pool (ltx_mgpu.pool.text_jobs checks the values)"),
     MessageSchema("encode", (
         F("prompts", ("list",), items="str"), F("batch_size", ("int",), False), F("expect", ("str", "null"), False),

@@ -28,6 +28,7 @@ import torch
 from ltx_mgpu.text.cache import CacheKeyParts, CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.encoder import TextEncoderSpec, parse_dtype
 from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
+from ltx_mgpu.text.placement import COMPILE_ACCELERATE, PLACEMENTS
 
 if TYPE_CHECKING:  # pragma: no cover
     from ltx_mgpu.client import PoolClient
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["PoolTextEncoder", "encode_prompts", "encode_with_pool", "ensure_text_encoder", "loaded_key",
            "embeddings_from_result", "upcast"]
 
-PLACEMENTS = ("single", "accelerate", "batch_parallel")
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ProgressCallback = Callable[[str, int, int], Any]
 
@@ -50,7 +50,8 @@ class PoolTextEncoder:
         weights: ``"bf16"`` or ``"nf4"``.
         placement: ``"single"`` | ``"accelerate"`` | ``"batch_parallel"`` (DESIGN.md §4).
         dtype: compute dtype name (``"bfloat16"``; ``"float32"`` for reference runs).
-        token_budget, truncate: as :class:`TextEncoderSpec`.
+        token_budget, truncate, compile: as :class:`TextEncoderSpec` (``compile``: placements
+            ``single`` and ``batch_parallel``).
         max_memory: accelerate only: bytes (or ``"70GiB"``) per pool GPU index.
 
     Raises:
@@ -65,6 +66,7 @@ class PoolTextEncoder:
     token_budget: int = TOKEN_BUDGET
     truncate: bool = True
     max_memory: Mapping[int, int | str] | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gemma", os.path.abspath(os.fspath(self.gemma)))
@@ -74,18 +76,21 @@ class PoolTextEncoder:
             raise ValueError(f"weights must be 'bf16' or 'nf4', got {self.weights!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        if self.compile and self.placement == "accelerate":
+            raise ValueError(COMPILE_ACCELERATE)
+        self.text_spec()  # the spec's own checks (compile with NF4 weights), before any pool call
 
     @classmethod
     def from_spec(cls, spec: TextEncoderSpec, placement: str = "single",
                   max_memory: Mapping[int, int | str] | None = None) -> PoolTextEncoder:
         """The pool twin of an in-process spec (its ``device`` is the pool's business)."""
         return cls(spec.gemma, spec.projection, spec.weights, placement, spec.dtype, spec.token_budget, spec.truncate,
-                   max_memory)
+                   max_memory, spec.compile)
 
     def text_spec(self) -> TextEncoderSpec:
         """The in-process spec with the same cache key (never built here)."""
         return TextEncoderSpec(self.gemma, self.projection, self.weights, "cpu", self.dtype, self.token_budget,
-                               self.truncate)
+                               self.truncate, self.compile)
 
     def cache_key_parts(self) -> CacheKeyParts:
         """The cache key parts, from file contents (memoised digests; no Gemma load).
@@ -101,14 +106,15 @@ class PoolTextEncoder:
         ``max_memory``. Two clients with the same key share the resident encoder."""
         parts = parts or self.cache_key_parts()
         record = {"parts": json.loads(parts.to_json()), "placement": self.placement, "truncate": self.truncate,
-                  "max_memory": {str(k): v for k, v in (self.max_memory or {}).items()} or None}
+                  "max_memory": {str(k): v for k, v in (self.max_memory or {}).items()} or None,
+                  "compile": self.compile}
         return "text:" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
     def load_params(self, key: str) -> dict:
         """The ``load_text_encoder`` request parameters."""
         params = {"source": self.gemma, "projection": self.projection, "weights": self.weights,
                   "placement": self.placement, "dtype": self.dtype, "token_budget": self.token_budget,
-                  "truncate": self.truncate, "key": key}
+                  "truncate": self.truncate, "compile": self.compile, "key": key}
         if self.max_memory is not None:
             params["max_memory"] = {str(k): v for k, v in self.max_memory.items()}
         return params

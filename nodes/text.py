@@ -4,7 +4,7 @@
   or a snapshot / NF4 directory from ``models/text_encoders``), which LTX-2 text projection
   (the LTX checkpoint from ``models/checkpoints``, or a projection file from
   ``models/text_encoders``), weights ``bf16 | nf4``, placement ``single | accelerate |
-  batch_parallel``, keep loaded. Nothing is loaded here: Gemma loads in the pool on the first
+  batch_parallel``, keep loaded, compile (``torch.compile`` of the layers). Nothing is loaded here: Gemma loads in the pool on the first
   prompt that is not in the cache.
 * **Prompt Encode** (``LTXMGPU_PromptEncode``) -> two CONDITIONING in ComfyUI's LTX-2 form
   (``[[float32 [1, T, D] on CPU, {"pooled_output": None, "unprocessed_ltxav_embeds": True}]]``,
@@ -74,7 +74,7 @@ def _combo(choices: list[str], tooltip: str, **extra: Any) -> tuple:
 
 class LTXMGPUGemmaLoader:
     """-> ``LTXMGPU_TEXT_ENCODER``. Raises FileNotFoundError / GemmaFormatError (headers only) /
-    ValueError (weights, placement) before anything is loaded."""
+    ValueError (weights, placement, compile with NF4 or accelerate) before anything is loaded."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -99,6 +99,12 @@ class LTXMGPUGemmaLoader:
                     "Keep Gemma in the pool after encoding (faster next time). Off: unload it right after, "
                     "leaving the GPUs' memory to the LTX-2 transformer.")}),
             },
+            "optional": {
+                "compile": ("BOOLEAN", {"default": False, "tooltip": (
+                    "Run Gemma's layers through torch.compile: the first prompts take longer while they compile, "
+                    "later ones are faster (Gemma 3 12B on an H200: 42 instead of about 70 ms per 1024-token "
+                    "prompt). bf16 weights, placement single or batch_parallel.")}),
+            },
         }
 
     RETURN_TYPES = (TEXT_ENCODER,)
@@ -109,13 +115,15 @@ class LTXMGPUGemmaLoader:
     DESCRIPTION = ("Chooses Gemma 3 and the LTX-2 text projection for the pool. Gemma is loaded on the first "
                    "prompt that is not already in the embedding cache.")
 
-    def load(self, pool: PoolHandle, gemma: str, projection: str, weights: str, placement: str, keep_loaded: bool):
+    def load(self, pool: PoolHandle, gemma: str, projection: str, weights: str, placement: str, keep_loaded: bool,
+             compile: bool = False):
         from ltx_mgpu.remote_text import PoolTextEncoder
         from ltx_mgpu.text.gemma_sources import detect_gemma_format
 
         gemma_path = _comfy.full_path("text_encoders", gemma)
         detect_gemma_format(gemma_path)  # headers only: a wrong file fails here, naming the supported formats
-        encoder = PoolTextEncoder(gemma_path, resolve_projection(projection), weights=weights, placement=placement)
+        encoder = PoolTextEncoder(gemma_path, resolve_projection(projection), weights=weights, placement=placement,
+                                  compile=bool(compile))
         return (TextEncoderHandle(pool, encoder, bool(keep_loaded)),)
 
 

@@ -139,3 +139,16 @@ def test_loader_default_triton_layer_dequant_equals_bitsandbytes_layer_dequant()
     ids, mask, _ = tokenize(default, PROMPTS)
     for x, y in zip(run_tower(default, ids, mask).hidden_states, run_tower(bnb_layers, ids, mask).hidden_states):
         assert torch.equal(x, y)
+
+
+def test_a_compiled_spec_on_cuda_encodes_as_the_eager_one_to_bf16_rounding():
+    """TextEncoderSpec(compile=True) on a GPU in bf16 (Inductor's Triton kernels): the embeddings of
+    two batch lengths equal the eager ones within bf16 tolerance."""
+    from ltx_mgpu.text.encoder import TextEncoderSpec
+
+    gemma, ckpt = tiny_gemma_dir(), tiny_ltx_checkpoint("2.3")
+    eager = TextEncoderSpec(gemma, ckpt, device="cuda").build()
+    compiled = TextEncoderSpec(gemma, ckpt, device="cuda", compile=True).build()
+    for batch in (PROMPTS, PROMPTS[1:3]):
+        for c, e in zip(compiled.encode(batch), eager.encode(batch)):
+            torch.testing.assert_close(c.tensor, e.tensor, rtol=3e-2, atol=3e-2)

@@ -210,3 +210,25 @@ def test_cli_encode_names_each_mistake_without_a_traceback(tmp_path, tiny_gemma_
     assert "UserWarning" not in r.stderr
     r = encode("--prompt", long_prompt, "--no-truncate")  # cached, truncated: still refused
     assert r.returncode == 2 and "over the budget of 1024" in r.stderr, r.stderr
+
+
+def test_a_compiled_spec_encodes_as_the_eager_one_and_refuses_nf4(tiny_gemma_dir, tiny_ltx_23, artifact):
+    """compile=True: Gemma's decoder layers run through torch.compile (Inductor, on the CPU here),
+    through a new batch length too (a recompile), and the embeddings equal the eager ones to
+    float32 rounding; NF4 weights are refused before anything loads, whether asked for or found."""
+    prompts = PROMPTS[:3]
+    eager = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32").build()
+    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32", compile=True)
+    compiled = spec.build()
+    assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in compiled.tower.model.layers)
+    assert not hasattr(eager.tower.model.layers[0].forward, "_torchdynamo_orig_callable")
+    assert spec.cache_key_parts() == TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32").cache_key_parts()
+    for batch in (prompts, prompts[1:]):
+        for c, e in zip(compiled.encode(batch), eager.encode(batch)):
+            torch.testing.assert_close(c.tensor, e.tensor, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="compile works with bf16 weights"):
+        TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, weights="nf4", compile=True)
+    with pytest.raises(ValueError, match="compile works with bf16 weights"):
+        TextEncoderSpec(artifact, tiny_ltx_23, compile=True).build()
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, compile="yes")

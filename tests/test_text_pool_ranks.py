@@ -66,6 +66,9 @@ def test_bad_input_is_rejected_on_every_rank_and_the_pool_keeps_serving(pool4, t
         ({"max_memory": {"0": 1 << 30}}, "applies to placement 'accelerate' only"),
         ({"dtype": "float64"}, "unknown dtype"),
         ({"colour": "red"}, "unknown field"),
+        ({"compile": True, "weights": "nf4", "dtype": "bfloat16"}, "compile works with bf16 weights"),
+        ({"compile": True, "placement": "accelerate"}, "compile runs with placement 'single' or 'batch_parallel'"),
+        ({"compile": "yes"}, "compile"),
     ]
     for change, message in cases:
         with pytest.raises(BadInputError, match=message):

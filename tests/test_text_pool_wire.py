@@ -97,6 +97,27 @@ def test_a_one_rank_pool_writes_the_rows_into_the_memory_it_hands_over(tiny_gemm
         cleanup(rt)
 
 
+def test_a_compiled_text_encoder_in_the_pool_gives_the_eager_embeddings(tiny_gemma_dir, checkpoints):
+    """PoolTextEncoder(compile=True): the pool's Gemma runs its layers through torch.compile
+    (Inductor on a CPU rank here); the embeddings equal the in-process eager ones to float32
+    rounding, the status says so, and the client refuses compile with accelerate up front."""
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
+        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32", compile=True)
+        assert encoder.key() != PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32").key()
+        ref = reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:3], batch_size=2)
+        got, _ = encode_prompts(client, encoder, PROMPTS[:3], batch_size=2)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g.tensor, r.tensor, rtol=1e-4, atol=1e-4)
+        assert client.status()["ranks"][0]["models"]["text_encoder"]["compile"] is True
+        with pytest.raises(ValueError, match="compile runs with placement"):
+            PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], placement="accelerate", compile=True)
+        client.shutdown()
+    finally:
+        cleanup(rt)
+
+
 @pytest.mark.filterwarnings("ignore:prompt . is longer than")
 @pytest.mark.parametrize("how", ["client gone", "idle drop"])
 def test_a_reservation_taken_away_mid_job_leaves_the_pool_serving(tiny_gemma_dir, checkpoints, monkeypatch, how):

@@ -32,7 +32,7 @@ import torch
 from ltx_mgpu import protocol
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.text import placement as tp
-from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
+from ltx_mgpu.text.encoder import COMPILE_NF4, PromptEncoder, parse_dtype
 from ltx_mgpu.text.features import TOKEN_BUDGET
 from ltx_mgpu.text.sharding import describe_device_map
 
@@ -60,6 +60,7 @@ class LoadRequest:
     dtype: str
     token_budget: int
     truncate: bool
+    compile: bool
     max_memory: dict[int, int] | None
     key: str
     version: str
@@ -109,7 +110,8 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
         BadInput: unknown fields; a missing or relative path; a path that does not exist or
             is not a supported Gemma 3 source / LTX-2 projection; weights, placement or dtype
             not supported (NF4 computes in bf16); a projection that does not fit the Gemma; a
-            bad ``max_memory``, ``token_budget``, ``truncate`` or ``key``.
+            bad ``max_memory``, ``token_budget``, ``truncate``, ``compile`` or ``key``; ``compile``
+            with NF4 weights or placement ``accelerate``.
     """
     unknown = sorted(set(params) - set(_LOAD_FIELDS))
     if unknown:
@@ -131,6 +133,11 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
         raise BadInput(f"token_budget must be a positive int (tokens), got {budget!r}")
     if not isinstance(truncate, bool):
         raise BadInput(f"truncate must be true or false, got {truncate!r}")
+    compile = params.get("compile", False)
+    if not isinstance(compile, bool):
+        raise BadInput(f"compile must be true or false, got {compile!r}")
+    if compile and placement == "accelerate":
+        raise BadInput(tp.COMPILE_ACCELERATE)
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY):
         raise BadInput(f"key must be a string of 1..{_MAX_KEY} characters, got {key!r:.80}")
     try:
@@ -142,10 +149,13 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
     weights_mode = "nf4" if gemma.format == "nf4_artifact" else weights
     if weights_mode == "nf4" and dtype != "bfloat16":
         raise BadInput(f"NF4 weights compute in bfloat16 (fp16 gives empty outputs for Gemma 3); got dtype {dtype!r}")
+    if weights_mode == "nf4" and compile:
+        raise BadInput(COMPILE_NF4)
     devices = world_size if device_type == "cuda" else 1
     max_memory = _max_memory(params.get("max_memory"), placement, devices)
     fields = dict(source=source, projection=projection, weights=weights, weights_mode=weights_mode,
-                  placement=placement, dtype=dtype, token_budget=budget, truncate=truncate, max_memory=max_memory)
+                  placement=placement, dtype=dtype, token_budget=budget, truncate=truncate, compile=compile,
+                  max_memory=max_memory)
     if key is None:
         key = json.dumps(fields, sort_keys=True, default=str)[:_MAX_KEY]
     return LoadRequest(**fields, key=key, version=proj.version, width=proj.out_features)
@@ -166,6 +176,7 @@ class ResidentTextEncoder:
         bytes and devices of its weights (Gemma + projection)."""
         info: dict[str, Any] = {"key": self.request.key, "placement": self.request.placement,
                                 "weights": self.request.weights_mode, "dtype": self.request.dtype,
+                                "compile": self.request.compile,
                                 "version": self.request.version, "holds_model": self.encoder is not None,
                                 "bytes": 0, "devices": []}
         if self.encoder is not None:
@@ -219,7 +230,7 @@ def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
         try:
             encoder, device_map = tp.load_prompt_encoder(
                 req.source, req.projection, weights=req.weights, dtype=req.dtype, device=ctx.device, shard_over=shard,
-                max_memory=req.max_memory, token_budget=req.token_budget, truncate=req.truncate)
+                max_memory=req.max_memory, token_budget=req.token_budget, truncate=req.truncate, compile=req.compile)
             wire = tp.wire_dtype(ctx.device.type, req.dtype)
             loaded = getattr(encoder.tower, "weights", "bf16")
             if encoder.projection.dtype != wire or loaded != req.weights_mode:

@@ -49,6 +49,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
+COMPILE_NF4 = ("compile works with bf16 weights: NF4's per-layer dequantization runs outside the layers' "
+               "graphs; choose weights bf16 or turn compile off")
+
 #: ``out(j) -> tensor | None``: where row ``j`` goes (see :meth:`PromptEncoder.encode`).
 RowAllocator = Callable[[int], "torch.Tensor | None"]
 
@@ -261,6 +264,14 @@ class TextEncoderSpec:
             for reference runs).
         token_budget: tokens per prompt (1024).
         truncate: see :class:`PromptEncoder`.
+        compile: run Gemma's decoder layers through ``torch.compile`` (regional:
+            ``ltx_mgpu.text.forward.compile_text_tower(scope="layers")``). bf16 weights on one
+            device only. The first encodes take longer while the layers are compiled (again for
+            the second batch length, after which the sizes are dynamic); then a 1x1024-token
+            encode of Gemma 3 12B took 42 ms instead of 66-73 ms on an H200
+            (``benchmarks/bench_text.py``). Results differ from the eager ones at bf16 rounding
+            only, like a change of batch size or attention kernel, so the cache key does not
+            include it.
     """
 
     gemma: str
@@ -270,6 +281,7 @@ class TextEncoderSpec:
     dtype: str = "bfloat16"
     token_budget: int = TOKEN_BUDGET
     truncate: bool = True
+    compile: bool = False
     _encoder: PromptEncoder | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -278,6 +290,10 @@ class TextEncoderSpec:
         if self.weights not in ("bf16", "nf4"):
             raise ValueError(f"weights must be 'bf16' or 'nf4', got {self.weights!r}")
         self.dtype = str(parse_dtype(self.dtype)).removeprefix("torch.")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if self.compile and self.weights == "nf4":
+            raise ValueError(COMPILE_NF4)
 
     @property
     def weights_mode(self) -> str:
@@ -311,6 +327,8 @@ class TextEncoderSpec:
             from ltx_mgpu.text.gemma import load_gemma_text_tower
 
             dtype = parse_dtype(self.dtype)
+            if self.compile and self.weights_mode == "nf4":  # an NF4 artifact: before anything is loaded
+                raise ValueError(COMPILE_NF4)
             t0 = time.perf_counter()
             tower = load_gemma_text_tower(self.gemma, device=self.device, dtype=dtype, weights=self.weights)
             if tower.weights != self.weights_mode:  # the cache key would name other weights than these
@@ -319,9 +337,13 @@ class TextEncoderSpec:
             proj_dtype = torch.float32 if tower.device.type == "cpu" else dtype
             projection = load_projection(self.projection, device=tower.device, dtype=proj_dtype,
                                          num_layers=tower.num_hidden_states)
+            if self.compile:
+                from ltx_mgpu.text.forward import compile_text_tower
+
+                tower = compile_text_tower(tower, scope="layers")
             self._encoder = PromptEncoder(tower, projection, self.token_budget, self.truncate)
-            log.info("loaded Gemma (%s) and the LTX-%s projection in %.1f s", tower.format, projection.version,
-                     time.perf_counter() - t0)
+            log.info("loaded Gemma (%s) and the LTX-%s projection in %.1f s%s", tower.format, projection.version,
+                     time.perf_counter() - t0, "; its layers compile on the first encodes" if self.compile else "")
         return self._encoder
 
     @property

@@ -43,12 +43,15 @@ from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
 from ltx_mgpu.text.sharding import dispatch_text_tower
 
 __all__ = [
-    "PLACEMENTS", "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing", "gather_digests",
+    "COMPILE_ACCELERATE", "PLACEMENTS", "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing", "gather_digests",
     "holder_ranks", "load_prompt_encoder", "prompt_owners", "read_gemma_shape", "read_projection_shape",
     "replicate_embeddings", "split_contiguous", "wire_dtype",
 ]
 
 PLACEMENTS = ("single", "accelerate", "batch_parallel")
+#: Why ``compile`` and ``accelerate`` do not go together (one message for the client and the pool).
+COMPILE_ACCELERATE = ("compile runs with placement 'single' or 'batch_parallel': accelerate's hooks move tensors "
+                      "between GPUs inside the layers that would be compiled")
 
 
 def _check_placement(placement: str) -> None:
@@ -206,7 +209,7 @@ def check_pairing(gemma: GemmaShape, projection: ProjectionShape, gemma_path: st
 def load_prompt_encoder(gemma: str, projection: str, *, weights: str = "bf16", dtype: str = "bfloat16",
                         device: torch.device | str = "cpu", shard_over: Sequence[torch.device | str] | None = None,
                         max_memory: Mapping[int, int] | None = None, token_budget: int = TOKEN_BUDGET,
-                        truncate: bool = True) -> tuple[PromptEncoder, dict[str, str] | None]:
+                        truncate: bool = True, compile: bool = False) -> tuple[PromptEncoder, dict[str, str] | None]:
     """Load Gemma + the LTX-2 projection for one rank of a placement.
 
     Without ``shard_over`` (``single``, ``batch_parallel``): exactly
@@ -227,8 +230,10 @@ def load_prompt_encoder(gemma: str, projection: str, *, weights: str = "bf16", d
     """
     if not shard_over:
         spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=weights, device=str(device), dtype=dtype,
-                               token_budget=token_budget, truncate=truncate)
+                               token_budget=token_budget, truncate=truncate, compile=compile)
         return spec.build(), None
+    if compile:
+        raise ValueError(COMPILE_ACCELERATE)
     from ltx_mgpu.text.features import load_projection
     from ltx_mgpu.text.gemma import load_gemma_text_tower
     from ltx_mgpu.text.gemma_sources import detect_gemma_format
