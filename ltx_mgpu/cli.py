@@ -64,7 +64,8 @@ def _encode(args: argparse.Namespace, spec, prompts: list[str], cache):
 
 def _cmd_encode(args: argparse.Namespace) -> int:
     from ltx_mgpu.text.cache import EmbeddingCache, default_cache_dir
-    from ltx_mgpu.text.encoder import TextEncoderSpec, save_embeddings
+    from ltx_mgpu.text.encoder import TextEncoderSpec
+    from ltx_mgpu.text.embedding_files import save_embeddings
 
     prompts = _read_prompts(args)
     gemma, projection = args.gemma, args.projection

@@ -71,7 +71,7 @@ def test_cache_never_mixes_nf4_and_bf16(tiny_gemma_dir, artifact, tiny_ltx_23, t
 
 def test_cli_quantize_then_encode(tiny_gemma_dir, tiny_ltx_23, tmp_path, capsys):
     from ltx_mgpu.cli import main
-    from ltx_mgpu.text.encoder import load_embeddings
+    from ltx_mgpu.text.embedding_files import load_embeddings
 
     out = tmp_path / "cli-nf4"
     assert main(["quantize-nf4", str(tiny_gemma_dir), str(out), "--device", "cpu"]) == 0

@@ -415,6 +415,7 @@ def test_a_reservation_dropped_under_a_job_stays_writable_and_its_payload_is_cop
     """The idle drop, the connection closing or a newer reservation may take a reservation away
     while a job still writes its rows there: the rows stay valid memory (unmapped only with the
     last view), the payload then goes the ordinary way, and the budget gets everything back."""
+    before = set(_memfds())
     a, b, sender, receiver = _own_pair()
     with a, b:
         _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
@@ -436,12 +437,14 @@ def test_a_reservation_dropped_under_a_job_stays_writable_and_its_payload_is_cop
         handed = sender.handed
         sender.close()
         receiver.drop()
+        _spare_made(sender)  # a spare still being made gives its budget back when it lands
         assert sender.budget.used == 0 and sender.handed == handed
     del views
-    assert _memfds() == []
+    assert set(_memfds()) <= before
 
 
 def test_a_reservation_racing_close_is_not_kept_and_reservations_count_in_the_budget(monkeypatch):
+    before = set(_memfds())
     a, b, sender, receiver = _own_pair()
     with a, b:
         _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
@@ -465,5 +468,6 @@ def test_a_reservation_racing_close_is_not_kept_and_reservations_count_in_the_bu
         monkeypatch.setattr(sender, "_take_spare", take_then_close)
         assert sender.reserve(1 << 20) is None and sender._reserved is None
         receiver.drop()
+        _spare_made(sender)
         assert sender.budget.used == 0
-    assert _memfds() == []
+    assert set(_memfds()) <= before  # (earlier tests' mappings may live on until collected)

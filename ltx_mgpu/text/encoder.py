@@ -18,7 +18,6 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -386,42 +385,3 @@ def check_not_truncated(embeddings: Sequence[PromptEmbedding], token_budget: int
     for i, e in enumerate(embeddings):
         if e.dropped_tokens:
             raise prompt_too_long(i, token_budget + e.dropped_tokens, token_budget)
-
-
-def save_embeddings(path: str | os.PathLike, prompts: Sequence[str], embeddings: Sequence[PromptEmbedding]) -> Path:
-    """Write embeddings to one safetensors file (atomically): tensors ``prompt_<i>``
-    (``[T_i, D]`` float32) and metadata ``prompts`` (JSON list), ``version``,
-    ``dropped_tokens`` (JSON list)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {f"prompt_{i}": e.tensor.contiguous() for i, e in enumerate(embeddings)}
-    versions = sorted({e.version for e in embeddings})
-    meta = {
-        "format": "ltx_mgpu.embeddings/1",
-        "prompts": json.dumps(list(prompts)),
-        "version": ",".join(versions),
-        "dropped_tokens": json.dumps([e.dropped_tokens for e in embeddings]),
-    }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
-
-
-def load_embeddings(path: str | os.PathLike) -> tuple[list[str], list[PromptEmbedding]]:
-    """Read a file written by :func:`save_embeddings`."""
-    import json
-
-    from safetensors import safe_open
-
-    with safe_open(os.fspath(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        prompts = json.loads(meta["prompts"])
-        dropped = json.loads(meta.get("dropped_tokens", "[]")) or [0] * len(prompts)
-        version = meta["version"]
-        embeddings = [PromptEmbedding(f.get_tensor(f"prompt_{i}"), version, dropped[i]) for i in range(len(prompts))]
-    return prompts, embeddings
