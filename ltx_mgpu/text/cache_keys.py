@@ -5,6 +5,10 @@ of the Gemma weights + tokenizer and of the text projection, the weights mode (b
 the token budget, the compute dtype and :data:`FORMAT_VERSION`. A cache keyed on the prompt
 alone serves stale embeddings after a model or precision change (WanVideoWrapper #2046, see
 ``shared/notes/peers.md`` §3); the full key is DESIGN.md §4.
+
+Not in the key: what changes an embedding only at the compute dtype's rounding, as kernels do
+(the batch size and padding, the attention kernel, ``torch.compile`` of the layers, the
+placement). An entry made one way serves the others.
 """
 
 from __future__ import annotations
