@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="compute dtype: bfloat16 (default) or float32")
     p.add_argument("--no-truncate", action="store_true", help="fail on prompts over 1024 tokens")
     p.add_argument("--compile", action="store_true",
-                   help="run Gemma's layers through torch.compile (bf16 weights; the first encodes compile, later "
-                        "ones are faster: 42 vs 66-73 ms per 1024-token prompt for Gemma 3 12B on an H200)")
+                   help="run Gemma's layers through torch.compile (bf16 weights; compiled when Gemma loads and for "
+                        "new kinds of batch; a fixed 1024-token shape of Gemma 3 12B took 42 vs 66-73 ms on an H200)")
     p.add_argument("--embedded-version", choices=["2.0", "2.3"], default="2.3",
                    help="layout of the embedded tiny checkpoint with the tiny Gemma (the 270M pairs with 2.3)")
     p.add_argument("--embedded-gemma", choices=["auto", "gemma-270m", "tiny"], default="auto",

@@ -55,7 +55,8 @@ class PoolTextEncoder:
         max_memory: accelerate only: bytes (or ``"70GiB"``) per pool GPU index.
 
     Raises:
-        ValueError: an unknown weights mode, placement or dtype.
+        ValueError: an unknown weights mode, placement or dtype; ``compile`` with NF4 weights or
+            placement ``accelerate``.
     """
 
     gemma: str
@@ -114,7 +115,9 @@ class PoolTextEncoder:
         """The ``load_text_encoder`` request parameters."""
         params = {"source": self.gemma, "projection": self.projection, "weights": self.weights,
                   "placement": self.placement, "dtype": self.dtype, "token_budget": self.token_budget,
-                  "truncate": self.truncate, "compile": self.compile, "key": key}
+                  "truncate": self.truncate, "key": key}
+        if self.compile:  # only when on: a pool of a release without the field still takes the others
+            params["compile"] = True
         if self.max_memory is not None:
             params["max_memory"] = {str(k): v for k, v in self.max_memory.items()}
         return params

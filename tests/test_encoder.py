@@ -217,10 +217,14 @@ def test_a_compiled_spec_encodes_as_the_eager_one_and_refuses_nf4(tiny_gemma_dir
     """compile=True: Gemma's decoder layers run through torch.compile (Inductor, on the CPU here),
     through a new batch length too (a recompile), and the embeddings equal the eager ones to
     float32 rounding; NF4 weights are refused before anything loads, whether asked for or found."""
+    from torch._dynamo.utils import counters
+
     prompts = PROMPTS[:3]
     eager = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32").build()
     spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32", compile=True)
+    graphs = counters["stats"]["unique_graphs"]
     compiled = spec.build()
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled while loading (one and two prompts)
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in compiled.tower.model.layers)
     assert not hasattr(eager.tower.model.layers[0].forward, "_torchdynamo_orig_callable")
     assert spec.cache_key_parts() == TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32").cache_key_parts()
@@ -233,3 +237,23 @@ def test_a_compiled_spec_encodes_as_the_eager_one_and_refuses_nf4(tiny_gemma_dir
         TextEncoderSpec(artifact, tiny_ltx_23, compile=True).build()
     with pytest.raises(ValueError, match="compile must be True or False"):
         TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, compile="yes")
+
+
+def test_a_compiler_that_fails_here_is_reported_when_the_encoder_loads(tiny_gemma_dir, tiny_ltx_23, monkeypatch):
+    """build() compiles right away, so a torch.compile that cannot work on this machine (no C++
+    compiler, a broken Triton: here a backend that raises) is a one-line ValueError naming the
+    fix, not a traceback in the first encode."""
+    import ltx_mgpu.text.forward as forward
+
+    real = forward.compile_text_tower
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(forward, "compile_text_tower",
+                        lambda tower, scope="model", **kw: real(tower, scope, backend=broken_backend))
+    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32", compile=True)
+    with pytest.raises(ValueError, match=r"torch.compile could not compile Gemma's layers on cpu: .*no compiler "
+                                         r"here.*\(turn compile off"):
+        spec.build()
+

@@ -118,6 +118,30 @@ def test_a_compiled_text_encoder_in_the_pool_gives_the_eager_embeddings(tiny_gem
         cleanup(rt)
 
 
+def test_a_compiler_that_fails_in_the_pool_is_bad_input_and_the_pool_keeps_serving(tiny_gemma_dir, checkpoints,
+                                                                                   monkeypatch, tmp_path):
+    """A pool whose torch.compile cannot work (no C++ compiler for Inductor's CPU backend here)
+    answers a compile=True load with bad_input naming the fix, at load, and serves on: the same
+    encoder without compile loads and encodes."""
+    from ltx_mgpu.client import BadInputError
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # read by the pool started below
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled before
+    rt = short_dir()
+    try:
+        client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
+        pids = pool_pids(client)
+        broken = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32", compile=True)
+        with pytest.raises(BadInputError, match="torch.compile could not compile Gemma's layers.*turn compile off"):
+            encode_prompts(client, broken, PROMPTS[:2], batch_size=2)
+        plain = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
+        got, _ = encode_prompts(client, plain, PROMPTS[:2], batch_size=2)
+        assert len(got) == 2 and running(pids) == [p for p, _ in pids]
+        client.shutdown()
+    finally:
+        cleanup(rt)
+
+
 @pytest.mark.filterwarnings("ignore:prompt . is longer than")
 @pytest.mark.parametrize("how", ["client gone", "idle drop"])
 def test_a_reservation_taken_away_mid_job_leaves_the_pool_serving(tiny_gemma_dir, checkpoints, monkeypatch, how):

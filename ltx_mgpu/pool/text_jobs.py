@@ -270,6 +270,15 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
     return state, list(params["prompts"]), batch_size, keep, verify
 
 
+def _compile_error() -> type:
+    """torch.compile's failures (Dynamo, Inductor): a compiled encoder meeting a new kind of batch
+    compiles then, and a compiler that fails there is the request's error, not the pool's end.
+    Evaluated only when an exception is being matched (importing Dynamo is not free)."""
+    import torch._dynamo.exc
+
+    return torch._dynamo.exc.TorchDynamoException
+
+
 class _HandOverRows:
     """At world size 1, the encoder's ``out``: on the first row to be written, sets aside the
     shared memory the result will be handed over in (``JobContext.result_buffers``) for every
@@ -350,8 +359,10 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
             try:
                 out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size, out_dtype=out_dtype,
                                            out=None if dest is None else (lambda j, chunk=chunk: dest(chunk[j])))
-            except (ValueError, torch.OutOfMemoryError) as e:  # PromptTooLongError is a ValueError
+            except (ValueError, torch.OutOfMemoryError, _compile_error()) as e:  # PromptTooLongError: a ValueError
                 error = failure_message(e, "encoding")
+                if not isinstance(e, (ValueError, torch.OutOfMemoryError)):  # the compiler, on a new kind of batch
+                    error = error.splitlines()[0] + " (load the text encoder with compile off)"
                 local.clear()
                 free_memory(ctx.device)
             else:

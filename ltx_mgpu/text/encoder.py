@@ -48,8 +48,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
-COMPILE_NF4 = ("compile works with bf16 weights: NF4's per-layer dequantization runs outside the layers' "
-               "graphs; choose weights bf16 or turn compile off")
+COMPILE_NF4 = ("compile works with bf16 weights: NF4 (weights nf4, or an NF4 artifact directory, which is always "
+               "NF4) dequantizes each layer outside the compiled graphs; turn compile off, or use a bf16 Gemma source "
+               "with weights bf16")
 
 #: ``out(j) -> tensor | None``: where row ``j`` goes (see :meth:`PromptEncoder.encode`).
 RowAllocator = Callable[[int], "torch.Tensor | None"]
@@ -265,12 +266,15 @@ class TextEncoderSpec:
         truncate: see :class:`PromptEncoder`.
         compile: run Gemma's decoder layers through ``torch.compile`` (regional:
             ``ltx_mgpu.text.forward.compile_text_tower(scope="layers")``). bf16 weights on one
-            device only. The first encodes take longer while the layers are compiled (again for
-            the second batch length, after which the sizes are dynamic); then a 1x1024-token
-            encode of Gemma 3 12B took 42 ms instead of 66-73 ms on an H200
-            (``benchmarks/bench_text.py``). Results differ from the eager ones at bf16 rounding
-            only, like a change of batch size or attention kernel, so the cache key does not
-            include it.
+            device only. :meth:`build` compiles for a one-prompt and a padded two-prompt batch
+            (so a compiler that cannot work here fails there, with a message, not in an encode);
+            other kinds of batch compile on first use (a batch of one vs several, padded or
+            not, a new length and then any length: about 7 graphs for a mix of prompts). With
+            one fixed 1x1024-token shape a Gemma 3 12B encode took 42 ms instead of 66-73 ms
+            eager on an H200 (``benchmarks/bench_text.py``); the shape-generic graphs that
+            prompts of varying length end up on have not been timed on a GPU. Results differ
+            from the eager ones at bf16 rounding only, like a change of batch size or attention
+            kernel, so the cache key does not include it.
     """
 
     gemma: str
@@ -336,11 +340,10 @@ class TextEncoderSpec:
             proj_dtype = torch.float32 if tower.device.type == "cpu" else dtype
             projection = load_projection(self.projection, device=tower.device, dtype=proj_dtype,
                                          num_layers=tower.num_hidden_states)
+            encoder = PromptEncoder(tower, projection, self.token_budget, self.truncate)
             if self.compile:
-                from ltx_mgpu.text.forward import compile_text_tower
-
-                tower = compile_text_tower(tower, scope="layers")
-            self._encoder = PromptEncoder(tower, projection, self.token_budget, self.truncate)
+                encoder = _compiled(encoder)
+            self._encoder = encoder
             log.info("loaded Gemma (%s) and the LTX-%s projection in %.1f s%s", tower.format, projection.version,
                      time.perf_counter() - t0, "; its layers compile on the first encodes" if self.compile else "")
         return self._encoder
@@ -348,6 +351,33 @@ class TextEncoderSpec:
     @property
     def loaded(self) -> bool:
         return self._encoder is not None
+
+
+def _compiled(encoder: PromptEncoder) -> PromptEncoder:
+    """``encoder`` with its tower's layers compiled (``compile_text_tower(scope="layers")``) and
+    warmed up on a one-prompt and a padded two-prompt batch.
+
+    Raises:
+        ValueError: torch.compile failed here (no C++ compiler for the CPU backend, a broken
+            Triton...), with the compiler's first line and the fix (turn compile off).
+    """
+    import torch._dynamo.exc
+
+    from ltx_mgpu.text.forward import compile_text_tower
+
+    compiled = PromptEncoder(compile_text_tower(encoder.tower, scope="layers"), encoder.projection,
+                             encoder.token_budget, encoder.truncate, encoder.trim)
+    t0 = time.perf_counter()
+    try:
+        compiled.encode(["a"])
+        compiled.encode(["a", "a photo of a cat"])
+    except torch._dynamo.exc.TorchDynamoException as e:
+        cause = getattr(e, "inner_exception", None) or e  # a backend's failure: its own error
+        first = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+        raise ValueError(f"torch.compile could not compile Gemma's layers on {encoder.tower.device}: {first} "
+                         "(turn compile off to encode without it)") from e
+    log.info("compiled Gemma's layers for one and two prompts in %.1f s", time.perf_counter() - t0)
+    return compiled
 
 
 def encode_prompts(spec: TextEncoderSpec, prompts: Sequence[str], batch_size: int = 8,

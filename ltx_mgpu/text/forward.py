@@ -298,6 +298,9 @@ def compile_text_tower(
             Each new input shape recompiles until Dynamo marks the sizes dynamic (on the second
             shape by default); ``dynamic=True`` starts dynamic, ``dynamic=False`` never is.
 
+    Dynamo's ``recompile_limit`` is raised to at least 64, process-wide (see the code: the
+    decoder layers of every compiled tower share one code object and its 8 default graphs).
+
     Returns:
         A ``GemmaTextTower`` equal to ``tower`` except for ``model``.
 
@@ -307,6 +310,13 @@ def compile_text_tower(
     if scope not in ("model", "layers"):
         raise ValueError(f"scope must be 'model' (whole model) or 'layers' (regional compilation), got {scope!r}")
     model = copy_sharing_weights(tower.model)
+    # Dynamo keeps at most ``recompile_limit`` (8) graphs per code object and then runs it eager,
+    # silently; every decoder layer of every compiled tower in the process shares one code
+    # object, and one tower with a mix of prompts already needs about 7 (batch of one or more,
+    # padded or not, static then dynamic lengths), so a pool that swaps encoders would run out.
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if scope == "model":
         _install_capture_hooks(model)
         model.compile(**compile_kwargs)

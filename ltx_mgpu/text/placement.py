@@ -226,7 +226,9 @@ def load_prompt_encoder(gemma: str, projection: str, *, weights: str = "bf16", d
 
     Raises:
         Whatever loading raises (FileNotFoundError, GemmaFormatError, GemmaWeightsError,
-        ProjectionFormatError, ValueError for a split that does not fit, torch.OutOfMemoryError).
+        ProjectionFormatError, ValueError for a split that does not fit, for ``compile`` with
+        ``shard_over`` or NF4 weights, or for a compiler that fails here,
+        torch.OutOfMemoryError).
     """
     if not shard_over:
         spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=weights, device=str(device), dtype=dtype,
