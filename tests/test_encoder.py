@@ -257,3 +257,28 @@ def test_a_compiler_that_fails_here_is_reported_when_the_encoder_loads(tiny_gemm
                                          r"here.*\(turn compile off"):
         spec.build()
 
+
+
+def test_encodes_from_two_threads_equal_the_sequential_ones(encoder):
+    """One encoder used by two threads at once (an encode collects hidden states with hooks on the
+    shared layers): each gets its own prompts' embeddings, as run one after the other."""
+    import threading
+
+    sets = [PROMPTS[:3], PROMPTS[3:]]
+    want = [encoder.encode(p, batch_size=3) for p in sets]
+    got: dict[int, list] = {}
+    start = threading.Barrier(2)
+
+    def run(k):
+        start.wait()
+        for _ in range(3):
+            got[k] = encoder.encode(sets[k], batch_size=3)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(2):
+        assert [e.tensor.shape for e in got[k]] == [e.tensor.shape for e in want[k]]
+        assert all(torch.equal(g.tensor, w.tensor) for g, w in zip(got[k], want[k]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -99,6 +100,9 @@ class PromptEncoder:
         self.truncate = truncate
         self.trim = trim
         self._staging: torch.Tensor | None = None
+        # one encode at a time: the forward collects hidden states with hooks on the shared
+        # layers, and the pinned staging buffer is reused
+        self._lock = threading.Lock()
 
     def token_counts(self, prompts: Sequence[str]) -> list[int]:
         """The number of tokens (BOS included, after truncation to the budget) each prompt's
@@ -193,11 +197,12 @@ class PromptEncoder:
         from ltx_mgpu.text.forward import run_tower
 
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
-        states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
-        features = self.projection.normalised(states.hidden_states, states.attention_mask)
-        del states
+        with self._lock:
+            states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
+            features = self.projection.normalised(states.hidden_states, states.attention_mask)
+            del states
+            rows = self._project_rows(features, lengths, out_dtype, out)
         dropped = list(dropped) if dropped is not None else [0] * len(lengths)
-        rows = self._project_rows(features, lengths, out_dtype, out)
         return [PromptEmbedding(row, self.projection.version, int(d)) for row, d in zip(rows, dropped)]
 
     #: Tokens per projection GEMM when the projection and the host copy are pipelined: enough
@@ -342,7 +347,9 @@ class TextEncoderSpec:
                                          num_layers=tower.num_hidden_states)
             encoder = PromptEncoder(tower, projection, self.token_budget, self.truncate)
             if self.compile:
-                encoder = _compiled(encoder)
+                from ltx_mgpu.text.forward import compile_prompt_encoder
+
+                encoder = compile_prompt_encoder(encoder)
             self._encoder = encoder
             log.info("loaded Gemma (%s) and the LTX-%s projection in %.1f s%s", tower.format, projection.version,
                      time.perf_counter() - t0, "; its layers compile on the first encodes" if self.compile else "")
@@ -351,33 +358,6 @@ class TextEncoderSpec:
     @property
     def loaded(self) -> bool:
         return self._encoder is not None
-
-
-def _compiled(encoder: PromptEncoder) -> PromptEncoder:
-    """``encoder`` with its tower's layers compiled (``compile_text_tower(scope="layers")``) and
-    warmed up on a one-prompt and a padded two-prompt batch.
-
-    Raises:
-        ValueError: torch.compile failed here (no C++ compiler for the CPU backend, a broken
-            Triton...), with the compiler's first line and the fix (turn compile off).
-    """
-    import torch._dynamo.exc
-
-    from ltx_mgpu.text.forward import compile_text_tower
-
-    compiled = PromptEncoder(compile_text_tower(encoder.tower, scope="layers"), encoder.projection,
-                             encoder.token_budget, encoder.truncate, encoder.trim)
-    t0 = time.perf_counter()
-    try:
-        compiled.encode(["a"])
-        compiled.encode(["a", "a photo of a cat"])
-    except torch._dynamo.exc.TorchDynamoException as e:
-        cause = getattr(e, "inner_exception", None) or e  # a backend's failure: its own error
-        first = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
-        raise ValueError(f"torch.compile could not compile Gemma's layers on {encoder.tower.device}: {first} "
-                         "(turn compile off to encode without it)") from e
-    log.info("compiled Gemma's layers for one and two prompts in %.1f s", time.perf_counter() - t0)
-    return compiled
 
 
 def encode_prompts(spec: TextEncoderSpec, prompts: Sequence[str], batch_size: int = 8,

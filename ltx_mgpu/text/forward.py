@@ -32,6 +32,8 @@ import copy
 import dataclasses
 import functools
 import itertools
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,7 +41,10 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ltx_mgpu.text.encoder import PromptEncoder
     from ltx_mgpu.text.gemma import GemmaTextTower
+
+log = logging.getLogger(__name__)
 
 #: The transformers attention implementation registered by :func:`register_attention`.
 ATTENTION = "ltx_mgpu_sdpa"
@@ -324,6 +329,34 @@ def compile_text_tower(
         for layer in model.layers:
             layer.forward = torch.compile(layer.forward, **compile_kwargs)
     return dataclasses.replace(tower, model=model)
+
+
+def compile_prompt_encoder(encoder: "PromptEncoder") -> "PromptEncoder":
+    """A ``PromptEncoder`` like ``encoder`` with its tower's layers compiled
+    (:func:`compile_text_tower`, ``scope="layers"``) and warmed up on a one-prompt and a padded
+    two-prompt batch (what ``TextEncoderSpec(compile=True)`` builds).
+
+    Raises:
+        ValueError: torch.compile failed here (no C++ compiler for the CPU backend, a broken
+            Triton...), with the compiler's first line and the fix (turn compile off).
+    """
+    import torch._dynamo.exc
+
+    from ltx_mgpu.text.encoder import PromptEncoder
+
+    compiled = PromptEncoder(compile_text_tower(encoder.tower, scope="layers"), encoder.projection,
+                             encoder.token_budget, encoder.truncate, encoder.trim)
+    t0 = time.perf_counter()
+    try:
+        compiled.encode(["a"])
+        compiled.encode(["a", "a photo of a cat"])
+    except torch._dynamo.exc.TorchDynamoException as e:
+        cause = getattr(e, "inner_exception", None) or e  # a backend's failure: its own error
+        first = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+        raise ValueError(f"torch.compile could not compile Gemma's layers on {encoder.tower.device}: {first} "
+                         "(turn compile off to encode without it)") from e
+    log.info("compiled Gemma's layers for one and two prompts in %.1f s", time.perf_counter() - t0)
+    return compiled
 
 
 # --------------------------------------------------------------------------- encode
