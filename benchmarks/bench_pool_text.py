@@ -161,7 +161,8 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         overhead = med["pool"] / med["in-process"] - 1
         label = f"{batch}x{args.tokens}"
         read = {name: _first_read(fn()) for name, fn in (("in-process", in_process), ("pool", pool))}
-        row[label] = {"first_read_ms": read, "median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
+        row[label] = {"first_read_ms": read,
+                      "median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
                       "overhead": overhead, "pool_encode_ms": pool_encode, "pool_broadcast_ms": pool_broadcast,
                       "max_abs_diff_pool_vs_in_process": diff,
                       "result_bytes": result_bytes, "wire_dtype": str(wire).removeprefix("torch."),

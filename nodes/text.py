@@ -4,8 +4,8 @@
   or a snapshot / NF4 directory from ``models/text_encoders``), which LTX-2 text projection
   (the LTX checkpoint from ``models/checkpoints``, or a projection file from
   ``models/text_encoders``), weights ``bf16 | nf4``, placement ``single | accelerate |
-  batch_parallel``, keep loaded, compile (``torch.compile`` of the layers). Nothing is loaded here: Gemma loads in the pool on the first
-  prompt that is not in the cache.
+  batch_parallel``, keep loaded, compile (``torch.compile`` of the layers). Nothing is loaded
+  here: Gemma loads in the pool on the first prompt that is not in the cache.
 * **Prompt Encode** (``LTXMGPU_PromptEncode``) -> two CONDITIONING in ComfyUI's LTX-2 form
   (``[[float32 [1, T, D] on CPU, {"pooled_output": None, "unprocessed_ltxav_embeds": True}]]``,
   ``ltx_mgpu.text.features.PromptEmbedding.to_conditioning``), so core ``LTXVConditioning``,

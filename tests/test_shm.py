@@ -375,7 +375,8 @@ def test_a_payload_written_in_its_reservation_is_handed_over_without_a_copy(monk
         assert sender._reserved is not None and sender.handed == 0
         copies = []
         real_copy = torch.Tensor.copy_
-        monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: copies.append(1) or real_copy(self, src, *a, **k))
+        monkeypatch.setattr(torch.Tensor, "copy_",
+                            lambda self, src, *a, **k: copies.append(1) or real_copy(self, src, *a, **k))
         _, got = _send_then_recv(a, b, sender, receiver, views)
         monkeypatch.undo()
         assert copies == [] and sender.handed == 1 and receiver.owned == 1 and sender._reserved is None

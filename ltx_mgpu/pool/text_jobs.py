@@ -396,7 +396,8 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     result = {"count": count, "version": req.version, "dropped_tokens": [int(d) for d in held.dropped],
               "num_tokens": [int(r.shape[0]) for r in rows], "owners": owners, "placement": req.placement,
               "key": req.key, "wire_dtype": str(out_dtype).removeprefix("torch."), "broadcast_bytes": held.nbytes,
-              "seconds": {"encode": t_encode, "broadcast": t_broadcast}, "rows_in_place": dest is not None and dest.rows is not None}
+              "seconds": {"encode": t_encode, "broadcast": t_broadcast},
+              "rows_in_place": dest is not None and dest.rows is not None}
     if digests is not None:
         result["rank_digests"] = digests
         result["consistent"] = all(d == digests[0] for d in digests)

@@ -43,9 +43,9 @@ from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
 from ltx_mgpu.text.sharding import dispatch_text_tower
 
 __all__ = [
-    "COMPILE_ACCELERATE", "PLACEMENTS", "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing", "gather_digests",
-    "holder_ranks", "load_prompt_encoder", "prompt_owners", "read_gemma_shape", "read_projection_shape",
-    "replicate_embeddings", "split_contiguous", "wire_dtype",
+    "COMPILE_ACCELERATE", "PLACEMENTS", "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing",
+    "gather_digests", "holder_ranks", "load_prompt_encoder", "prompt_owners", "read_gemma_shape",
+    "read_projection_shape", "replicate_embeddings", "split_contiguous", "wire_dtype",
 ]
 
 PLACEMENTS = ("single", "accelerate", "batch_parallel")
