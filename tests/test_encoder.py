@@ -282,3 +282,23 @@ def test_encodes_from_two_threads_equal_the_sequential_ones(encoder):
     for k in range(2):
         assert [e.tensor.shape for e in got[k]] == [e.tensor.shape for e in want[k]]
         assert all(torch.equal(g.tensor, w.tensor) for g, w in zip(got[k], want[k]))
+
+
+def test_an_encode_after_token_counts_reuses_its_tokens_and_gives_the_same_rows(encoder, monkeypatch):
+    """token_counts keeps its tokenization for the encode that follows (the pool's): sub-batches
+    take their rows from it, trimmed to their own longest prompt, and the embeddings equal those
+    of an encode that tokenizes each sub-batch itself, bit for bit."""
+    import ltx_mgpu.text.tokenizer as tokenizer
+
+    prompts = PROMPTS[:5]
+    encoder._pretokenized = None
+    plain = encoder.encode(prompts, batch_size=2)
+    calls = []
+    real = tokenizer.tokenize
+    monkeypatch.setattr(tokenizer, "tokenize", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    assert encoder.token_counts(prompts) == [e.num_tokens for e in plain] and calls == [5]
+    reused = encoder.encode(prompts, batch_size=2)
+    assert calls == [5]  # no sub-batch tokenized again
+    assert all(torch.equal(r.tensor, p.tensor) for r, p in zip(reused, plain))
+    encoder.encode(["a prompt it has not seen"])
+    assert calls == [5, 1]

@@ -103,6 +103,7 @@ class PromptEncoder:
         # one encode at a time: the forward collects hidden states with hooks on the shared
         # layers, and the pinned staging buffer is reused
         self._lock = threading.Lock()
+        self._pretokenized: tuple[dict[str, int], torch.Tensor, torch.Tensor, list[int]] | None = None
 
     def token_counts(self, prompts: Sequence[str]) -> list[int]:
         """The number of tokens (BOS included, after truncation to the budget) each prompt's
@@ -116,8 +117,26 @@ class PromptEncoder:
         self._check_prompts(prompts)
         if not prompts:
             return []
-        _, mask, _ = tokenize(self.tower, list(prompts), max_length=self.token_budget, truncate=self.truncate)
+        ids, mask, dropped = tokenize(self.tower, list(prompts), max_length=self.token_budget, truncate=self.truncate)
+        # kept for the encode that follows (the pool's): its sub-batches take their rows from here
+        self._pretokenized = ({p: i for i, p in enumerate(prompts)}, ids, mask, list(dropped))
         return [int(n) for n in mask.sum(dim=1).tolist()]
+
+    def _tokenize(self, chunk: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``tokenize(chunk)``, or the same rows cut from the last :meth:`token_counts` when it
+        covered these prompts: left padding makes a row of a larger batch the chunk's row with
+        more pad columns in front, so keeping the last ``max(real tokens)`` columns gives exactly
+        what tokenizing the chunk gives."""
+        from ltx_mgpu.text.tokenizer import tokenize
+
+        pre = self._pretokenized
+        if pre is not None and all(p in pre[0] for p in chunk):
+            index, ids, mask, dropped = pre
+            rows = [index[p] for p in chunk]
+            m = mask[rows]
+            width = int(m.sum(dim=1).max())
+            return ids[rows][:, -width:].contiguous(), m[:, -width:].contiguous(), [dropped[i] for i in rows]
+        return tokenize(self.tower, chunk, max_length=self.token_budget, truncate=self.truncate)
 
     @staticmethod
     def _check_prompts(prompts: Sequence[str]) -> None:
@@ -150,15 +169,13 @@ class PromptEncoder:
                 wrong shape, dtype or device.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
         """
-        from ltx_mgpu.text.tokenizer import tokenize
-
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self._check_prompts(prompts)
         result: list[PromptEmbedding] = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
-            ids, mask, dropped = tokenize(self.tower, chunk, max_length=self.token_budget, truncate=self.truncate)
+            ids, mask, dropped = self._tokenize(chunk)
             for j, n in enumerate(dropped):
                 if n:
                     warnings.warn(
