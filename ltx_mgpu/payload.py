@@ -88,14 +88,14 @@ def _prepare(name: str, t: Any) -> torch.Tensor:
     return t.contiguous()
 
 
-def payload_layout(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, dict[str, int]]:
+def payload_layout(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Where the tensors of ``specs`` (name, dtype, shape) lie in their safetensors blob, known
     before they exist (``ltx_mgpu.pool`` writes a result straight into shared memory there).
 
     Returns:
-        ``(head, starts)``: the blob's first bytes (u64 header length + JSON header, padded to 8
-        bytes, as :func:`tensors_to_payload` writes it) and each tensor's byte offset in the
-        blob; the blob is ``len(head)`` + the tensors' bytes in name order.
+        ``(head, spans)``: the blob's first bytes (u64 header length + JSON header, padded to 8
+        bytes, as :func:`tensors_to_payload` writes it) and each tensor's ``(begin, end)`` byte
+        range in the blob; the blob is ``len(head)`` + the tensors' bytes in name order.
 
     Raises:
         TypeError: as :func:`tensors_to_payload` (a bad name or a dtype safetensors cannot carry).
@@ -103,7 +103,7 @@ def payload_layout(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> t
     if sys.byteorder != "little":
         raise TypeError("safetensors is little-endian; this big-endian host is not supported")
     header: dict[str, Any] = {}
-    offsets: dict[str, int] = {}
+    spans: dict[str, tuple[int, int]] = {}
     offset = 0
     for name, dtype, shape in sorted(specs, key=lambda s: s[0]):
         if not isinstance(name, str) or not name or name == "__metadata__":
@@ -114,12 +114,12 @@ def payload_layout(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> t
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": CODES[dtype], "shape": [int(d) for d in shape],
                         "data_offsets": [offset, offset + nbytes]}
-        offsets[name] = offset
+        spans[name] = (offset, offset + nbytes)
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
     head = struct.pack("<Q", len(raw)) + raw
-    return head, {name: len(head) + off for name, off in offsets.items()}
+    return head, {name: (len(head) + a, len(head) + b) for name, (a, b) in spans.items()}
 
 
 def tensors_to_payload(tensors: Mapping[str, torch.Tensor] | None) -> Payload | None:

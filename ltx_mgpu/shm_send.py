@@ -243,33 +243,33 @@ class ArenaSender:
         self.drop()
 
 
+def _placed(payload):
+    """``(offset, part, tensor)`` for each part of ``payload`` as it lies in an arena from
+    :data:`HEADER_BYTES`: ``tensor`` is the uint8 tensor over a tensor part's bytes (numpy view),
+    None for the safetensors header (bytes)."""
+    off = HEADER_BYTES
+    for part in payload.parts:
+        tensor = None if isinstance(part, (bytes, bytearray)) else torch.from_numpy(part)
+        yield off, part, tensor
+        off += memoryview(part).nbytes
+
+
 def _write(arena: _Arena, payload) -> None:
     """Copy ``payload``'s parts to ``arena`` from offset :data:`HEADER_BYTES`; a part already at
     its place (written there through :meth:`ArenaSender.reserve`) is left as it is."""
-    off = HEADER_BYTES
-    for part in payload.parts:
-        if isinstance(part, (bytes, bytearray)):  # the safetensors header: small
+    for off, part, src in _placed(payload):
+        if src is None:  # the safetensors header: small
             arena.mm[off:off + len(part)] = part
-            off += len(part)
-        else:  # a tensor's bytes (numpy uint8 view): torch copies without holding the GIL
-            src = torch.from_numpy(part)
-            if src.data_ptr() != arena.base + off:
-                arena.u8[off:off + src.numel()].copy_(src)
-            off += src.numel()
+        elif src.data_ptr() != arena.base + off:  # torch copies without holding the GIL
+            arena.u8[off:off + src.numel()].copy_(src)
 
 
 def _in_place(arena: _Arena, payload) -> bool:
     """Whether every tensor part of ``payload`` already lies where :func:`_write` would put it
     in ``arena`` (and at least one does)."""
-    off, placed = HEADER_BYTES, False
-    for part in payload.parts:
-        n = memoryview(part).nbytes
-        if not isinstance(part, (bytes, bytearray)):
-            if torch.from_numpy(part).data_ptr() != arena.base + off:
-                return False
-            placed = True
-        off += n
-    return placed and off <= arena.size
+    tensors = [(off, t) for off, _, t in _placed(payload) if t is not None]
+    return (bool(tensors) and HEADER_BYTES + payload.nbytes <= arena.size
+            and all(t.data_ptr() == arena.base + off for off, t in tensors))
 
 
 def _make_arena(size: int) -> _Arena | None:

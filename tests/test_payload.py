@@ -187,16 +187,18 @@ def test_we_accept_exactly_what_the_library_accepts_with_the_same_tensors(blob):
 
 def test_the_layout_known_in_advance_is_the_payloads():
     """payload_layout (names, dtypes, shapes only) gives the header bytes tensors_to_payload writes
-    and the offset of each tensor's bytes in the blob (name order: prompt_10 before prompt_2)."""
+    and the byte range of each tensor in the blob (name order: prompt_10 before prompt_2)."""
     tensors = {f"prompt_{i}": torch.randn(i + 1, 3) for i in range(12)}
     tensors["mask"] = torch.ones(5, dtype=torch.bool)
     tensors["half"] = torch.randn(3, 7).to(torch.bfloat16)
-    head, starts = payload_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    head, spans = payload_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     blob = tensors_to_payload(tensors).tobytes()
     assert blob[:len(head)] == head
     for name, t in tensors.items():
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert blob[starts[name]:starts[name] + len(raw)] == raw
-    assert sorted(starts, key=starts.get) == sorted(tensors)
+        assert spans[name][1] - spans[name][0] == len(raw)
+        assert blob[spans[name][0]:spans[name][0] + len(raw)] == raw
+    assert sorted(spans, key=spans.get) == sorted(tensors)
+    assert max(end for _, end in spans.values()) == len(blob)
     with pytest.raises(TypeError, match="safetensors cannot carry"):
         payload_layout([("x", torch.complex32, (2,))])

@@ -346,11 +346,11 @@ def _reserved_views(sender, specs):
     """What ``JobContext.result_buffers`` makes: the payload's tensors as views of a reservation."""
     from ltx_mgpu.payload import payload_layout
 
-    head, starts = payload_layout(specs)
-    region = sender.reserve(len(head) + sum(torch.Size(s).numel() * d.itemsize for _, d, s in specs))
+    _, spans = payload_layout(specs)
+    region = sender.reserve(max(end for _, end in spans.values()))
     if region is None:
         return None
-    return {n: region[starts[n]:starts[n] + torch.Size(s).numel() * d.itemsize].view(d).view(s) for n, d, s in specs}
+    return {n: region[slice(*spans[n])].view(d).view(s) for n, d, s in specs}
 
 
 def test_a_payload_written_in_its_reservation_is_handed_over_without_a_copy(monkeypatch):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import gc
 import importlib
 import json
-import math
 import threading
 import time
 import traceback
@@ -234,15 +233,13 @@ class JobContext:
 
         if self._reserve_result is None or not specs:
             return None
-        head, starts = payload_layout(specs)
-        sizes = {name: math.prod(shape) * dtype.itemsize for name, dtype, shape in specs}
-        if any((shm.HEADER_BYTES + starts[name]) % dtype.itemsize for name, dtype, _ in specs):
+        _, spans = payload_layout(specs)
+        if any((shm.HEADER_BYTES + spans[name][0]) % dtype.itemsize for name, dtype, _ in specs):
             return None
-        region = self._reserve_result(len(head) + sum(sizes.values()))
+        region = self._reserve_result(max(end for _, end in spans.values()))
         if region is None:
             return None
-        return {name: region[starts[name]:starts[name] + sizes[name]].view(dtype).view(tuple(shape))
-                for name, dtype, shape in specs}
+        return {name: region[slice(*spans[name])].view(dtype).view(tuple(shape)) for name, dtype, shape in specs}
 
     def check_cancel(self) -> None:
         """Collective step boundary: rank 0 decides continue/cancel and broadcasts it over the
