@@ -39,8 +39,6 @@ def _time(fn, runs=5):
 
 def stages(label: str, encoder: PromptEncoder, ids: torch.Tensor, mask: torch.Tensor, rows: int) -> None:
     """Print the stage times and the kernel table of one encode."""
-    from torch.profiler import ProfilerActivity, profile
-
     with torch.inference_mode():
         t_fwd = _time(lambda: encode_hidden_states(encoder.tower, ids, mask))
         hs = encode_hidden_states(encoder.tower, ids, mask)
@@ -55,41 +53,33 @@ def stages(label: str, encoder: PromptEncoder, ids: torch.Tensor, mask: torch.Te
     print(f"[{label}] {b}x{t}: forward {t_fwd:.1f} ms, feature normalisation {t_norm:.1f} ms, projection "
           f"{t_proj:.1f} ms, projection pipelined with the rows to the host {t_rows:.1f} ms, whole "
           f"encode_tokens {t_all:.1f} ms (sum of the stages {t_fwd + t_norm + t_rows:.1f} ms)", flush=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        encoder.encode_tokens(ids, mask)
-        torch.cuda.synchronize()
-    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-    print(f"[{label}] GPU kernel time of one encode_tokens: {busy:.1f} ms of {t_all:.1f} ms wall "
-          f"({t_all - busy:.1f} ms without a kernel running)", flush=True)
-    idle_gaps(label, prof)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        encoder.encode_tokens(ids, mask)
-        torch.cuda.synchronize()
-    host_around_gpu(label, prof)
-    print(f"\n=== {label} {b}x{t}: kernels of one encode_tokens ===")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=80), flush=True)
+    busy_and_host(label, lambda: encoder.encode_tokens(ids, mask), rows, wall=t_all, sort_by="cuda_time_total",
+                  gaps=12, host=10, title=f"{label} {b}x{t}: kernels of one encode_tokens")
 
 
-def busy_and_host(label: str, fn, rows: int = 15) -> None:
-    """For any encode ``fn``: wall time, GPU kernel time, the host time around the kernels, and
-    the host operators that take the most CPU time (self), the question being whether the
-    encode is bound by the GPU or by the host's launches."""
+def busy_and_host(label: str, fn, rows: int = 15, *, wall: float | None = None, sort_by: str = "self_cpu_time_total",
+                  gaps: int = 5, host: int = 3, title: str | None = None) -> None:
+    """For any encode ``fn``: wall time (``wall`` ms if already timed), GPU kernel time, the
+    ``gaps`` longest idle gaps, the host time around the kernels (``host`` longest calls before
+    the first), and the ``rows`` top operators by ``sort_by`` (default: host CPU time, the
+    question being whether the encode is bound by the GPU or by the host's launches)."""
     from torch.profiler import ProfilerActivity, profile
 
-    wall = _time(fn)
+    wall = _time(fn) if wall is None else wall
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
     print(f"[{label}] wall {wall:.1f} ms, GPU kernel time {busy:.1f} ms ({wall - busy:.1f} ms without a kernel "
           f"running)", flush=True)
-    idle_gaps(label, prof, top=5)
+    idle_gaps(label, prof, top=gaps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    host_around_gpu(label, prof, top=3)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60),
-          flush=True)
+    host_around_gpu(label, prof, top=host)
+    if title:
+        print(f"\n=== {title} ===")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=80), flush=True)
 
 
 def idle_gaps(label: str, prof, top: int = 12, min_us: float = 20.0) -> None:
