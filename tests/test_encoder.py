@@ -302,3 +302,53 @@ def test_an_encode_after_token_counts_reuses_its_tokens_and_gives_the_same_rows(
     assert all(torch.equal(r.tensor, p.tensor) for r, p in zip(reused, plain))
     encoder.encode(["a prompt it has not seen"])
     assert calls == [5, 1]
+
+
+# --------------------------------------------------------------------------- the cache key, memoised
+
+
+def _age(*paths: Path, seconds: float = 60.0) -> None:
+    """Move mtimes into the past (files written by a test are too fresh to memoise)."""
+    import os
+    import time
+
+    for p in paths:  # a directory with everything in it
+        for f in ([p, *p.rglob("*")] if p.is_dir() else [p]):
+            os.utime(f, (time.time() - seconds, time.time() - seconds))
+
+
+def test_cache_key_parts_are_memoised_until_a_source_file_changes(tiny_gemma_dir, tiny_ltx_23, tmp_path, monkeypatch):
+    """Asked for on every request, the parts are computed once and re-checked by stats alone;
+    rewriting a file, adding one beside the weights or touching the projection recomputes them
+    (and a change of content changes them); files modified within RACY_SECONDS are not memoised."""
+    import shutil
+
+    import ltx_mgpu.text.gemma_sources as sources
+
+    gemma, proj = tmp_path / "gemma", tmp_path / "proj.safetensors"
+    shutil.copytree(tiny_gemma_dir, gemma)
+    shutil.copy(tiny_ltx_23, proj)
+    calls = []
+    real = sources.gemma_source_files
+    monkeypatch.setattr(sources, "gemma_source_files", lambda p: calls.append(p) or real(p))
+    spec = TextEncoderSpec(gemma, proj, dtype="float32")
+
+    first = spec.cache_key_parts()
+    assert spec.cache_key_parts() == first and len(calls) == 2  # fresh files: computed each time
+    _age(gemma, proj, tmp_path)
+    first = spec.cache_key_parts()
+    assert [spec.cache_key_parts() for _ in range(3)] == [first] * 3 and len(calls) == 3  # memoised
+    assert TextEncoderSpec(gemma, proj, dtype="float32").cache_key_parts() == first and len(calls) == 3
+
+    (gemma / "notes.txt").write_text("a file beside the weights")  # the directory changed: recomputed, same key
+    _age(gemma)
+    assert spec.cache_key_parts() == first and len(calls) == 4
+    config = gemma / "config.json"
+    config.write_text(config.read_text() + " ")
+    _age(gemma)
+    changed = spec.cache_key_parts()
+    assert changed.gemma_identity != first.gemma_identity and len(calls) == 5
+    proj.write_bytes(proj.read_bytes())  # same bytes, new mtime: re-checked, same identity
+    _age(proj, tmp_path)
+    assert spec.cache_key_parts() == changed and len(calls) == 6
+    assert TextEncoderSpec(gemma, proj, dtype="bfloat16").cache_key_parts().dtype == "bfloat16"  # its own entry

@@ -334,17 +334,33 @@ class TextEncoderSpec:
 
     def cache_key_parts(self):
         """The cache key components for this spec, computed from file contents without
-        loading Gemma (digests are memoised by file stat)."""
-        from ltx_mgpu.text.cache import CacheKeyParts
-        from ltx_mgpu.text.gemma_sources import gemma_identity
+        loading Gemma (digests are memoised by file stat; the parts themselves by the stats of
+        every file they come from, ``identity.memoized_by_stats``, since they are asked for on
+        every request).
 
-        return CacheKeyParts(
-            gemma_identity=gemma_identity(self.gemma),
-            projection_identity=projection_identity(self.projection),
-            weights_mode=self.weights_mode,
-            token_budget=self.token_budget,
-            dtype=self.dtype,
-        )
+        Raises:
+            FileNotFoundError, GemmaFormatError, ProjectionFormatError.
+        """
+        from pathlib import Path
+
+        from ltx_mgpu.identity import memoized_by_stats
+        from ltx_mgpu.text.cache import CacheKeyParts
+        from ltx_mgpu.text.gemma_sources import gemma_source_files, source_identity
+
+        def compute():
+            files = gemma_source_files(self.gemma)
+            parts = CacheKeyParts(
+                gemma_identity=source_identity(Path(self.gemma), files),
+                projection_identity=projection_identity(self.projection),
+                weights_mode=self.weights_mode,
+                token_budget=self.token_budget,
+                dtype=self.dtype,
+            )
+            return parts, (self.gemma, *files, self.projection)
+
+        key = ("cache-key-parts", os.path.abspath(self.gemma), os.path.abspath(self.projection), self.weights,
+               self.token_budget, self.dtype)
+        return memoized_by_stats(key, compute)
 
     def build(self) -> PromptEncoder:
         """Load Gemma and the projection (once; later calls return the same encoder)."""
