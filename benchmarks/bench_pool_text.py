@@ -139,10 +139,12 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
             return client.encode_prompts(remote, prompts, cache=None, batch_size=batch, timeout=600, keep=False)[0]
 
         def pool_request():  # as encode_prompts sends it (receive=upcast: a float32 result is kept as it is)
-            result, tensors = client.request("encode", {"prompts": prompts, "batch_size": batch, "expect": key,
-                                                        "keep": False}, timeout=600, receive=upcast)
+            job = client.submit("encode", {"prompts": prompts, "batch_size": batch, "expect": key, "keep": False},
+                                receive=upcast)
+            result, tensors = job.wait(timeout=600)
             split.append({**result["seconds"], "wire_dtype": result["wire_dtype"],
-                          "in_place": result.get("rows_in_place", False)})
+                          "in_place": result.get("rows_in_place", False),
+                          "legs": request_legs(job.clock, result.get("timeline", {}), result["seconds"])})
             return embeddings_from_result(result, tensors)
 
         reference = in_process()
@@ -158,12 +160,14 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
         pool_encode = statistics.median(s["encode"] for s in split) * 1e3
         pool_broadcast = statistics.median(s["broadcast"] for s in split) * 1e3
+        legs = {leg: statistics.median(s["legs"][leg] for s in split) for leg in split[-1]["legs"]}
         overhead = med["pool"] / med["in-process"] - 1
         label = f"{batch}x{args.tokens}"
         read = {name: _first_read(fn()) for name, fn in (("in-process", in_process), ("pool", pool))}
         row[label] = {"first_read_ms": read,
                       "median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
                       "overhead": overhead, "pool_encode_ms": pool_encode, "pool_broadcast_ms": pool_broadcast,
+                      "request_legs_ms": legs,
                       "max_abs_diff_pool_vs_in_process": diff,
                       "result_bytes": result_bytes, "wire_dtype": str(wire).removeprefix("torch."),
                       "wire_bytes": result_bytes // 4 * wire.itemsize,
@@ -176,11 +180,31 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
             f"max |pool - in-process| = {diff:.3g}; result {row[label]['wire_bytes'] / 1e6:.1f} MB "
             f"{row[label]['wire_dtype']} via {row[label]['transport']}; first read of a fresh result (a sum): "
             f"in-process {read['in-process']:.2f} ms, pool {read['pool']:.2f} ms")
+        log(f"{weights} {label}: a pool request's legs (medians, ms): "
+            + ", ".join(f"{leg} {ms:.3f}" for leg, ms in legs.items()))
     encoder = spec._encoder = None  # free the in-process model before the next weights mode
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     client.request("unload", {"names": None}, timeout=300)
+
+
+def request_legs(clock: dict, timeline: dict, seconds: dict) -> dict[str, float]:
+    """Where a pool request's time goes, in ms, from the client's ``Job.clock`` and the result's
+    ``timeline`` (both ``time.monotonic()``, one host): ``to pool`` (sent -> the server read
+    it), ``queue`` (-> the job loop took it), ``job`` (-> the result went to the writer) of
+    which ``encode`` and ``broadcast`` are the job's own ``seconds`` and ``job other`` the
+    rest (control broadcast, checks, outcome agreement), ``to client`` (-> the client read the
+    frame and mapped its payload), ``receive`` (the ``receive`` callback) and ``wake`` (->
+    ``wait`` returned on the caller's thread)."""
+    c, t = clock, timeline
+    if not t or not {"sent", "arrived", "queued", "returned"} <= set(c):
+        return {}
+    job = t["finished"] - t["started"]
+    legs = {"to pool": t["received"] - c["sent"], "queue": t["started"] - t["received"], "job": job,
+            "job other": job - seconds["encode"] - seconds["broadcast"], "to client": c["arrived"] - t["finished"],
+            "receive": c["queued"] - c["arrived"], "wake": c["returned"] - c["queued"]}
+    return {k: v * 1e3 for k, v in legs.items()}
 
 
 def _first_read(embeddings) -> float:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import uuid
 from typing import Any, Callable, Mapping, Sequence
 
@@ -184,12 +185,15 @@ class PoolClient:
             while True:
                 before = receiver.frames if receiver is not None else 0
                 header, tensors = protocol.recv_frame(sock, shm=receiver)
+                arrived = time.monotonic()
                 ev = protocol.parse_event(header)
                 with self._lock:
                     job = self._pending.get(ev["id"])
                 if tensors and job is not None and job.receive is not None and (
                         receiver is None or receiver.frames == before):  # socket frames; arena ones had it
                     tensors = {name: job.receive(name, t) for name, t in tensors.items()}
+                if job is not None and ev["event"] in ("result", "error"):
+                    job.clock.update(arrived=arrived, queued=time.monotonic())
                 if ev["event"] == "error" and ev["kind"] == "fatal":
                     self._fatal = True
                 if job is not None:
@@ -268,6 +272,7 @@ class PoolClient:
         try:
             with self._send_lock:
                 protocol.send_frame(sock, header, payload)
+            job.clock["sent"] = time.monotonic()
         except (OSError, protocol.ProtocolError) as e:
             self._mark_dead(f"sending {mtype} failed: {e}", sock=sock)
             raise PoolFatalError(self._with_log(f"sending {mtype} to the pool failed: {e}")) from e

@@ -58,6 +58,11 @@ class Job:
         self.accepted: dict | None = None
         self.done = False
         self.cancel_sent = False
+        #: ``time.monotonic()`` seconds (host-wide, comparable with the result's ``timeline``):
+        #: ``sent`` (the request left), ``arrived`` (the terminal frame was read, payload
+        #: mapped), ``queued`` (after ``receive``, handed to the waiter), ``returned`` (``wait``
+        #: returns).
+        self.clock: dict[str, float] = {}
 
     def cancel(self) -> None:
         """Ask the pool to cancel this job (no-op when done or already asked)."""
@@ -79,6 +84,7 @@ class Job:
         self.client._forget(self.id)
 
     def _terminal(self, ev: dict, tensors: dict, timed_out: bool) -> tuple[dict, dict]:
+        self.clock["returned"] = time.monotonic()
         self.done = True
         self.client._forget(self.id)
         if ev["event"] == "result":

@@ -55,6 +55,18 @@ def test_selftest_allreduce_and_tensor_round_trip(client):
         assert tensors[k].dtype == v.dtype and torch.equal(tensors[k], v)
 
 
+def test_a_job_result_carries_its_timeline_in_the_clients_clock(client):
+    """Where a request's time went: the pool stamps arrival, start and finish, the client its
+    send, the frame's arrival, its hand-over and the return, all on the host's monotonic clock."""
+    t0 = time.monotonic()
+    job = client.submit("selftest", {"steps": 1})
+    result, _ = job.wait(timeout=60)
+    t = result["timeline"]
+    c = job.clock
+    assert t0 <= c["sent"] <= t["received"] <= t["started"] <= t["finished"] <= c["arrived"] <= c["queued"] \
+        <= c["returned"] <= time.monotonic()
+
+
 def test_runtime_files_are_private(client, pool_dir):
     assert stat.S_IMODE(os.stat(pool_dir).st_mode) == 0o700
     for name in (launch.SOCKET_NAME, launch.TOKEN_NAME, launch.INFO_NAME, launch.LOG_NAME):

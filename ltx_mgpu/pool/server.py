@@ -46,12 +46,15 @@ MAX_CONNECTIONS = 256
 @dataclass(eq=False)
 class Job:
     """A queued or running job (server side). ``progress`` is the last reported
-    ``{"phase", "step", "total"}``; times are ``time.time()`` seconds."""
+    ``{"phase", "step", "total"}``; ``submitted`` and ``started`` are ``time.time()`` seconds;
+    ``clock`` holds the same moments (and ``finished``) in ``time.monotonic()`` seconds, which
+    every process of the host reads alike (Linux ``CLOCK_MONOTONIC``): the result's ``timeline``."""
 
     request: protocol.Request
     conn: "Connection"
     submitted: float = field(default_factory=time.time)
     started: float | None = None
+    clock: dict = field(default_factory=lambda: {"received": time.monotonic()})
     progress: dict | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     done: bool = False
@@ -241,6 +244,7 @@ class Server:
                 return None
             job = self._current = self._queue.popleft()
             job.started = time.time()
+            job.clock["started"] = time.monotonic()
             return job
 
     def cancel_requested(self, job: Job) -> bool:
@@ -260,7 +264,13 @@ class Server:
         return None if sender is None else sender.reserve(nbytes)
 
     def finish(self, job: Job, result: dict, tensors: dict | None) -> None:
-        """Send the job's ``result`` (and tensors) and mark it done."""
+        """Send the job's ``result`` (and tensors) and mark it done. The result gains
+        ``timeline``: ``{"received", "started", "finished"}``, ``time.monotonic()`` seconds of
+        the request's arrival, the job's start and its result's hand-off to the connection's
+        writer (a client on the same host compares them with its own clock:
+        :attr:`ltx_mgpu.client_jobs.Job.clock`)."""
+        job.clock["finished"] = time.monotonic()
+        result = {**result, "timeline": dict(job.clock)}
         try:
             header = protocol.make_event("result", job.id, result=result)
             protocol.encode_header(header, self.limits)
