@@ -38,7 +38,10 @@ __all__ = ["BLOCKS", "NUM_WARPS", "available", "UnitDequant"]
 
 #: Quantization blocks (64 weights, 32 packed bytes each) per Triton program, and warps per
 #: program: the fastest of 15 settings on an H200 (``bench_nf4.py --dequant-sweep``, session 4:
-#: 0.239 ms per 12B layer, 2.36 TB/s; 32 x 4 took 0.261 ms, 64 x 4 0.243, 8 x 8 0.657).
+#: 0.239 ms per 12B layer, 2.36 TB/s; 32 x 4 took 0.261 ms, 64 x 4 0.243, 8 x 8 0.657). Session 5
+#: re-swept 20 settings with and without alignment hints (``tl.multiple_of`` on the addresses and
+#: sizes, for 16-byte vector loads and stores): 0.221-0.242 ms for the best four either way, so
+#: the hints were not kept (``benchmarks/results/nf4_h200_sweep_aligned.log``).
 BLOCKS = 32
 NUM_WARPS = 2
 
