@@ -160,7 +160,9 @@ class _DenseLinear(torch.nn.Module):
         owner = self._refs[1]
         if owner.scope == "linear":
             owner._begin(self.unit)
-        y = F.linear(x.to(self.dense.dtype), self.dense, self.bias).to(x.dtype)
+        dense = self.dense
+        y = F.linear(x if x.dtype == dense.dtype else x.to(dense.dtype), dense, self.bias)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
         if owner.scope == "linear":
             owner._end(self.unit)
         return y
@@ -224,6 +226,7 @@ class FastDequant:
         self.prefetch = bool(prefetch and cuda)
         self._stream = torch.cuda.Stream(self.units[0][0].weight.device) if self.prefetch else None
         self._triton: dict[tuple[int, int], Any] = {}  # (unit, buffer) -> nf4_triton.UnitDequant
+        self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, buffer) -> weight views
         self._ready: dict[int, Any] = {}  # unit -> event: its weights are in its buffer
         self._free: dict[int, Any] = {}  # buffer -> event: the unit that used it has run
 
@@ -233,11 +236,17 @@ class FastDequant:
         return self._buffers[k]
 
     def _views(self, u: int, buf: torch.Tensor) -> list[torch.Tensor]:
-        views, start = [], 0
-        for w in self.units[u]:
-            n = w.out_features * w.in_features
-            views.append(buf[start:start + n].view(w.out_features, w.in_features))
-            start += n
+        """Unit ``u``'s weights as views of ``buf``, made once per (unit, buffer): 14 slicing
+        ops per layer were host time on every forward, which the 1x1024 encode is bound by."""
+        key = (u, buf.data_ptr())
+        views = self._view_cache.get(key)
+        if views is None:
+            views, start = [], 0
+            for w in self.units[u]:
+                n = w.out_features * w.in_features
+                views.append(buf[start:start + n].view(w.out_features, w.in_features))
+                start += n
+            self._view_cache[key] = views
         return views
 
     def _fill(self, u: int, buf: torch.Tensor) -> None:
@@ -300,3 +309,4 @@ class FastDequant:
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
         self._hooks, self._slots, self._buffers, self._ready, self._free, self._triton = [], [], [], {}, {}, {}
+        self._view_cache = {}
