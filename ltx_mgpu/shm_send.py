@@ -40,6 +40,7 @@ class ArenaSender:
         self._making: threading.Thread | None = None
         self._given: list[_Arena] = []
         self._last: str | None = None  # what the last place() used: "arena", "gift" or None
+        self._spare_need = 0  # bytes of the last placed frame whose spare sent() starts making
         self._closed = False
 
     def place(self, payload) -> tuple[dict, list[int]] | None:
@@ -47,12 +48,14 @@ class ArenaSender:
         the frame header and the descriptors to attach (a new arena's, a handed-over spare's,
         else none), or ``None`` to send it through the socket (too small, previous frame not
         acknowledged, no memory or budget for an arena large enough). Call :meth:`sent` once
-        the frame is out."""
+        the frame is out: a large payload's next spare is made then (after the send, so the
+        making, a thread start and the allocation of its pages, does not delay this frame)."""
         n = payload.nbytes
         if n < self.min_bytes:
             return None
         need = HEADER_BYTES + n
         own = self.own and n >= self.own_min_bytes
+        placed = None
         try:
             gift = self._take_reserved(payload) if own else None
             if gift is None and own:
@@ -68,7 +71,8 @@ class ArenaSender:
                 self.handed += 1
                 self.frames += 1
                 self.last_used = time.monotonic()
-                return {"own": True, "offset": HEADER_BYTES, "size": n}, [gift.fd]
+                placed = {"own": True, "offset": HEADER_BYTES, "size": n}, [gift.fd]
+                return placed
             arena, fds = self.arena, []
             if arena is not None and int(arena.ack[0]) != self.seq:
                 return None  # the receiver is still reading the previous frame
@@ -82,10 +86,14 @@ class ArenaSender:
             self.seq += 1
             self.frames += 1
             self.last_used = time.monotonic()
-            return {"arena": self.arena_id, "seq": self.seq, "offset": HEADER_BYTES, "size": n}, fds
+            placed = {"arena": self.arena_id, "seq": self.seq, "offset": HEADER_BYTES, "size": n}, fds
+            return placed
         finally:
-            if own:  # after this payload has its memory: the spare never takes the budget from it
+            # after this payload has its memory (the spare never takes the budget from it), and
+            # for a placed payload after its frame is out (sent / unsent)
+            if own and placed is None:
                 self._make_spare_soon(need)
+            self._spare_need = need if own and placed is not None else 0
 
     def reserve(self, nbytes: int) -> torch.Tensor | None:
         """Set the ready spare aside for the next payload, of ``nbytes`` bytes, so that its
@@ -136,17 +144,19 @@ class ArenaSender:
             self.seq -= 1
         elif self._last == "gift":
             self.handed -= 1
-            self.sent()
         if self._last is not None:
             self.frames -= 1
-        self._last = None
+        self.sent()
 
     def sent(self) -> None:
         """The frame of the last :meth:`place` is out: unmap and close what was handed over
-        (its memory is the receiver's now)."""
+        (its memory is the receiver's now), and start making the next spare if it was large."""
         self._last = None
         while self._given:
             self._given.pop().close()
+        need, self._spare_need = self._spare_need, 0
+        if need:
+            self._make_spare_soon(need)
 
     def _grow(self, need: int) -> _Arena | None:
         size = arena_size(need)

@@ -245,12 +245,13 @@ class JobContext:
         """Collective step boundary: rank 0 decides continue/cancel and broadcasts it over the
         control group; raises :class:`JobCancelled` on every rank together. Every rank must
         call it the same number of times."""
-        flag = torch.zeros(1, dtype=torch.int32)
-        if self._cancel_requested is not None and self._cancel_requested():
-            flag[0] = 1
-        dist.broadcast(flag, src=0, group=self.control_group)
+        cancel = self._cancel_requested is not None and self._cancel_requested()
+        if self.world_size > 1:  # one rank decides alone
+            flag = torch.tensor([int(cancel)], dtype=torch.int32)
+            dist.broadcast(flag, src=0, group=self.control_group)
+            cancel = bool(flag[0])
         self.checks += 1
-        if int(flag[0]):
+        if cancel:
             raise JobCancelled(f"job {self.job_id} cancelled")
 
     def agree(self, error: BaseException | str | None, what: str | None = None) -> None:
@@ -274,6 +275,10 @@ class JobContext:
             error = failure_message(error, what)
         elif error is not None and not isinstance(error, str):
             raise TypeError(f"agree() takes an exception, a message or None, not {type(error).__name__}")
+        if self.world_size == 1:  # nothing to agree on: no collective (per-request time of a one-GPU pool)
+            if error is not None:
+                raise BadInput(error)
+            return
         flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world_size)]
         mine = torch.tensor([int(error is not None)], dtype=torch.int32)
         dist.all_gather(flags, mine, group=self.control_group)
