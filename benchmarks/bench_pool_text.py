@@ -292,7 +292,10 @@ def main(argv=None) -> int:
         else:
             client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=work / "runtime")
         results["pool_start_seconds"] = time.perf_counter() - t0
-        log(f"pool: 1 rank on {client.pool['device']} started in {results['pool_start_seconds']:.1f} s")
+        results["threads"] = {"in-process": torch.get_num_threads(),
+                              "pool": client.status()["ranks"][0].get("threads")}
+        log(f"pool: 1 rank on {client.pool['device']} started in {results['pool_start_seconds']:.1f} s; CPU threads "
+            f"in-process {results['threads']['in-process']}, pool {results['threads']['pool']}")
         for weights in args.weights.split(","):
             bench_weights(weights, args, gemma, projection, device, client, prompt_sets, results)
             if args.out:

@@ -209,3 +209,17 @@ def test_arena_memory_goes_when_idle_when_the_client_leaves_and_with_the_pool(ba
     again.shutdown()  # the pool stops: nothing of the arena is left in this process either
     assert wait_all_gone(pids) == []
     assert _until(lambda: not arena & _arenas(me))
+
+
+def test_worker_threads_default_to_physical_cores_per_rank_and_keep_the_callers_setting(monkeypatch):
+    """PyTorch's default for one process is the physical cores; the pool's ranks share them
+    (every logical CPU made a one-rank pool's host-bound encode slower than in-process)."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 32 if logical else 16)
+    spec = launch.resolve_spec("cpu", nproc=2)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    assert launch.worker_env(spec, env)["OMP_NUM_THREADS"] == "8"
+    assert launch.worker_env(spec, {**env, "OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: None)  # unknown topology: os.cpu_count()
+    assert launch.worker_env(spec, env)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))

@@ -74,10 +74,12 @@ class Rank:
         return self.dir / f"rank{self.rank}.json"
 
     def record(self) -> dict:
-        """This rank's ``status`` entry: pid, device, memory (bytes), resident models."""
+        """This rank's ``status`` entry: pid, device, intra-op CPU threads, memory (bytes),
+        resident models."""
         proc = psutil.Process()
         rec = {"rank": self.rank, "pid": os.getpid(), "create_time": proc.create_time(),
-               "device": str(self.device), "models": self.models.describe(), "updated": time.time()}
+               "device": str(self.device), "threads": torch.get_num_threads(), "models": self.models.describe(),
+               "updated": time.time()}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             rec["memory"] = {"allocated": torch.cuda.memory_allocated(self.device),
