@@ -212,8 +212,7 @@ def test_arena_memory_goes_when_idle_when_the_client_leaves_and_with_the_pool(ba
 
 
 def test_worker_threads_default_to_physical_cores_per_rank_and_keep_the_callers_setting(monkeypatch):
-    """PyTorch's default for one process is the physical cores; the pool's ranks share them
-    (every logical CPU made a one-rank pool's host-bound encode slower than in-process)."""
+    """PyTorch's default for one process is the physical cores; the pool's ranks share them."""
     import psutil
 
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 32 if logical else 16)

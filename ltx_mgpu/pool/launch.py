@@ -133,9 +133,9 @@ def worker_env(spec: PoolSpec, base: dict | None = None) -> dict[str, str]:
     leak (``MASTER_*``, ``RANK``..., ``PET_*``, ``CUDA_VISIBLE_DEVICES``, ComfyUI's
     ``PYTORCH_CUDA_ALLOC_CONF``), plus explicit ``PYTHONPATH`` (repo root first),
     ``CUDA_VISIBLE_DEVICES`` (the pool's GPUs; empty on CPU), ``OMP_NUM_THREADS`` (the caller's,
-    else physical cores / nproc: PyTorch's own default for one process is the physical cores,
-    and every logical CPU, SMT siblings included, made the one-rank pool's host-bound 1x1024
-    encode ~15 ms slower than the same encode in-process on a 32-CPU H200 host) and
+    else physical cores / nproc, PyTorch's own default for one process, so SMT siblings are
+    not oversubscribed; where the two counts agree, as on the H200 hosts here, nothing
+    changes) and
     ``PYTHONUNBUFFERED``. NCCL_*/TORCH_*/NVSHMEM_* settings such as ``NCCL_NVLS_ENABLE=0``
     pass through unchanged."""
     src = dict(os.environ if base is None else base)
