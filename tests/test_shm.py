@@ -219,6 +219,37 @@ def test_a_ready_spare_is_handed_over_the_receiver_keeps_views_of_it_and_the_sen
         assert sender.budget.used == 0  # nothing handed over counts against the pool's budget
 
 
+def test_the_next_spare_is_made_after_the_frame_is_sent_not_before(monkeypatch):
+    """A large payload's next spare (a thread start and its pages) is started once the frame is
+    out (sent), so it never delays the frame; a frame that could not be sent (unsent) starts it
+    too, and a payload that went through the socket starts it at once."""
+    a, b, sender, receiver = _own_pair()
+    starts = []
+    real = sender._make_spare_soon
+    monkeypatch.setattr(sender, "_make_spare_soon", lambda need: starts.append(need) or real(need))
+    payload = protocol.tensors_to_payload({"x": torch.randn(512, 512)})
+    with a, b:
+        placed = sender.place(payload)
+        assert placed is not None and starts == []  # placed: nothing started yet
+        sender.sent()
+        assert starts == [shm.HEADER_BYTES + payload.nbytes]
+        sender.sent()  # once per placed frame
+        assert len(starts) == 1
+        _spare_made(sender)
+        assert sender.place(payload) is not None and len(starts) == 1  # handed over: the next one after the send
+        sender.unsent()
+        assert len(starts) == 2
+        _spare_made(sender)
+        sender.arena.ack[0] = sender.seq - 1  # the receiver has not acknowledged: the socket carries it
+        sender._spare, spare = None, sender._spare
+        sender.budget.release(spare.size)
+        spare.close()
+        assert sender.place(payload) is None and len(starts) == 3
+        _spare_made(sender)
+        sender.close()
+        receiver.drop()
+
+
 def test_handed_over_frames_need_no_acknowledgement_and_receive_applies():
     calls = []
 
