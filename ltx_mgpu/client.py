@@ -271,8 +271,8 @@ class PoolClient:
                 self._pending[rid] = job
         try:
             with self._send_lock:
+                job.clock["sent"] = time.monotonic()  # before: the pool may read it before send_frame returns
                 protocol.send_frame(sock, header, payload)
-            job.clock["sent"] = time.monotonic()
         except (OSError, protocol.ProtocolError) as e:
             self._mark_dead(f"sending {mtype} failed: {e}", sock=sock)
             raise PoolFatalError(self._with_log(f"sending {mtype} to the pool failed: {e}")) from e

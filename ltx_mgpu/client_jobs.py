@@ -59,7 +59,7 @@ class Job:
         self.done = False
         self.cancel_sent = False
         #: ``time.monotonic()`` seconds (host-wide, comparable with the result's ``timeline``):
-        #: ``sent`` (the request left), ``arrived`` (the terminal frame was read, payload
+        #: ``sent`` (the request starts going out), ``arrived`` (the terminal frame was read, payload
         #: mapped), ``queued`` (after ``receive``, handed to the waiter), ``returned`` (``wait``
         #: returns).
         self.clock: dict[str, float] = {}

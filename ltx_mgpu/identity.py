@@ -135,19 +135,18 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor], extra: str = "") -> str:
 
 
 def stat_signature(paths: Iterable[str | os.PathLike]) -> tuple:
-    """``(path, device, inode, size, mtime_ns, is_file)`` of each path, and of the directory of each
-    path that is a file (deduplicated, in order): a file rewritten or replaced, or a file added
-    or removed beside one, changes it. One ``stat`` per entry (no reads, no ``realpath``).
-
-    Raises:
-        OSError: a path no longer exists.
-    """
+    """``(path, device, inode, size, mtime_ns, is_file)`` of each path, and of the directory of
+    each path that is a file (deduplicated, in order); a path that does not exist gives
+    ``(path, None)``. A file rewritten or replaced, a file added or removed beside one, or a
+    named directory's entries changing, changes it. One ``stat`` per entry (no reads, no
+    ``realpath``). A directory's mtime changes when entries are added, removed or renamed in it,
+    not below it: name every directory whose listing matters."""
     entries: dict[str, tuple] = {}
     for p in paths:
         p = os.fspath(p)
         if p not in entries:
             entries[p] = entry = _entry(p)
-            if entry[5]:
+            if len(entry) > 2 and entry[5]:
                 parent = os.path.dirname(p) or "."
                 if parent not in entries:
                     entries[parent] = _entry(parent)
@@ -155,38 +154,43 @@ def stat_signature(paths: Iterable[str | os.PathLike]) -> tuple:
 
 
 def _entry(path: str) -> tuple:
-    st = os.stat(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return path, None
     return path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode)
 
 
-def memoized_by_stats(key: Hashable, compute: Callable[[], tuple[T, Sequence[str | os.PathLike]]]) -> T:
-    """``compute()``'s value, memoised in memory under ``key`` for as long as the files it
-    names are unchanged: ``compute`` returns ``(value, files)``, every file whose bytes or
-    presence the value depends on, and a later call re-stats them (:func:`stat_signature`,
-    tens of microseconds) instead of recomputing. Used where a per-request cost matters: the
-    text encoder's cache key is asked for on every prompt (format detection, safetensors header
-    parsing and per-file digest lookups took 0.3-0.7 ms for a snapshot, more for a single file).
-    Values computed from a file modified within :data:`RACY_SECONDS` are not kept.
+def memoized_by_stats(key: Hashable, watched: Callable[[], Sequence[str | os.PathLike]],
+                      compute: Callable[[Sequence[str | os.PathLike]], T]) -> T:
+    """``compute(watched())``'s value, memoised in memory under ``key`` while the watched paths
+    are unchanged. ``watched()`` lists, cheaply (names only), every file whose bytes the value
+    depends on and every directory whose listing it depends on (missing paths allowed); a later
+    call re-stats them (:func:`stat_signature`, tens of microseconds) instead of recomputing.
+    Used where a per-request cost matters: the text encoder's cache key is asked for on every
+    prompt (format detection, safetensors header parsing and per-file digest lookups took
+    0.3-0.7 ms for a snapshot, more for a single file).
+
+    The value is kept only when the listing and its signature are the same before and after
+    ``compute`` (nothing was replaced meanwhile: hashing a new Gemma takes minutes) and no
+    entry was modified within :data:`RACY_SECONDS` (a later change in the same mtime tick
+    would go unseen).
 
     Raises:
-        Whatever ``compute`` raises (nothing is memoised then).
+        Whatever ``watched`` or ``compute`` raise (nothing is memoised then).
     """
     with _LOCK:
         hit = _BY_STATS.get(key)
     if hit is not None:
         signature, value = hit
-        try:
-            if all(_entry(entry[0]) == entry for entry in signature):
-                return value  # type: ignore[return-value]
-        except OSError:
-            pass
-    value, files = compute()
-    try:
-        signature = stat_signature(files)
-    except OSError:
-        return value
-    if all(time.time_ns() - entry[4] > RACY_SECONDS * 1e9 for entry in signature):
+        if all(_entry(entry[0]) == entry for entry in signature):
+            return value  # type: ignore[return-value]
+    files = list(watched())
+    before = stat_signature(files)
+    value = compute(files)
+    after = stat_signature(watched())
+    now = time.time_ns()
+    if after == before and all(now - e[4] > RACY_SECONDS * 1e9 for e in after if e[1] is not None):
         with _LOCK:
-            _BY_STATS[key] = (signature, value)
+            _BY_STATS[key] = (after, value)
     return value
-

@@ -4,6 +4,7 @@ independent per-prompt computation, batching, truncation, the cache path and the
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -309,7 +310,6 @@ def test_an_encode_after_token_counts_reuses_its_tokens_and_gives_the_same_rows(
 
 def _age(*paths: Path, seconds: float = 60.0) -> None:
     """Move mtimes into the past (files written by a test are too fresh to memoise)."""
-    import os
     import time
 
     for p in paths:  # a directory with everything in it
@@ -328,9 +328,9 @@ def test_cache_key_parts_are_memoised_until_a_source_file_changes(tiny_gemma_dir
     gemma, proj = tmp_path / "gemma", tmp_path / "proj.safetensors"
     shutil.copytree(tiny_gemma_dir, gemma)
     shutil.copy(tiny_ltx_23, proj)
-    calls = []
-    real = sources.gemma_source_files
-    monkeypatch.setattr(sources, "gemma_source_files", lambda p: calls.append(p) or real(p))
+    calls = []  # one per computation of the parts
+    real = sources.source_identity
+    monkeypatch.setattr(sources, "source_identity", lambda *a: calls.append(a) or real(*a))
     spec = TextEncoderSpec(gemma, proj, dtype="float32")
 
     first = spec.cache_key_parts()
@@ -352,3 +352,84 @@ def test_cache_key_parts_are_memoised_until_a_source_file_changes(tiny_gemma_dir
     _age(proj, tmp_path)
     assert spec.cache_key_parts() == changed and len(calls) == 6
     assert TextEncoderSpec(gemma, proj, dtype="bfloat16").cache_key_parts().dtype == "bfloat16"  # its own entry
+
+
+def test_a_tokenizer_copied_into_a_comfy_files_stem_directory_recomputes_the_parts(tiny_gemma_dir,
+                                                                                  tiny_gemma_comfy_file,
+                                                                                  tiny_ltx_23, tmp_path):
+    """A ComfyUI file without an embedded tokenizer takes ``<dir>/<stem>/``'s before ``<dir>/``'s;
+    a tokenizer copied into an existing, empty ``<dir>/<stem>/`` changes the source (found by
+    review: the memo watched only the listed files' directories)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ltx_mgpu.text.gemma_sources import gemma_identity
+
+    d = tmp_path / "te"
+    d.mkdir()
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        save_file({k: f.get_tensor(k) for k in f.keys() if k != "spiece_model"}, str(d / "gemma.safetensors"),
+                  metadata=dict(f.metadata()))
+    shutil.copy(tiny_gemma_dir / "tokenizer.json", d)
+    (d / "gemma").mkdir()
+    proj = tmp_path / "proj.safetensors"
+    shutil.copy(tiny_ltx_23, proj)
+    _age(tmp_path)
+    spec = TextEncoderSpec(d / "gemma.safetensors", proj, dtype="float32")
+    before = spec.cache_key_parts()
+    shutil.copy(tiny_gemma_dir / "tokenizer.model", d / "gemma")  # only d/gemma's mtime changes
+    assert spec.cache_key_parts().gemma_identity == gemma_identity(d / "gemma.safetensors") != before.gemma_identity
+
+
+def test_a_file_added_in_an_empty_subdirectory_of_an_nf4_artifact_recomputes_the_parts(tiny_ltx_23, tmp_path):
+    import shutil
+
+    from ltx_mgpu.text.gemma_sources import NF4_MANIFEST, gemma_identity
+
+    art = tmp_path / "art"
+    (art / "notes" / "deeper").mkdir(parents=True)
+    (art / NF4_MANIFEST).write_text("{}")  # detection reads the manifest's presence only
+    (art / "nf4-00001.safetensors").write_bytes(b"x" * 64)
+    proj = tmp_path / "proj.safetensors"
+    shutil.copy(tiny_ltx_23, proj)
+    _age(tmp_path)
+    spec = TextEncoderSpec(art, proj, dtype="float32")
+    before = spec.cache_key_parts()
+    (art / "notes" / "deeper" / "readme.txt").write_text("added")  # only deeper's mtime changes
+    assert spec.cache_key_parts().gemma_identity == gemma_identity(art) != before.gemma_identity
+
+
+def test_a_snapshot_swapped_while_its_parts_are_computed_is_not_memoised(tiny_gemma_dir, tiny_ltx_23, tmp_path,
+                                                                        monkeypatch):
+    """``mv gemma gemma.old && mv gemma.new gemma`` while the first call hashes the weights
+    (minutes for 12B): the value describes the old version, so it must not be kept under the
+    new directory's stats (found by review: the signature was taken after computing)."""
+    import shutil
+
+    import ltx_mgpu.text.gemma_sources as sources
+    from ltx_mgpu.text.gemma_sources import gemma_identity
+
+    models = tmp_path / "models"
+    models.mkdir()
+    gemma, new = models / "gemma", models / "gemma.new"
+    shutil.copytree(tiny_gemma_dir, gemma)
+    shutil.copytree(tiny_gemma_dir, new)
+    (new / "config.json").write_text((new / "config.json").read_text() + " ")  # another version
+    proj = tmp_path / "proj.safetensors"
+    shutil.copy(tiny_ltx_23, proj)
+    _age(tmp_path)
+    real = sources.source_identity
+
+    def swapping(source, files):
+        value = real(source, files)
+        os.rename(gemma, models / "gemma.old")
+        os.rename(new, gemma)
+        return value
+
+    monkeypatch.setattr(sources, "source_identity", swapping)
+    spec = TextEncoderSpec(gemma, proj, dtype="float32")
+    old = spec.cache_key_parts()
+    monkeypatch.setattr(sources, "source_identity", real)
+    assert spec.cache_key_parts().gemma_identity == gemma_identity(gemma) != old.gemma_identity

@@ -382,3 +382,25 @@ def test_a_client_sending_shared_memory_frames_is_refused_and_closed(client):
         assert answer["event"] == "error" and "flags 0x1 are not accepted here" in answer["message"]
         assert read_answer(s) is None
     _serving(client)
+
+
+@pytest.mark.parametrize("result", [["not", "a", "dict"], "a string", 42])
+def test_an_engine_result_that_is_not_a_dict_is_bad_input_and_the_pool_keeps_serving(tmp_path, result):
+    """Server.finish() answers an engine's malformed result with bad_input instead of raising
+    (a raise there ends the pool; found by review when the timeline was added)."""
+    from ltx_mgpu.pool.server import Job, Server
+
+    class Conn:
+        shm = None
+
+        def __init__(self):
+            self.sent = []
+
+        def send(self, header, payload=None):
+            self.sent.append(header)
+
+    server, conn = Server(tmp_path / "s.sock", "token", dict, list), Conn()
+    job = Job(protocol.Request("selftest", "a" * 32, {"steps": 0}, {}), conn)
+    server.finish(job, result, None)
+    assert conn.sent[-1]["event"] == "error" and conn.sent[-1]["kind"] == "bad_input" and job.done
+    assert "cannot be sent" in conn.sent[-1]["message"]

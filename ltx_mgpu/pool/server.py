@@ -265,13 +265,14 @@ class Server:
 
     def finish(self, job: Job, result: dict, tensors: dict | None) -> None:
         """Send the job's ``result`` (and tensors) and mark it done. The result gains
-        ``timeline``: ``{"received", "started", "finished"}``, ``time.monotonic()`` seconds of
+        ``timeline`` (a reserved key: an engine's own is replaced):
+        ``{"received", "started", "finished"}``, ``time.monotonic()`` seconds of
         the request's arrival, the job's start and its result's hand-off to the connection's
         writer (a client on the same host compares them with its own clock:
         :attr:`ltx_mgpu.client_jobs.Job.clock`)."""
         job.clock["finished"] = time.monotonic()
-        result = {**result, "timeline": dict(job.clock)}
-        try:
+        try:  # a result that is not a dict is the engine's bad answer (TypeError), not the pool's end
+            result = {**result, "timeline": dict(job.clock)}
             header = protocol.make_event("result", job.id, result=result)
             protocol.encode_header(header, self.limits)
             payload = protocol.tensors_to_payload(tensors)

@@ -345,22 +345,25 @@ class TextEncoderSpec:
 
         from ltx_mgpu.identity import memoized_by_stats
         from ltx_mgpu.text.cache import CacheKeyParts
-        from ltx_mgpu.text.gemma_sources import gemma_source_files, source_identity
+        from ltx_mgpu.text.gemma_sources import gemma_source_listing, source_identity
 
-        def compute():
-            files = gemma_source_files(self.gemma)
-            parts = CacheKeyParts(
+        def watched():
+            files, dirs = gemma_source_listing(self.gemma)
+            return (*dirs, *files, self.projection)
+
+        def compute(watched_paths):
+            files, _ = gemma_source_listing(self.gemma)
+            return CacheKeyParts(
                 gemma_identity=source_identity(Path(self.gemma), files),
                 projection_identity=projection_identity(self.projection),
                 weights_mode=self.weights_mode,
                 token_budget=self.token_budget,
                 dtype=self.dtype,
             )
-            return parts, (self.gemma, *files, self.projection)
 
         key = ("cache-key-parts", os.path.abspath(self.gemma), os.path.abspath(self.projection), self.weights,
                self.token_budget, self.dtype)
-        return memoized_by_stats(key, compute)
+        return memoized_by_stats(key, watched, compute)
 
     def build(self) -> PromptEncoder:
         """Load Gemma and the projection (once; later calls return the same encoder)."""

@@ -220,6 +220,25 @@ def gemma_source_files(path: str | os.PathLike) -> tuple[Path, ...]:
     return (p, *found.files)
 
 
+def gemma_source_listing(path: str | os.PathLike) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """``(files, directories)``: :func:`gemma_source_files`, and the directories whose listings
+    decided them (the snapshot or artifact directory and every directory under an artifact; for
+    a ComfyUI file, its directory and ``<dir>/<stem>/``, present or not, where a tokenizer
+    would be looked for first). Adding, removing or renaming anything that could change the
+    files changes one of these directories' mtimes (``identity.memoized_by_stats``).
+
+    Raises:
+        FileNotFoundError, GemmaFormatError: as :func:`gemma_source_files`.
+    """
+    p = Path(path)
+    files = gemma_source_files(p)
+    if p.is_dir():
+        dirs = (p, *sorted(d for d in p.rglob("*") if d.is_dir())) if (p / NF4_MANIFEST).is_file() else (p,)
+    else:
+        dirs = (p.parent, p.parent / p.stem)
+    return files, dirs
+
+
 def source_identity(source: Path, files: Sequence[Path]) -> str:
     """SHA-256 hex over ``(role, file_digest)`` pairs: the role is the path inside a source
     directory, or ``"<weights>"`` / the tokenizer's file name for a single file, so renaming or
