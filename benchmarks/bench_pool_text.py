@@ -45,7 +45,8 @@ What it does, in one process (every ratio is within this run):
      the rest is the job's framing, the socket and the client.
 
    It checks that the pool's embeddings equal the in-process ones (same kernels on the same
-   device: bitwise expected) and prints the overhead ``pool / in-process - 1``, and the time of
+   device: bitwise expected) and prints the overhead ``pool / in-process - 1`` (of the medians;
+   also of each round's pair, median and quartiles), and the time of
    a first read of a fresh result from each path (a handed-over result's pages are mapped on
    first touch, so its first reader pays what the in-process encode paid while writing).
 
@@ -151,8 +152,9 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         diff = _max_diff(reference, pool())
         result_bytes = sum(e.tensor.numel() * e.tensor.element_size() for e in reference)
         shm_before, owned_before = client.shm_stats["frames"], client.shm_stats["owned"]
+        rounds = max(args.runs, args.small_rounds // batch)  # small sets are fast and noisy: more rounds
         times = alternate({"in-process": in_process, "pool": pool, "pool request": pool_request},
-                          args.warmup, args.runs)
+                          args.warmup, rounds)
         split = split[args.warmup:]
         wire = getattr(torch, split[-1]["wire_dtype"])
         shm_frames = client.shm_stats["frames"] - shm_before
@@ -162,12 +164,16 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
         pool_broadcast = statistics.median(s["broadcast"] for s in split) * 1e3
         legs = {leg: statistics.median(s["legs"][leg] for s in split) for leg in split[-1]["legs"]}
         overhead = med["pool"] / med["in-process"] - 1
+        # the same from each round's pair (in-process then pool, back to back): robust to a host
+        # whose speed drifts between rounds; quartiles show the spread
+        paired = statistics.quantiles([p / i for p, i in zip(times["pool"], times["in-process"])], n=4)
         label = f"{batch}x{args.tokens}"
         read = {name: _first_read(fn()) for name, fn in (("in-process", in_process), ("pool", pool))}
         row[label] = {"first_read_ms": read,
                       "median_ms": med, "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
                       "overhead": overhead, "pool_encode_ms": pool_encode, "pool_broadcast_ms": pool_broadcast,
-                      "request_legs_ms": legs,
+                      "request_legs_ms": legs, "rounds": rounds,
+                      "paired_overhead_quartiles": [q - 1 for q in paired],
                       "max_abs_diff_pool_vs_in_process": diff,
                       "result_bytes": result_bytes, "wire_dtype": str(wire).removeprefix("torch."),
                       "wire_bytes": result_bytes // 4 * wire.itemsize,
@@ -175,7 +181,8 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
                                     f"{sum(s['in_place'] for s in split)} of {len(split)} requests written in place)"
                                     if shm_frames else "socket")}
         log(f"{weights} {label}: in-process {med['in-process']:.2f} ms, pool {med['pool']:.2f} ms "
-            f"({overhead:+.1%}), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
+            f"({overhead:+.1%}; paired by round {paired[1] - 1:+.1%}, quartiles {paired[0] - 1:+.1%} to "
+            f"{paired[2] - 1:+.1%}, {rounds} rounds), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
             f"broadcast {pool_broadcast:.2f} + rest {med['pool request'] - pool_encode - pool_broadcast:.2f}; "
             f"max |pool - in-process| = {diff:.3g}; result {row[label]['wire_bytes'] / 1e6:.1f} MB "
             f"{row[label]['wire_dtype']} via {row[label]['transport']}; first read of a fresh result (a sum): "
@@ -228,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="bf16,nf4", help="weights modes to time (default bf16,nf4)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--small-rounds", type=int, default=40,
+                    help="timed rounds for a set of B prompts: max(--runs, this // B) (default 40: 40 for 1x1024, "
+                         "whose encode is host-bound and spread 68-116 ms on one host)")
     ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where the snapshot and projection go")
     ap.add_argument("--snapshot", default=None, help="reuse this snapshot directory (with --projection)")
     ap.add_argument("--projection", default=None, help="reuse this projection file (with --snapshot)")
@@ -311,7 +321,7 @@ def main(argv=None) -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{'weights':<8}{'prompts':>10}{'in-process ms':>15}{'pool ms':>10}{'overhead':>10}"
+    print(f"\n{'weights':<8}{'prompts':>10}{'in-process ms':>15}{'pool ms':>10}{'overhead':>10}{'paired':>9}"
           f"{'pool encode':>13}{'broadcast':>11}{'rest':>8}  goal <= {GOAL_OVERHEAD:.0%}")
     for weights, row in results["weights"].items():
         for label, r in row.items():
@@ -321,6 +331,7 @@ def main(argv=None) -> int:
             rest = med["pool request"] - r["pool_encode_ms"] - r["pool_broadcast_ms"]
             verdict = "ok" if r["overhead"] <= GOAL_OVERHEAD else "MISS"
             print(f"{weights:<8}{label:>10}{med['in-process']:>15.2f}{med['pool']:>10.2f}{r['overhead']:>+10.1%}"
+                  f"{r['paired_overhead_quartiles'][1]:>+9.1%}"
                   f"{r['pool_encode_ms']:>13.2f}{r['pool_broadcast_ms']:>11.2f}{rest:>8.2f}  {verdict}")
     print(f"total wall time {time.perf_counter() - _T0:.0f} s")
     if args.out:
