@@ -404,3 +404,25 @@ def test_an_engine_result_that_is_not_a_dict_is_bad_input_and_the_pool_keeps_ser
     server.finish(job, result, None)
     assert conn.sent[-1]["event"] == "error" and conn.sent[-1]["kind"] == "bad_input" and job.done
     assert "cannot be sent" in conn.sent[-1]["message"]
+
+
+def test_profile_jobs_writes_a_chrome_trace_per_rank_for_the_first_jobs_only(monkeypatch):
+    """``LTX_MGPU_PROFILE_JOBS=1``: the first job of the pool is profiled on every rank into the
+    runtime directory; the next one is not."""
+    import json
+
+    from pool_support import cleanup, short_dir
+
+    base = short_dir()
+    monkeypatch.setenv("LTX_MGPU_PROFILE_JOBS", "1")
+    c = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, lifetime="with-owner", startup_timeout=120)
+    try:
+        job = c.submit("selftest", {"steps": 2})
+        job.wait(timeout=60)
+        c.request("selftest", {"steps": 1}, timeout=60)
+        traces = sorted(c.dir.glob("profile-*.json"))
+        assert [p.name for p in traces] == [f"profile-selftest-{job.id}-rank{r}.json" for r in (0, 1)]
+        assert all(json.loads(p.read_text())["traceEvents"] for p in traces)
+    finally:
+        c.shutdown()
+        cleanup(base)
