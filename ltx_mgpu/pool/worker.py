@@ -43,16 +43,12 @@ import ltx_mgpu
 from ltx_mgpu import protocol
 from ltx_mgpu.pool import launch
 from ltx_mgpu.pool.engines import BadInput, JobCancelled, JobContext, ModelStore, resolve_engine
+from ltx_mgpu.pool.profiling import JobProfiler
 from ltx_mgpu.pool.server import Job, Server
 
 TICK_SECONDS = float(os.environ.get("LTX_MGPU_TICK_SECONDS", "1.0"))
 WATCH_SECONDS = 1.0
 COLLECTIVE_TIMEOUT = float(os.environ.get("LTX_MGPU_COLLECTIVE_TIMEOUT", "3600"))
-#: Profile the pool's first N jobs on every rank (torch.profiler, CPU + CUDA activity) and write
-#: each as a Chrome trace, ``profile-<job type>-<job id>-rank<r>.json`` in the runtime directory
-#: (beside ``pool.log``; open in Perfetto or chrome://tracing): where a request's time goes
-#: inside the pool, host gaps included. 0 (default): off.
-PROFILE_JOBS = int(os.environ.get("LTX_MGPU_PROFILE_JOBS", "0") or 0)
 _TICK, _JOB, _SHUTDOWN = 0, 1, 2
 _OK, _BAD_INPUT, _CANCELLED = 0, 1, 2
 _OUTCOME = {_OK: "ok", _BAD_INPUT: "bad_input", _CANCELLED: "cancelled"}
@@ -71,7 +67,7 @@ class Rank:
     dir: Path
     args: argparse.Namespace
     models: ModelStore = field(default_factory=ModelStore)
-    profiled: int = 0  # jobs profiled so far (PROFILE_JOBS)
+    profiler: JobProfiler = field(default_factory=JobProfiler)
     peers: list = field(default_factory=list)  # [{"rank", "pid", "create_time"}] of every rank
     info: launch.PoolInfo | None = None
 
@@ -178,7 +174,7 @@ def run_job(state: Rank, spec: dict, tensors: dict, server: Server | None = None
     code, message, result, out = _OK, "", {}, {}
     try:
         handler = resolve_engine(spec["type"])
-        with _job_profile(state, spec):
+        with state.profiler.job(spec, state.rank, state.device, state.dir):
             result, out = handler(ctx, dict(spec["params"]), dict(tensors))
     except BadInput as e:
         code, message = _BAD_INPUT, str(e) or type(e).__name__
@@ -195,33 +191,6 @@ def run_job(state: Rank, spec: dict, tensors: dict, server: Server | None = None
                            + ", ".join(f"rank {r} {_OUTCOME.get(o, o)}" for r, o in enumerate(outcomes))
                            + " (BadInput must be raised identically on every rank, before any collective)")
     return code, message, result or {}, out or {}
-
-
-@contextlib.contextmanager
-def _job_profile(state: Rank, spec: dict):
-    """Profile this job into a Chrome trace in the runtime directory while fewer than
-    :data:`PROFILE_JOBS` have been (every rank counts alike, so all ranks profile the same jobs)."""
-    if state.profiled >= PROFILE_JOBS:
-        yield
-        return
-    state.profiled += 1
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if state.device.type == "cuda" else [])
-    prof = profile(activities=acts)
-    prof.__enter__()
-    try:
-        yield
-    finally:
-        if state.device.type == "cuda":
-            torch.cuda.synchronize(state.device)
-        prof.__exit__(None, None, None)
-        path = state.dir / f"profile-{spec['type']}-{spec['id']}-rank{state.rank}.json"
-        try:
-            prof.export_chrome_trace(str(path))
-            print(f"[rank {state.rank}] profile of {spec['type']} job {spec['id']}: {path}", flush=True)
-        except OSError as e:  # a diagnostic: never the job's failure
-            print(f"[rank {state.rank}] could not write the profile {path}: {e}", flush=True)
 
 
 def _rank0_loop(state: Rank, server: Server) -> None:
