@@ -232,6 +232,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     unknown = sorted(set(only or ()) - set(BENCHMARKS))
     if unknown:
         raise ValueError(f"--only: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
+    if not benchmarks_dir().is_dir():
+        raise FileNotFoundError(f"no benchmark scripts at {benchmarks_dir()}: they ship with the repository, not the "
+                                "node pack's registry package; run bench from a clone (git clone ... && cd ... && "
+                                "python -m ltx_mgpu bench)")
     rows = run(only, args.out_dir)
     print("\n" + format_table(rows))
     return 1 if any("failed" in r[1] for r in rows) else 0
@@ -240,9 +244,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` to the CLI's subparsers."""
     p = subparsers.add_parser(
-        "bench", help="run the benchmarks this machine can run; print one table of ratios",
+        "bench", help="run the benchmarks this machine can run; print their times and ratios in one table",
         description="Run the benchmarks this machine can run (socket and cache everywhere; text, sp and nf4 on a "
-                    "CUDA GPU) and print one table of ratios.")
+                    "CUDA GPU) and print their times and ratios in one table.")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
     p.add_argument("--out-dir", default=None, help="where the scripts' JSON results go (default: a temp directory)")
     p.set_defaults(func=_cmd_bench)

@@ -32,12 +32,28 @@ def _cmd_make_assets(args: argparse.Namespace) -> int:
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """``--prompt`` s, then ``--prompts-file`` 's non-empty lines.
+
+    Raises:
+        ValueError: the file is missing, not a file, unreadable or not UTF-8, or holds no prompt;
+            no prompt at all. Each names the flag and the fix (the CLI exits 2).
+    """
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        text = Path(args.prompts_file).read_text(encoding="utf-8")
-        prompts += [line for line in text.splitlines() if line.strip()]
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            what = "a directory" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
+            raise ValueError(f"--prompts-file {path}: {what}; give a text file with one prompt per line")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompts-file {path}: cannot be read as UTF-8 text ({e})") from None
+        found = [line for line in text.splitlines() if line.strip()]
+        if not found:
+            raise ValueError(f"--prompts-file {path} holds no prompt: write one prompt per line")
+        prompts += found
     if not prompts:
-        raise SystemExit("error: give --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line)")
+        raise ValueError("give --prompt TEXT (repeatable) or --prompts-file FILE (one prompt per line)")
     return prompts
 
 
@@ -46,10 +62,12 @@ def _encode(args: argparse.Namespace, spec, prompts: list[str], cache):
     from ltx_mgpu.text.encoder import encode_prompts
 
     if args.pool:
+        from ltx_mgpu.pool.commands import cli_gpus
         from ltx_mgpu.remote_text import encode_with_pool
 
-        embeddings, report, pool = encode_with_pool(spec, prompts, placement=args.placement, gpus=args.gpus,
-                                                    nproc=args.nproc, runtime_dir=args.runtime_dir, cache=cache,
+        gpus, nproc = cli_gpus(args.gpus, args.nproc)
+        embeddings, report, pool = encode_with_pool(spec, prompts, placement=args.placement, gpus=gpus,
+                                                    nproc=nproc, runtime_dir=args.runtime_dir, cache=cache,
                                                     batch_size=args.batch_size)
         print("pool: not contacted (every prompt cached)" if pool["pid"] is None else
               f"pool: pid {pool['pid']}, {pool['world_size']} rank(s), placement {args.placement}, "
@@ -179,16 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-truncate", action="store_true", help="fail on prompts over 1024 tokens")
     p.add_argument("--compile", action="store_true",
                    help="run Gemma's layers through torch.compile (bf16 weights; compiled when Gemma loads and for "
-                        "new kinds of batch; a fixed 1024-token shape of Gemma 3 12B took 42 vs 66-73 ms on an H200)")
+                        "new kinds of batch). Measured with one static 1024-token shape of Gemma 3 12B: 42 vs 73 ms "
+                        "eager on an H200; the shape-generic graphs prompts of varying length run on are not yet timed")
     p.add_argument("--embedded-version", choices=["2.0", "2.3"], default="2.3",
-                   help="layout of the embedded tiny checkpoint with the tiny Gemma (the 270M pairs with 2.3)")
+                   help="layout of the embedded tiny checkpoint (2.0 uses the tiny Gemma: the 270M pairs with 2.3)")
     p.add_argument("--embedded-gemma", choices=["auto", "gemma-270m", "tiny"], default="auto",
                    help="Gemma of the embedded default: the real Gemma 3 270M when its package is installed "
                         "(auto), or the tiny random one")
     p.add_argument("--pool", action="store_true",
                    help="encode in the sidecar pool: attach to the one started with the same --gpus/--nproc, "
                         "else start one for this run")
-    p.add_argument("--gpus", default=None, help="with --pool: GPU indices like 0,1, 'all' (default) or 'cpu'")
+    p.add_argument("--gpus", default=None, help="with --pool: a rank count N (GPUs 0..N-1; N CPU ranks without a "
+                                                "GPU), GPU indices like 0,1 (3, for GPU 3 alone), 'all' (default) or "
+                                                "'cpu' (with --nproc)")
     p.add_argument("--nproc", type=int, default=None, help="with --pool: number of ranks (CPU pools)")
     p.add_argument("--placement", choices=["single", "accelerate", "batch_parallel"], default="single",
                    help="with --pool: where Gemma runs (default single: rank 0)")
@@ -248,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (generate) or one outside a pool job: one line, no traceback
+        print("\naborted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as Unix tools do
         import os
 

@@ -43,6 +43,19 @@ class PoolTimeoutError(PoolError, TimeoutError):
 
 
 _LOST = "__lost__"
+#: Seconds a job may run on after its cancel before the pool is taken for hung and killed. Jobs
+#: with step boundaries (encode sub-batches, denoise steps, selftest) stop at the next one;
+#: a model load has none and finishes first (reading a 12B Gemma or a 19B checkpoint takes
+#: tens of seconds to minutes): killing the pool then would only lose what it holds.
+CANCEL_TIMEOUT_S = 15.0
+LOAD_CANCEL_TIMEOUT_S = 900.0
+_UNSTEPPED_JOBS = frozenset({"load_text_encoder", "load_transformer"})
+
+
+def cancel_timeout_for(job_type: str) -> float:
+    """The default ``cancel_timeout`` of :meth:`Job.wait` for a job type (see
+    :data:`CANCEL_TIMEOUT_S`, :data:`LOAD_CANCEL_TIMEOUT_S`)."""
+    return LOAD_CANCEL_TIMEOUT_S if job_type in _UNSTEPPED_JOBS else CANCEL_TIMEOUT_S
 ProgressCallback = Callable[[str, int, int], Any]
 Receive = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -126,12 +139,14 @@ class Job:
 
     def wait(self, timeout: float | None = None, poll_interval: float = 0.1,
              should_cancel: Callable[[], bool] | None = None, on_progress: ProgressCallback | None = None,
-             on_log: Callable[[dict], Any] | None = None, cancel_timeout: float = 15.0) -> tuple[dict, dict]:
+             on_log: Callable[[dict], Any] | None = None, cancel_timeout: float | None = None) -> tuple[dict, dict]:
         """Wait for the job's result: ``(result: dict, tensors: dict[str, Tensor])``.
 
         Every ``poll_interval`` seconds ``should_cancel()`` is polled; when it turns true (or
         ``timeout`` seconds pass) a cancel is sent. If the pool does not end the job within
-        ``cancel_timeout`` seconds after that, the pool is killed (PoolFatalError). Control
+        ``cancel_timeout`` seconds after that (default :func:`cancel_timeout_for` the job's
+        type: 15 s, 900 s for a model load, which cannot stop midway and whose result then
+        comes back as usual), the pool is killed (PoolFatalError). Control
         requests (``status``, ``cancel``...) are not cancelled: they raise PoolTimeoutError.
         Callbacks run on the waiting thread.
 
@@ -139,6 +154,8 @@ class Job:
             BadInputError, JobCancelledError, PoolTimeoutError, PoolFatalError.
             Whatever ``on_progress`` / ``on_log`` raise (after cancelling the job).
         """
+        if cancel_timeout is None:
+            cancel_timeout = cancel_timeout_for(self.type)
         deadline = None if timeout is None else time.monotonic() + timeout
         cancel_at: float | None = None
         timed_out = False

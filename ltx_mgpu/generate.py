@@ -128,10 +128,12 @@ class GenerateReport:
             f"  tokens: video {self.video_tokens}, audio {self.audio_tokens}",
             f"  denoise: {self.steps} steps, cfg {self.cfg:g}, seed {self.seed}, {self.seconds_per_step:.3f} s/step, "
             f"world size {self.world_size} ({self.device} ranks)",
-            f"  prompts: {prompts}, cache hits {self.cache_hits}, encoded {self.cache_misses}; "
+            f"  prompts: {prompts}{' (prompt + negative)' if prompts == 2 else ''}, cache hits {self.cache_hits}, "
+            f"encoded {self.cache_misses}; "
             f"text encoder {self._text_encoder_state()}",
             f"  pool: pid {self.pool_pid}, "
-            + (f"started for this run and stopped (it held {', '.join(self.pool_models) or 'nothing'} after sampling)"
+            + (f"started for this run and stopped (models loaded when sampling ended: "
+               f"{', '.join(self.pool_models) or 'none'})"
                if self.pool_started else f"attached; it keeps {', '.join(self.pool_models) or 'nothing'} resident"),
             f"  times: {times}",
         ]
@@ -223,7 +225,9 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
         seconds["pool"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        encoder = PoolTextEncoder(models.gemma(), models.projection, weights=req.weights, placement=req.placement)
+        gemma = models.gemma()  # the embedded default's one-time conversion runs here (~45 s on 2 cores)
+        check()  # a Ctrl-C meanwhile: no new pool job
+        encoder = PoolTextEncoder(gemma, models.projection, weights=req.weights, placement=req.placement)
         cache = None if req.no_cache else EmbeddingCache(req.cache_dir or default_cache_dir())
         prompts = [req.prompt] if req.cfg == 1 else [req.prompt, req.negative]
         embeddings, cache_report = encode_prompts(client, encoder, prompts, cache=cache, on_progress=progress,
@@ -258,7 +262,8 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
         pool_pid, started = client.pid, client.launched
     except JobCancelledError:
         if wanted():
-            raise GenerateCancelled("cancelled in the pool at a step boundary; nothing was written") from None
+            raise GenerateCancelled("cancelled: the pool's job stopped at its next step boundary (a model load or "
+                                    "an encode finishes first); nothing was written") from None
         raise
     finally:
         if client.launched:

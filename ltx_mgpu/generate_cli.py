@@ -160,4 +160,6 @@ def _gpus_arg(value: str) -> int | tuple[int, ...]:
         return int(value)
     if "," in value and all(p.isdigit() for p in parts if p) and any(parts):
         return tuple(int(p) for p in parts if p)
-    raise argparse.ArgumentTypeError(f"{value!r}: give a rank count (--gpus 2) or GPU indices (--gpus 0,1 or --gpus 3,)")
+    hint = "; CPU ranks: --cpu --gpus N" if value.strip().lower() == "cpu" else ""
+    raise argparse.ArgumentTypeError(f"{value!r}: give a rank count (--gpus 2) or GPU indices (--gpus 0,1 or --gpus 3,)"
+                                     + hint)

@@ -103,7 +103,8 @@ class LTXMGPUGemmaLoader:
                 "compile": ("BOOLEAN", {"default": False, "tooltip": (
                     "Run Gemma's layers through torch.compile: Gemma takes longer to load (it compiles), and new "
                     "kinds of batch compile on first use; then encoding is faster (Gemma 3 12B on an H200, one "
-                    "1024-token prompt: 42 instead of about 70 ms). bf16 weights, placement single or "
+                    "1024-token prompt compiled for that one shape: 42 instead of 73 ms; the shape-generic graphs "
+                    "prompts of varying length run on are not yet timed). bf16 weights, placement single or "
                     "batch_parallel.")}),
             },
         }

@@ -200,3 +200,14 @@ def test_comfy_fp8_file_is_scaled_e4m3(tmp_path, assets):
         assert bool((err <= w_ref.abs() * 2**-4 + scale * 2**-9).all())
         layers = json.loads(f.metadata()["_quantization_metadata"])["layers"]
         assert layers["model.layers.2.mlp.up_proj"] == {"format": "float8_e4m3fn"} and len(layers) == 7 * TINY_GEMMA_LAYERS
+
+
+def test_the_embedded_default_with_the_2_0_layout_takes_the_tiny_gemma():
+    """``auto`` picks the real 270M only for the 2.3 layout it pairs with (found by a newcomer:
+    ``encode --embedded-version 2.0`` silently gave 2.3 embeddings); asking for both is refused."""
+    from ltx_mgpu.assets import embedded_default, tiny_ltx_checkpoint
+
+    ckpt, _, label = embedded_default("auto", "2.0")
+    assert label == "a tiny random Gemma 3" and ckpt == str(tiny_ltx_checkpoint("2.0"))
+    with pytest.raises(ValueError, match="use --embedded-gemma tiny for the LTX-2.0 layout"):
+        embedded_default("gemma-270m", "2.0")

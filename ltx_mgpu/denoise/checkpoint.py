@@ -220,10 +220,13 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
 
     Raises:
         FileNotFoundError: no such file.
-        CheckpointError: not an LTX-2 DiT, unreadable config metadata, a caption-projection
+        CheckpointError: a directory, not an LTX-2 DiT, unreadable config metadata, a caption-projection
             variant ltx-core 1.0.0 cannot build, or shapes that do not determine the config.
     """
     path = str(path)
+    if Path(path).is_dir():  # e.g. --checkpoint and --gemma swapped
+        raise CheckpointError(f"{path} is a directory (a Gemma snapshot?); an LTX-2 checkpoint is one .safetensors "
+                              "file (models/checkpoints or models/diffusion_models)")
     if not Path(path).is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     keys, meta = safetensors_header(path, CheckpointError, "; give an LTX-2 checkpoint (models/checkpoints or "

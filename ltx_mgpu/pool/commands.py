@@ -22,10 +22,35 @@ from pathlib import Path
 from ltx_mgpu.pool import launch
 
 
+def cli_gpus(gpus: str | None, nproc: int | None) -> tuple[str | None, int | None]:
+    """``--gpus`` as every command reads it: a bare count ``N`` is N ranks (GPUs 0..N-1 when torch
+    sees GPUs, else N CPU ranks), as ``generate --gpus N`` takes it, so the same ``--gpus``
+    attaches to the same pool; indices need a comma (``0,1``; ``3,`` for GPU 3 alone); ``all``
+    and ``cpu`` are unchanged. Returns the ``(gpus, nproc)`` that ``launch.resolve_spec`` takes.
+
+    Raises:
+        ValueError: a count below 1, or ``--nproc`` disagreeing with the count.
+    """
+    if gpus is None or not gpus.strip().isdigit():
+        return gpus, nproc
+    n = int(gpus)
+    if n < 1:
+        raise ValueError(f"--gpus {gpus}: give a rank count of at least 1, or GPU indices with a comma (--gpus 0, "
+                         "for GPU 0 alone)")
+    if nproc is not None and nproc != n:
+        raise ValueError(f"--gpus {gpus} --nproc {nproc}: a bare --gpus is the rank count already; give one of them")
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", n
+    return ",".join(map(str, range(n))), None
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default=None,
-                   help="GPU indices like 0,1, 'all' (default: every visible GPU, or one CPU rank when there is "
-                        "none) or 'cpu' (CPU ranks on gloo)")
+                   help="a rank count N (GPUs 0..N-1; N CPU ranks without a GPU), GPU indices like 0,1 (3, for "
+                        "GPU 3 alone), 'all' (default: every visible GPU, or one CPU rank when there is none) or "
+                        "'cpu' (CPU ranks on gloo, with --nproc)")
     p.add_argument("--nproc", type=int, default=None, help="number of ranks (CPU pools; one per GPU otherwise)")
     p.add_argument("--runtime-dir", default=None,
                    help="base of the pool's private directory (default $LTX_MGPU_RUNTIME_DIR, $XDG_RUNTIME_DIR/"
@@ -53,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _spec(args: argparse.Namespace, lifetime: str = "detached") -> launch.PoolSpec:
+    args.gpus, args.nproc = cli_gpus(args.gpus, args.nproc)
     return launch.resolve_spec(args.gpus, args.nproc, lifetime, args.runtime_dir)
 
 
