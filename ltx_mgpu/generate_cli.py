@@ -35,8 +35,11 @@ class ProgressBars:
         bar = self.bars.get(phase)
         if bar is None or bar.total != total or step < bar.n:
             self.close(phase)
+            unit = self.UNITS.get(phase)
+            # a rate only where there is one (steps, frames): "1/1 34663 it/s" for a load said nothing
+            fmt = None if unit else "{desc}: {n_fmt}/{total_fmt} [{elapsed}]"
             bar = self.bars[phase] = tqdm(total=total, desc=f"{self.LABELS.get(phase, phase):<10}",
-                                          unit=self.UNITS.get(phase, "it"), file=sys.stderr,
+                                          unit=unit or "it", file=sys.stderr, bar_format=fmt,
                                           disable=not self.enabled, dynamic_ncols=True)
         bar.update(step - bar.n)
         if step >= total:

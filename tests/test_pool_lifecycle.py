@@ -241,3 +241,17 @@ def test_a_bare_gpus_count_means_ranks_in_every_command(monkeypatch):
         cli_gpus("2", 3)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cli_gpus("2", None) == ("0,1", None)
+
+
+def test_gpus_torch_cannot_see_are_refused_before_anything_is_written(monkeypatch):
+    """A pool asked for GPUs on a machine where torch sees none: one line naming the fix, and no
+    runtime directory or lock left behind (found by a newcomer: run/gpu-0-1/ stayed)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = short_dir()
+    try:
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU .* --gpus cpu --nproc N"):
+            PoolClient.connect(gpus=[0, 1], runtime_dir=base)
+        assert not any(base.iterdir())
+    finally:
+        cleanup(base)

@@ -150,6 +150,19 @@ def worker_env(spec: PoolSpec, base: dict | None = None) -> dict[str, str]:
     return env
 
 
+def require_cuda(spec: PoolSpec) -> None:
+    """Raise a one-line ValueError naming the fix when ``spec`` asks for GPUs and torch sees none
+    (checked before anything starts or is written)."""
+    if spec.gpus:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"GPUs {','.join(map(str, spec.gpus))} requested, but torch sees no CUDA GPU (a CPU-only torch "
+                "build, or no driver). Run CPU ranks instead: --gpus cpu --nproc N."
+            )
+
+
 def torchrun_command(spec: PoolSpec, port: int, owner: tuple[int, float] | None) -> list[str]:
     """``python -m torch.distributed.run ... -m ltx_mgpu.pool.worker ...`` for ``spec``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(spec.nproc),
@@ -192,14 +205,7 @@ def launch(spec: PoolSpec, *, owner_pid: int | None = None, master_port: int | N
     """
     if spec.lifetime == "with-owner" and owner_pid is None:
         raise ValueError("a with-owner pool needs owner_pid")
-    if spec.gpus:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"GPUs {','.join(map(str, spec.gpus))} requested, but torch sees no CUDA GPU (a CPU-only torch "
-                "build, or no driver). Run CPU ranks instead: --gpus cpu --nproc N."
-            )
+    require_cuda(spec)
     ensure_private_dir(spec.dir)
     remove_pool_files(spec.dir)
     shutil.rmtree(spec.dir / "elastic", ignore_errors=True)
