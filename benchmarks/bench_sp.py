@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -136,8 +135,9 @@ def modalities(state, ctx: torch.Tensor, device, dtype) -> tuple[Modality, Modal
     return out[0], out[1]
 
 
-def attention_share(fn, device: torch.device) -> dict:
-    """Attention's share of one call's kernel time (GPU) or op time (CPU), via torch.profiler."""
+def profiled_self_times(fn, device: torch.device) -> list[tuple[str, float]]:
+    """``(name, self time in microseconds)`` of every GPU kernel (CUDA) or op (CPU) one call of
+    ``fn`` ran, via torch.profiler (the device synchronised before the profile closes)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -146,25 +146,31 @@ def attention_share(fn, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     events = prof.key_averages()
+    if device.type != "cuda":
+        return [(e.key, e.self_cpu_time_total) for e in events]
+    return [(e.key, getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+            for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+
+def attention_share(fn, device: torch.device) -> dict:
+    """Attention's share of one call's kernel time (GPU) or op time (CPU), via torch.profiler."""
+    times = profiled_self_times(fn, device)
     if device.type == "cuda":
-        kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-        t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
-        total = sum(t(e) for e in kernels)
-        attn = sum(t(e) for e in kernels if any(s in e.key.lower() for s in ATTENTION_KERNELS))
-        top = sorted(((e.key[:80], t(e) / 1e3) for e in kernels), key=lambda x: -x[1])[:8]
+        is_attention = lambda k: any(s in k.lower() for s in ATTENTION_KERNELS)  # noqa: E731
     else:
-        total = sum(e.self_cpu_time_total for e in events)
-        attn = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key or "attention" in e.key.lower())
-        top = sorted(((e.key[:80], e.self_cpu_time_total / 1e3) for e in events), key=lambda x: -x[1])[:8]
+        is_attention = lambda k: "scaled_dot_product" in k or "attention" in k.lower()  # noqa: E731
+    total = sum(t for _, t in times)
+    attn = sum(t for k, t in times if is_attention(k))
+    top = sorted(((k[:80], t / 1e3) for k, t in times), key=lambda x: -x[1])[:8]
     return {"attention_ms": attn / 1e3, "total_ms": total / 1e3, "share": attn / total if total else None,
             "top_ms": top}
 
 
 def one_rank_group(device: torch.device):
     """A real 1-rank process group (NCCL on CUDA, gloo on CPU) on a free local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ltx_mgpu.pool.launch import free_port
+
+    port = free_port()
     kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1, **kw)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,37 +48,19 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sp import (LTX2_19B, build_model, make_inputs, modalities,  # noqa: E402
-                                 transformer_config, write_json)
+                                 profiled_self_times, transformer_config, write_json)
+from ltx_mgpu.pool.launch import free_port  # noqa: E402
 
 COMM_KERNELS = ("nccl", "gloo", "all_to_all", "allgather", "all_gather", "alltoall")
 #: efficiency goals of the multi-GPU issue at 8 GPUs, by video tokens
 GOALS = {24576: 0.88, 6144: 0.75}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _comm_share(fn, device: torch.device) -> dict:
     """Communication's share of one call's GPU kernel time (CPU: op time), via torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    events = prof.key_averages()
-    if device.type == "cuda":
-        kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-        t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
-    else:
-        kernels = list(events)
-        t = lambda e: e.self_cpu_time_total  # noqa: E731
-    total = sum(t(e) for e in kernels)
-    comm = sum(t(e) for e in kernels if any(s in e.key.lower() for s in COMM_KERNELS))
+    times = profiled_self_times(fn, device)
+    total = sum(t for _, t in times)
+    comm = sum(t for k, t in times if any(s in k.lower() for s in COMM_KERNELS))
     return {"comm_ms": comm / 1e3, "total_ms": total / 1e3, "comm_share": comm / total if total else None}
 
 
@@ -153,7 +134,7 @@ def run_world(world: int, a: argparse.Namespace, out_dir: str) -> dict:
     """Start ``world`` ranks and return rank 0's report (raises if any rank failed)."""
     if a.device == "cuda" and world > torch.cuda.device_count():
         raise SystemExit(f"world size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
-    mp.start_processes(_rank_main, args=(world, _free_port(), a, out_dir), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank_main, args=(world, free_port(), a, out_dir), nprocs=world, start_method="spawn")
     return json.loads(Path(out_dir, f"report_ws{world}.json").read_text())
 
 

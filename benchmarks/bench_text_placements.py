@@ -74,14 +74,14 @@ def bench(client, gemma: Path, projection: Path, weights: str, placement: str, p
             if i >= a.warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
                 split.append(result["seconds"])
-        row["sets"][f"{batch}x{a.tokens}"] = {
+        label = f"{batch}x{a.tokens}"
+        cell = row["sets"][label] = {
             "median_ms": statistics.median(times), "times_ms": times,
             "encode_ms": statistics.median(s["encode"] for s in split) * 1e3,
             "broadcast_ms": statistics.median(s["broadcast"] for s in split) * 1e3,
             "broadcast_bytes": result["broadcast_bytes"], "owners": result["owners"], "memory": _memory(client)}
-        print(f"{weights} {placement} {batch}x{a.tokens}: {row['sets'][f'{batch}x{a.tokens}']['median_ms']:.1f} ms "
-              f"(encode {row['sets'][f'{batch}x{a.tokens}']['encode_ms']:.1f}, broadcast "
-              f"{row['sets'][f'{batch}x{a.tokens}']['broadcast_ms']:.1f})", flush=True)
+        print(f"{weights} {placement} {label}: {cell['median_ms']:.1f} ms (encode {cell['encode_ms']:.1f}, "
+              f"broadcast {cell['broadcast_ms']:.1f})", flush=True)
     client.request("unload", {"names": None}, timeout=600)
     return row
 
