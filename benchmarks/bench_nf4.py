@@ -38,6 +38,9 @@ What it does, in one process (every ratio is within this run):
    weights, which are not Gemma's) and of a plain forward (``model(..., output_hidden_states=True)``,
    the "plain transformers + bitsandbytes" measure of the issue), the largest difference of its
    features from the ``bnb`` variant's, and the cosine of its features to the bf16 ones;
+4b. times our bf16 encode and the loader's NF4 encode in turn (interleaved), as the encoders
+   run by default (batches of up to 1024 tokens replayed as CUDA graphs,
+   ``ltx_mgpu.text.graphs``) and without CUDA graphs (the same towers);
 5. times the dequantization alone of one layer's 7 weights with each kernel (GB/s counts the
    packed bytes + scales read and the bf16 written).
 
@@ -336,7 +339,10 @@ def main(argv=None) -> int:
             with torch.device(device):
                 bf = Gemma3TextModel._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
             use_causal_skip(bf)
-            bf_encoder = PromptEncoder(GemmaTextTower(bf, None, config, "random", Path("random-12b")), projection)
+            bf_tower = GemmaTextTower(bf, None, config, "random", Path("random-12b"))
+            bf_encoder = PromptEncoder(bf_tower, projection)
+            bf_eager = PromptEncoder(bf_tower, projection, cuda_graphs=False)
+            nf4_eager = PromptEncoder(nf4, projection, cuda_graphs=False)
             results["head_to_head"] = {}
             def carved(k, ids, mask):
                 def run():
@@ -354,14 +360,26 @@ def main(argv=None) -> int:
                 fns.update({f"{LOADER}-carveout{k}": carved(k, ids, mask) for k in carveouts})
                 if args.gpu_embeddings and device.type == "cuda":
                     fns[f"{LOADER}-gpu-embeddings"] = with_gpu_embeddings(encoder, ids, mask)
+                if encoder.graphs is not None:  # the same towers without CUDA graphs (ltx_mgpu.text.graphs)
+                    fns["bf16-eager"] = lambda: bf_eager.encode_tokens(ids, mask)
+                    fns[f"{LOADER}-eager"] = lambda: nf4_eager.encode_tokens(ids, mask)
                 r = time_interleaved(device, fns, args.warmup, 2 * args.runs)
                 ratio = r[LOADER][0] / r["bf16"][0]
                 results["head_to_head"][f"{b}x{args.tokens}"] = {
                     "bf16_ms": r["bf16"][0], "nf4_ms": r[LOADER][0], "ratio": ratio,
                     "bf16_times_ms": r["bf16"][1], "nf4_times_ms": r[LOADER][1],
                     "carveouts": {k: r[f"{LOADER}-carveout{k}"][0] for k in carveouts}}
-                print(f"head to head {b}x{args.tokens} (interleaved): bf16 {r['bf16'][0]:.2f} ms, {LOADER} NF4 "
-                      f"{r[LOADER][0]:.2f} ms = {ratio:.3f}x", flush=True)
+                graphed = encoder.graphs is not None and bool(encoder.graphs.shapes) and bf_encoder.graphs.shapes
+                print(f"head to head {b}x{args.tokens} (interleaved{', CUDA graphs' if graphed else ''}): bf16 "
+                      f"{r['bf16'][0]:.2f} ms, {LOADER} NF4 {r[LOADER][0]:.2f} ms = {ratio:.3f}x", flush=True)
+                if "bf16-eager" in r:
+                    e_bf, e_nf = r["bf16-eager"][0], r[f"{LOADER}-eager"][0]
+                    results["head_to_head"][f"{b}x{args.tokens}"].update(
+                        eager_bf16_ms=e_bf, eager_nf4_ms=e_nf, graphed=bool(graphed),
+                        graph_shapes={"bf16": bf_encoder.graphs.shapes, "nf4": encoder.graphs.shapes})
+                    print(f"  without CUDA graphs: bf16 {e_bf:.2f} ms, NF4 {e_nf:.2f} ms = {e_nf / e_bf:.3f}x; "
+                          f"graphs took bf16 to {r['bf16'][0] / e_bf:.3f}x and NF4 to {r[LOADER][0] / e_nf:.3f}x of "
+                          f"their eager time", flush=True)
                 for k in carveouts:
                     ms = r[f"{LOADER}-carveout{k}"][0]
                     print(f"  with {k} SMs carved out of cuBLAS: {ms:.2f} ms = {ms / r['bf16'][0]:.3f}x", flush=True)
@@ -374,7 +392,7 @@ def main(argv=None) -> int:
 
                     busy_and_host(f"bf16 {b}x{args.tokens}", lambda: bf_encoder.encode_tokens(ids, mask))
                     busy_and_host(f"{LOADER} NF4 {b}x{args.tokens}", lambda: encoder.encode_tokens(ids, mask))
-            del bf_encoder, bf
+            del bf_encoder, bf_eager, nf4_eager, bf_tower, bf
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

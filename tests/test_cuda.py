@@ -152,3 +152,73 @@ def test_a_compiled_spec_on_cuda_encodes_as_the_eager_one_to_bf16_rounding():
     for batch in (PROMPTS, PROMPTS[1:3]):
         for c, e in zip(compiled.encode(batch), eager.encode(batch)):
             torch.testing.assert_close(c.tensor, e.tensor, rtol=3e-2, atol=3e-2)
+
+
+# --------------------------------------------------------------------------- CUDA graphs (ltx_mgpu.text.graphs)
+
+#: within the tiny Gemma's 16-token sliding window (graphs are taken only up to the window)
+GRAPH_PROMPTS = ["a cat", "a red fox", "x", "two words"]
+
+
+def _graph_encoders(tower):
+    from ltx_mgpu.text.graphs import TowerGraphs
+
+    proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,
+                           num_layers=tower.num_hidden_states)
+    eager = PromptEncoder(tower, proj, cuda_graphs=False)
+    graphed = PromptEncoder(tower, proj, cuda_graphs=False)
+    graphed.graphs = TowerGraphs(tower, bucket=4, max_tokens=64)
+    return eager, graphed
+
+
+def _check_graph_replay(tower):
+    from ltx_mgpu.text.graphs import TowerGraphs
+
+    eager, graphed = _graph_encoders(tower)
+    stand_in = TowerGraphs(tower, bucket=4, max_tokens=64, capture=False)
+    first = {}
+    # alternating shapes: every graph shares one pool and one hidden-state buffer
+    for prompts in (["a red fox"], ["a cat"], GRAPH_PROMPTS, ["a red fox"], GRAPH_PROMPTS, ["a cat"]):
+        ids, mask, _ = tokenize(tower, prompts)
+        got = graphed.graphs.run(ids, mask)
+        assert got is not None, graphed.graphs.disabled
+        states = [s.clone() for s in got.hidden_states]
+        key = tuple(prompts)
+        if key in first:  # a replay after other graphs ran gives the same bits
+            assert all(torch.equal(a, b) for a, b in zip(states, first[key]))
+        first[key] = states
+        want = stand_in.run(ids, mask)  # the same forward on the same buffers, not captured
+        keep = got.attention_mask.bool().cuda()
+        for a, b in zip(states, want.hidden_states):
+            torch.testing.assert_close(a[keep], b[keep], rtol=0.02, atol=0.02)
+    assert graphed.graphs.disabled is None and len(graphed.graphs.shapes) == 3
+    for batch in (1, 8):
+        for e, g in zip(eager.encode(GRAPH_PROMPTS, batch_size=batch), graphed.encode(GRAPH_PROMPTS, batch_size=batch)):
+            torch.testing.assert_close(g.tensor, e.tensor, rtol=0.02, atol=0.02)
+
+
+def test_cuda_graph_replay_equals_the_eager_forward_bf16():
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
+    _check_graph_replay(tower)
+
+
+@needs_bnb
+def test_cuda_graph_replay_equals_the_eager_forward_nf4_with_prefetch():
+    """The loader's NF4 tower: the Triton unit dequant with its side-stream prefetch is captured."""
+    from ltx_mgpu.text.nf4_dequant import _DenseLinear
+
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4")
+    dense = [m for m in tower.model.modules() if isinstance(m, _DenseLinear)]
+    assert dense and dense[0]._refs[1].prefetch and dense[0]._refs[1].method == "triton"
+    _check_graph_replay(tower)
+
+
+def test_a_12b_shaped_width_is_graphed_by_default():
+    """The defaults graph a one-prompt batch of the 12B's 1024 tokens (window 1024)."""
+    from ltx_mgpu.text.graphs import BUCKET, MAX_TOKENS
+
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
+    proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,
+                           num_layers=tower.num_hidden_states)
+    enc = PromptEncoder(tower, proj)
+    assert enc.graphs is not None and enc.graphs.width(1000) == 1024 and BUCKET == 64 and MAX_TOKENS == 1024

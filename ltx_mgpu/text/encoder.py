@@ -80,13 +80,17 @@ class PromptEncoder:
             tokens; ``False`` raises ``PromptTooLongError`` instead.
         trim: run each batch at the length of its longest prompt instead of the full budget
             (``ltx_mgpu.text.forward.run_tower``; same outputs up to summation order).
+        cuda_graphs: replay batches of up to 1024 tokens as CUDA graphs
+            (``ltx_mgpu.text.graphs``: same outputs to rounding) when the tower runs on one CUDA
+            device, uncompiled; None (default) means on unless ``LTX_MGPU_CUDA_GRAPHS=0``.
+            Needs ``trim``.
 
     Raises:
         ValueError: the projection does not fit this Gemma (hidden size or layer count).
     """
 
     def __init__(self, tower: "GemmaTextTower", projection: Projection, token_budget: int = TOKEN_BUDGET,
-                 truncate: bool = True, trim: bool = True) -> None:
+                 truncate: bool = True, trim: bool = True, cuda_graphs: bool | None = None) -> None:
         if projection.num_layers != tower.num_hidden_states or projection.embedding_dim != tower.hidden_size:
             raise ValueError(
                 f"the LTX-{projection.version} projection in {projection.source or 'the checkpoint'} takes "
@@ -104,6 +108,11 @@ class PromptEncoder:
         # layers, and the pinned staging buffer is reused
         self._lock = threading.Lock()
         self._pretokenized: tuple[dict[str, int], torch.Tensor, torch.Tensor, list[int]] | None = None
+        from ltx_mgpu.text import graphs
+
+        if cuda_graphs is None:
+            cuda_graphs = graphs.graphs_enabled()
+        self.graphs = graphs.TowerGraphs(tower) if cuda_graphs and trim and graphs.ineligible(tower) is None else None
 
     def token_counts(self, prompts: Sequence[str]) -> list[int]:
         """The number of tokens (BOS included, after truncation to the budget) each prompt's
@@ -215,7 +224,9 @@ class PromptEncoder:
 
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
         with self._lock:
-            states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
+            states = self.graphs.run(input_ids, attention_mask) if self.graphs is not None else None
+            if states is None:
+                states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
             features = self.projection.normalised(states.hidden_states, states.attention_mask)
             del states
             rows = self._project_rows(features, lengths, out_dtype, out)

@@ -345,7 +345,7 @@ def compile_prompt_encoder(encoder: "PromptEncoder") -> "PromptEncoder":
     from ltx_mgpu.text.encoder import PromptEncoder
 
     compiled = PromptEncoder(compile_text_tower(encoder.tower, scope="layers"), encoder.projection,
-                             encoder.token_budget, encoder.truncate, encoder.trim)
+                             encoder.token_budget, encoder.truncate, encoder.trim, cuda_graphs=False)
     t0 = time.perf_counter()
     try:
         compiled.encode(["a"])

@@ -277,6 +277,12 @@ class FastDequant:
         device = self.units[u][0].weight.device
         k = u % 2 if self.prefetch else 0
         buf = self._buffer(k, device)
+        if self.prefetch and u == 0:
+            # a forward starts: the side stream follows everything before it (which is what lets
+            # a CUDA graph capture take its prefetches in: ltx_mgpu.text.graphs), and events
+            # left from the last forward (perhaps recorded in a capture) are not waited on
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            self._free.clear()
         if self.prefetch and u in self._ready:
             torch.cuda.current_stream(device).wait_event(self._ready.pop(u))
         else:
