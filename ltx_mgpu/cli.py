@@ -83,6 +83,7 @@ def _encode(args: argparse.Namespace, spec, prompts: list[str], cache):
 def _cmd_encode(args: argparse.Namespace) -> int:
     from ltx_mgpu.text.cache import EmbeddingCache, default_cache_dir
     from ltx_mgpu.text.encoder import TextEncoderSpec
+    from ltx_mgpu.files import check_output_path
     from ltx_mgpu.text.embedding_files import save_embeddings
 
     prompts = _read_prompts(args)
@@ -92,6 +93,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
                          f"--{'projection' if gemma is not None else 'gemma'}: pass both (a Gemma 3 and the LTX-2 "
                          "checkpoint or projection file made for it), or neither for the embedded default")
     _check_device(args.device)
+    check_output_path(args.out)  # before any encode; missing directories are made when it is written
     if not args.pool and (args.gpus is not None or args.nproc is not None or args.placement != "single"):
         raise ValueError("--gpus, --nproc and --placement choose the pool's ranks: add --pool (without it, "
                          "encode runs in this process on --device)")

@@ -59,6 +59,37 @@ def write_atomically(path: str | os.PathLike, data: bytes, *, mode: int | None =
     return path
 
 
+def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check, before any work, that ``path`` can be created as an output file; missing
+    directories are fine (the writer creates them: :func:`make_parent`).
+
+    Returns:
+        ``path`` as an absolute ``Path``.
+
+    Raises:
+        ValueError: ``"<flag> <path>: ..."``: it is a directory, a component of it is a file,
+            or its nearest existing directory is not writable.
+    """
+    path = Path(path).absolute()
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name inside it")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {parent} (permissions); choose another place")
+    return path
+
+
+def make_parent(path: str | os.PathLike) -> Path:
+    """Create ``path``'s directory (and missing parents) and return ``path`` as a ``Path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def umask_mode() -> int:
     """``0o666`` less the process umask: the mode ``open()`` would give a new output file."""
     mask = os.umask(0)

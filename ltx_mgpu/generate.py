@@ -290,7 +290,9 @@ def _write_outputs(req: GenerateRequest, models: ResolvedModels, video: torch.Te
                    notify: Callable[[str], None]) -> tuple[str, bool, str | None]:
     """Save the latents, decode (audio first, when possible), write the MP4: ``(codec, has audio, note)``."""
     from ltx_mgpu.decode import Mp4Writer, decode_audio, decode_video, load_video_decoder, save_latents
+    from ltx_mgpu.files import make_parent
 
+    make_parent(req.out)  # the latents go beside the video
     save_latents(req.latents_path, {"video": video, "audio": audio},
                  {"prompt": req.prompt, "negative": req.negative if req.cfg != 1 else "", "seed": str(req.seed),
                   "steps": str(req.steps), "cfg": str(req.cfg), "fps": str(req.fps), "frames": str(req.frames),

@@ -15,6 +15,7 @@ import torch
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
 from ltx_mgpu.decode import AudioGeometry
+from ltx_mgpu.files import check_output_path
 
 __all__ = ["DEFAULT_NEGATIVE", "EMBEDDED_GEMMA", "GenerateRequest", "ResolvedModels", "TINY_NOTICE",
            "empty_av_latent", "pool_spec_for", "resolve_models", "validate_request", "world_size_for"]
@@ -130,9 +131,7 @@ def validate_request(req: GenerateRequest) -> None:
         given, missing = ("--checkpoint", "--gemma") if req.gemma is None else ("--gemma", "--checkpoint")
         raise ValueError(f"{given} was given without {missing}: pass both (the LTX-2 checkpoint and its Gemma 3), "
                          "or neither for the embedded default")
-    parent = Path(req.out).absolute().parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {req.out}: the directory {parent} does not exist")
+    check_output_path(req.out)  # missing directories are made when the outputs are written
     if Path(req.out).suffix.lower() != ".mp4":
         raise ValueError(f"--out {req.out}: the video is written as MP4 (H.264); give a name ending in .mp4")
 

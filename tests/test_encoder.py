@@ -193,6 +193,7 @@ def test_cli_encode_names_each_mistake_without_a_traceback(tmp_path, tiny_gemma_
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\xff" * 64)
     (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "afile").write_text("")
 
     def encode(*args):
         cmd = [sys.executable, "-m", "ltx_mgpu", "encode", "--embedded-gemma", "tiny", "--out", out, *args]
@@ -208,10 +209,15 @@ def test_cli_encode_names_each_mistake_without_a_traceback(tmp_path, tiny_gemma_
         (("--prompts-file", str(broken.with_name("empty.txt"))), "holds no prompt: write one prompt per line"),
         (("--embedded-version", "2.0", "--prompt", "x", "--embedded-gemma", "gemma-270m"),
          "the embedded Gemma 3 270M pairs with the LTX-2.3 layout, not 2.0"),
+        (("--prompt", "x", "--out", str(tmp_path / "afile" / "e.safetensors")), "afile is a file, not a directory"),
+        (("--prompt", "x", "--out", str(tmp_path)), "is a directory; give a file name inside it"),
     ] + ([] if torch.cuda.is_available() else
          [(("--prompt", "x", "--device", "cuda"), "--device cuda: torch sees no CUDA GPU here")]):
         r = encode(*args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    nested = tmp_path / "new" / "dir" / "e.safetensors"  # missing directories are made, as generate makes them
+    r = encode("--prompt", "x", "--out", str(nested))
+    assert r.returncode == 0 and nested.is_file(), r.stderr
     long_prompt = " ".join(["snow"] * 1500)
     r = encode("--prompt", long_prompt)
     assert r.returncode == 0, r.stderr

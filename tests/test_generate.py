@@ -114,10 +114,14 @@ def test_stop_mid_denoise_writes_nothing_and_the_attached_pool_keeps_serving(tmp
     (["--gpus", "0,0"], "--gpus 0,0: give distinct GPU indices"),
     (["--gpus", "two"], "'two': give a rank count (--gpus 2) or GPU indices (--gpus 0,1 or --gpus 3,)"),
     (["--out", "x.avi"], "--out x.avi: the video is written as MP4 (H.264); give a name ending in .mp4"),
+    (["--out", "{tmp}/afile/x.mp4"], "afile is a file, not a directory"),
 ], ids=["gpus3", "frames", "height", "width", "checkpoint-only", "gpu-ids-without-gpus", "gpu-ids-repeated",
-        "gpus-word", "out-not-mp4"])
+        "gpus-word", "out-not-mp4", "out-under-a-file"])
 def test_bad_requests_fail_before_any_pool_starts(tmp_path, capsys, args, message):
     runtime = short_dir()
+    if any("{tmp}" in a for a in args):
+        (tmp_path / "afile").write_text("")
+    args = [a.format(tmp=tmp_path) for a in args]
     try:
         try:
             rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--runtime-dir", str(runtime),
@@ -129,7 +133,7 @@ def test_bad_requests_fail_before_any_pool_starts(tmp_path, capsys, args, messag
         if args == ["--gpus", "3"]:
             assert "Start the pool on one of these GPU counts instead: 1, 2, 4." in err
         assert not any(runtime.iterdir())  # no pool directory: nothing was started
-        assert not any(tmp_path.iterdir())
+        assert not any(p.name != "afile" for p in tmp_path.iterdir())
     finally:
         cleanup(runtime)
 
@@ -293,3 +297,16 @@ def test_ctrl_c_while_gemma_is_being_prepared_sends_no_pool_job(tmp_path, monkey
     finally:
         cleanup(runtime)
     assert stop and not any(m in sent for m in ("load_text_encoder", "encode")) and not any(tmp_path.iterdir())
+
+
+def test_out_in_a_missing_directory_is_accepted_and_made_when_written(tmp_path):
+    """generate, like encode, makes a missing output directory (checked up front: not a file)."""
+    from ltx_mgpu.files import make_parent
+    from ltx_mgpu.generate_request import GenerateRequest, validate_request
+
+    out = tmp_path / "renders" / "today" / "fox.mp4"
+    req = GenerateRequest(prompt="x", out=str(out))
+    validate_request(req)
+    assert not out.parent.exists()
+    make_parent(req.out)  # what the writer does first
+    assert out.parent.is_dir() and req.latents_path.parent == out.parent

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ltx_mgpu.files import umask_mode, write_atomically
+from ltx_mgpu.files import make_parent
 from ltx_mgpu.text.features import PromptEmbedding
 
 __all__ = ["save_embeddings", "load_embeddings"]
@@ -27,8 +28,7 @@ def save_embeddings(path: str | os.PathLike, prompts: Sequence[str], embeddings:
     """
     from safetensors.torch import save
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = make_parent(path)
     tensors = {f"prompt_{i}": e.tensor.contiguous() for i, e in enumerate(embeddings)}
     meta = {
         "format": FORMAT,
