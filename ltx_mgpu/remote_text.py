@@ -48,7 +48,7 @@ class PoolTextEncoder:
     Attributes:
         gemma, projection: paths (made absolute here; the pool's working directory differs).
         weights: ``"bf16"`` or ``"nf4"``.
-        placement: ``"single"`` | ``"accelerate"`` | ``"batch_parallel"`` (DESIGN.md §4).
+        placement: ``"single"`` | ``"accelerate"`` | ``"batch_parallel"``.
         dtype: compute dtype name (``"bfloat16"``; ``"float32"`` for reference runs).
         token_budget, truncate, compile: as :class:`TextEncoderSpec` (``compile``: placements
             ``single`` and ``batch_parallel``).

@@ -2,15 +2,16 @@
 (one :class:`ltx_mgpu.client.PoolClient` per GPU set for the whole ComfyUI process) and
 :class:`JobWatch`, which ties a pool job to the node's progress bar and to ComfyUI's Stop.
 
-Stop, step by step (``../shared/notes/comfyui.md`` §7): while a node waits on the pool,
-``JobWatch.should_cancel`` peeks ComfyUI's interrupt flag every 0.1 s; when it is set the client
-sends ``cancel`` and waits (``Job.wait``'s ``cancel_timeout``: 15 s, or 900 s for a model load,
-which has no step boundary and finishes first, so Stop during a load keeps the pool and the
-loaded model) for the pool to stop the job at its next step boundary (the pool keeps serving);
-if the pool does not answer in time the client kills it and the next request starts a fresh one. Either
-way the node then raises ComfyUI's ``InterruptProcessingException`` (a ``BaseException``).
-A progress update itself may raise that exception (ComfyUI's progress hook checks the flag);
-``JobWatch.on_progress`` turns it back into the flag so the cancel above still happens.
+Stop, step by step (ComfyUI's interrupt API is in ``comfy/model_management.py``): while a node
+waits on the pool, ``JobWatch.should_cancel`` peeks ComfyUI's interrupt flag every 0.1 s; when it
+is set the client sends ``cancel`` and waits (``Job.wait``'s ``cancel_timeout``: 15 s, or 900 s for
+a model load, which has no step boundary and finishes first, so Stop during a load keeps the pool
+and the loaded model) for the pool to stop the job at its next step boundary (the pool keeps
+serving); if the pool does not answer in time the client kills it and the next request starts a
+fresh one. Either way the node then raises ComfyUI's ``InterruptProcessingException`` (a
+``BaseException``). A progress update itself may raise that exception (ComfyUI's progress hook
+checks the flag); ``JobWatch.on_progress`` turns it back into the flag so the cancel above still
+happens.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ RANK_TIMEOUT_S = 120
 
 
 def tiny_config(**overrides) -> dict:
-    """ltx-core 1.0.0 config dict of a 2-layer LTX-2.3-layout AV transformer (ltx2-reference.md §2.6)."""
+    """ltx-core 1.0.0 config dict of a 2-layer LTX-2.3-layout AV transformer (its model_configurator.py)."""
     t = {
         "dropout": 0.0, "attention_bias": True, "num_vector_embeds": None,
         "activation_fn": "gelu-approximate", "num_embeds_ada_norm": 1000,

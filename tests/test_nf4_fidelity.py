@@ -3,8 +3,8 @@ Gemma 3 270M when installed) and the dequantization methods, independent of bits
 kernel path.
 
 CPU kernel path: on AVX512-BF16 CPUs bitsandbytes would repack NF4 weights on the first forward
-(a different kernel, different rounding, and a lossy inverse on save; ../shared/notes/gemma-nf4.md
-§2.2). Our loader sets ``support_avx512bf16_for_cpu = False`` on every ``Linear4bit``, so every
+(a different kernel, different rounding, and a lossy inverse on save; bitsandbytes' ``nn/modules.py``).
+Our loader sets ``support_avx512bf16_for_cpu = False`` on every ``Linear4bit``, so every
 machine runs the generic path (dequantize to bf16, then ``F.linear``). The tests check that
 (the flag, no repack after a forward, a save after a forward equal to the original bytes), and
 compare NF4 outputs *within* that path: against the bf16 model whose projection weights are the
@@ -26,7 +26,7 @@ from ltx_mgpu.text.tokenizer import tokenize
 
 #: Random tiny weights are poor NF4 references (no outlier structure, 6 small layers): the mean
 #: per-token cosine NF4 vs bf16 falls from 0.973 (layer 1) to 0.874 (final, post-norm) on the
-#: seed-0 tiny Gemma (notes §4.2 / §6 report 0.97 -> 0.89 on a similar model). Looser bound:
+#: seed-0 tiny Gemma (an earlier CPU run found 0.97 -> 0.89 on a similar model). Looser bound:
 TINY_COSINE_BOUND = 0.85
 
 
@@ -121,7 +121,7 @@ def test_real_gemma_270m_fidelity(gemma_270m):
     over real tokens. Measured (this CPU, generic path): 1.0 at the embedding, 0.9926 at layer 1,
     0.993-0.9997 for layers 2-17, and **0.961 at index 18, the final post-RMSNorm state** (worst
     token 0.915): the final norm's large per-channel gains amplify the quantization error of the
-    last layer, as notes §6 found (0.960). It is asserted >= 0.95; all others >= 0.99. The LTX-2.3
+    last layer, as an earlier run found (0.960). It is asserted >= 0.95; all others >= 0.99. The LTX-2.3
     feature extractor over all 19 states (random 640 x 19 -> 4096 + 2048 projection, zero bias)
     gives 0.9947 (worst token 0.986), asserted >= 0.99."""
     from ltx_mgpu.text.features import Projection

@@ -36,7 +36,7 @@ ASSETS_VERSION = 2
 DEFAULT_SEED = 0
 
 #: Tiny Gemma 3 text dimensions (multiples of 64/32 so bitsandbytes' packed CPU NF4 path
-#: accepts every projection; see ../shared/notes/gemma-nf4.md §2.3).
+#: accepts every projection; see bitsandbytes' ``functional._convert_weight_packed_for_cpu``).
 TINY_GEMMA_HIDDEN = 64
 TINY_GEMMA_LAYERS = 6
 #: Number of hidden states the feature extractor consumes: embeddings + every layer.

@@ -196,8 +196,7 @@ def tiny_gemma_config():
     """The tiny ``Gemma3Config`` (text + SigLIP vision); see the module docstring for sizes.
 
     Source of the 12B-like choices: google/gemma-3-12b-it ``config.json`` (sliding pattern 6,
-    ``rope_scaling`` linear factor 8 on global layers, local base 1e4, eos ``[1, 106]``), as
-    quoted in ../shared/notes/gemma-nf4.md §3.4-3.5.
+    ``rope_scaling`` linear factor 8 on global layers, local base 1e4, eos ``[1, 106]``).
     """
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
@@ -251,7 +250,7 @@ def build_tiny_gemma_snapshot(out_dir: Path, seed: int = 0) -> None:
     ``multi_modal_projector.*``, as transformers 5 writes by default), ``tokenizer.model``
     (SentencePiece), ``tokenizer.json`` and ``tokenizer_config.json`` (left padding, BOS, no EOS).
     The model is built with ``_from_config(dtype=bfloat16)`` under ``torch.manual_seed(seed)``
-    (never ``.to(bfloat16)``: that would also cast the fp32 RoPE buffers; gemma-nf4.md §4.2).
+    (never ``.to(bfloat16)``: that would also cast the fp32 RoPE buffers).
     Same ``seed`` -> byte-identical files.
     """
     from transformers import Gemma3ForConditionalGeneration

@@ -22,8 +22,9 @@ the same tensor key names and metadata, at toy sizes:
 * ``__metadata__``: ``config`` (JSON with ``"transformer"`` and ``"vae"``) and
   ``model_version`` (``"2.0.0"`` / ``"2.3.0"``).
 
-The two layouts differ the way the real checkpoints do (../shared/notes/ltx2-reference.md
-§2.6, §2.9):
+The two layouts differ the way the real checkpoints do (ltx-core 1.0.0's
+``ltx_core/model/transformer/model_configurator.py`` and
+``ltx_core/text_encoders/gemma/feature_extractor.py``):
 
 * **2.0** (19B layout): ``caption_channels`` = connector width = Gemma hidden (64 here, 3840
   in production); the connectors are 4 heads x 16 = 64 wide, and the transformer's

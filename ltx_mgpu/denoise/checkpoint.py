@@ -1,7 +1,8 @@
 """LTX-2 checkpoint files: inspection, config inference, LoRA reading and a state-dict loader.
 
 What :mod:`ltx_mgpu.denoise.model` builds the denoiser from. Sources
-(``../shared/notes/comfyui.md`` §9, ``ltx2-reference.md`` §2.2–2.7):
+(ComfyUI's ``comfy/model_detection.py`` and ``comfy/supported_models.py``; ltx-core 1.0.0's
+``ltx_core/loader/`` and ``ltx_core/model/transformer/``):
 
 * a **monolith** ``models/checkpoints/ltx-2*.safetensors``: the DiT under
   ``model.diffusion_model.*`` (connectors under ``model.diffusion_model.{video,audio}_

@@ -1,6 +1,7 @@
 """ComfyUI CONDITIONING for LTX-2, checked and turned into ltx-core text contexts.
 
-Accepted (``../shared/notes/comfyui.md`` §10.4–§11):
+Accepted (ComfyUI's ``comfy/text_encoders/lt.py``, ``LTXAV.extra_conds`` in ``comfy/model_base.py``
+and ``comfy_extras/nodes_lt.py``):
 
 * our encoder's and ComfyUI's own LTX-2 TE output: ``[[tensor [B, T, D], {"pooled_output":
   None, "unprocessed_ltxav_embeds": True}]]`` (D = 3840 for 2.0, 6144 for 2.3; 64 / 48 for the

@@ -1,6 +1,7 @@
 """ComfyUI LTX-2 LATENTs <-> ltx-core token states (tokens, positions, per-token denoise masks).
 
-ComfyUI's LTX-2 LATENT comes in three shapes (``../shared/notes/comfyui.md`` §12):
+ComfyUI's LTX-2 LATENT comes in three shapes (ComfyUI's ``comfy_extras/nodes_lt.py``,
+``comfy_extras/nodes_lt_audio.py`` and ``comfy/nested_tensor.py``):
 
 * video: ``{"samples": [B, 128, F, H, W]}`` (``EmptyLTXVLatentVideo``);
 * audio: ``{"samples": [B, 8, N, 16], "type": "audio"}`` (``LTXVEmptyLatentAudio``);

@@ -18,14 +18,17 @@ video tokens), the audio modules (audio is replicated), FFNs and AdaLN are per t
 
 Padding: the video sequence is padded to a multiple of the world size so every rank holds
 an equal, non-empty slice (a rank with no tokens would skip the collectives inside the
-blocks and hang the others; ``../shared/notes/ltx2-reference.md`` §2.4). Padded tokens get a
-zero latent, the last real token's timestep and the last real token's positions (so RoPE
+blocks and hang the others: ltx-core 1.0.0's ``BasicAVTransformerBlock.forward`` in
+``ltx_core/model/transformer/transformer.py`` runs nothing for an empty video). Padded tokens
+get a zero latent, the last real token's timestep and the last real token's positions (so RoPE
 stays finite). Padded *keys* are masked with an additive bias in **both** ``attn1`` and
 ``video_to_audio_attn``; the LTX-2 reference masks only ``attn1``, which lets audio attend to
-padding and diverge (ltx2-reference.md §1.10). Padded query rows still attend to real keys,
-so their (discarded) outputs stay finite and never poison the real tokens. No mask is passed
-when there is no padding, so SDPA keeps its flash backend. (ltx-core's FlashAttention3
-backend takes no mask: with it, a token count that needs padding is rejected up front.)
+padding and diverge (``tests/test_sequence_parallel.py``,
+``test_audio_diverges_without_the_video_to_audio_padding_mask``). Padded query rows still
+attend to real keys, so their (discarded) outputs stay finite and never poison the real
+tokens. No mask is passed when there is no padding, so SDPA keeps its flash backend.
+(ltx-core's FlashAttention3 backend takes no mask: with it, a token count that needs padding
+is rejected up front.)
 
 Every rank must call ``forward`` with the same inputs and perturbation config: the blocks
 skip attention (and so the collectives) on ``all_perturbed`` / skip flags, which is safe

@@ -1,4 +1,4 @@
-"""The pool's text-encoding jobs: ``load_text_encoder`` and ``encode`` (DESIGN.md §4).
+"""The pool's text-encoding jobs: ``load_text_encoder`` and ``encode`` (placements: ``ltx_mgpu.text.placement``).
 
 Both run on every rank (SPMD, ``ltx_mgpu.pool.engines``). The placement logic and the
 embedding broadcast live in ``ltx_mgpu.text.placement`` (which knows nothing of the pool); this

@@ -3,8 +3,8 @@
 A key is a SHA-256 over the prompt text (exactly, whitespace included), the content digests
 of the Gemma weights + tokenizer and of the text projection, the weights mode (bf16 / nf4),
 the token budget, the compute dtype and :data:`FORMAT_VERSION`. A cache keyed on the prompt
-alone serves stale embeddings after a model or precision change (WanVideoWrapper #2046, see
-``shared/notes/peers.md`` §3); the full key is DESIGN.md §4.
+alone serves stale embeddings after a model or precision change (kijai/ComfyUI-WanVideoWrapper
+issue #2046); :class:`CacheKeyParts` holds the rest of the key.
 
 Not in the key: what changes an embedding only at the compute dtype's rounding, as kernels do
 (the batch size and padding, the attention kernel, ``torch.compile`` of the layers, the
@@ -36,7 +36,7 @@ _KEY_DOMAIN = "ltx_mgpu.text.cache"
 
 @dataclass(frozen=True)
 class CacheKeyParts:
-    """Everything besides the prompt that determines an embedding (DESIGN.md §4).
+    """Everything besides the prompt that determines an embedding.
 
     Attributes:
         gemma_identity: content digest of the Gemma 3 weights and tokenizer

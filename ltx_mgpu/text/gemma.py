@@ -8,8 +8,8 @@ and prompts tokenized by ``ltx_mgpu.text.tokenizer``. Their public names are re-
 Both bf16 sources go through transformers' own ``from_pretrained`` loader (meta-device init,
 weights assigned, RoPE ``inv_freq`` buffers computed in fp32), and every load is checked for
 missing text-tower keys: ``Gemma3TextModel.from_pretrained(<multimodal dir>)`` otherwise
-*silently* initialises random weights (../shared/notes/gemma-nf4.md §3.2). NF4 (an artifact, or
-``weights="nf4"``) is dispatched to ``ltx_mgpu.text.nf4``.
+*silently* initialises random weights. NF4 (an artifact, or ``weights="nf4"``) is dispatched
+to ``ltx_mgpu.text.nf4``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ __all__ = [
     "tokenizer_from_spm",
 ]
 
-#: Multimodal / text-only prefixes stripped to reach Gemma3TextModel keys (gemma-nf4.md §3.2).
+#: Multimodal / text-only prefixes stripped to reach Gemma3TextModel keys.
 _SNAPSHOT_KEY_MAPPING = {r"^(?:language_model\.model|model\.language_model|model)\.": ""}
 _TEXT_KEY = re.compile(r"^(?:layers\.\d+\.|embed_tokens\.|norm\.)")
 _COMFY_AUX_SUFFIXES = (".weight_scale", ".scale_weight", ".input_scale", ".scale_input", ".comfy_quant")

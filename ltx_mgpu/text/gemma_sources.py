@@ -281,8 +281,8 @@ def gemma3_text_config(
 ) -> Any:
     """A ``Gemma3TextConfig`` with the given dimensions and Gemma 3 12B's other settings.
 
-    Defaults are Gemma 3 12B's (google/gemma-3-12b-it ``config.json``, quoted in
-    ../shared/notes/gemma-nf4.md §3.4-3.5, and ComfyUI's ``Gemma3_12B_Config``): sliding window
+    Defaults are Gemma 3 12B's (google/gemma-3-12b-it ``config.json``, and ComfyUI's
+    ``Gemma3_12B_Config`` in ``comfy/text_encoders/llama.py``): sliding window
     1024, 5 sliding + 1 global layers, RoPE theta 1e6 with linear scaling factor 8 on global
     layers and theta 1e4 on sliding ones, RMSNorm eps 1e-6, ``query_pre_attn_scalar`` = head_dim
     (256 for 12B; ComfyUI scales attention by head_dim), pad 0 / bos 2 / eos [1, 106].

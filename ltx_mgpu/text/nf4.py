@@ -3,7 +3,8 @@
 Settings (always; :data:`QUANT_SETTINGS`): bitsandbytes NF4 (NormalFloat-4, QLoRA, arXiv:2305.14314),
 blocksize 64, double quantization (block scales 8-bit quantized in blocks of 256 around their
 mean), compute dtype **bf16**: bitsandbytes' default compute dtype is fp32 (slow), and fp16
-gives empty output for Gemma 3 (bitsandbytes issue #1572); ../shared/notes/gemma-nf4.md §1.1.
+gives empty output for Gemma 3 (bitsandbytes issue #1572); the fp32 default is transformers'
+``BitsAndBytesConfig`` (``utils/quantization_config.py``).
 The 7 projections of every decoder layer (:data:`PROJECTIONS`, ~91 % of Gemma 3 12B's text
 parameters) are NF4; the embedding and the RMSNorm weights stay bf16; vision tower, projector
 and ``lm_head`` (tied to the embedding) are neither read nor stored.
@@ -22,15 +23,16 @@ Three ways in, one result:
 CPU kernel path: every ``Linear4bit`` gets ``support_avx512bf16_for_cpu = False``. On
 AVX512-BF16 CPUs bitsandbytes otherwise repacks the weights on the first forward, and its
 inverse (run by ``state_dict``, ``.cuda()``) is lossy: a save after a forward is corrupted
-(notes §2.2, bitsandbytes #2078); the results also depend on the CPU. The generic path
-(dequantize, then ``F.linear``) is the same on every CPU, and was the faster one on Gemma 3 270M
-(2.28 s vs 3.15 s, notes §2.4). GPUs are unaffected.
+(bitsandbytes #2078); the results also depend on the CPU. The generic path (dequantize, then
+``F.linear``) is the same on every CPU, and was the faster one on Gemma 3 270M (2.28 s vs
+3.15 s, 2 prompts x 1024 tokens on 2 threads). GPUs are unaffected.
 
 After loading, a probe prompt is encoded and any non-finite hidden state is an error.
 
 Fidelity on the real Gemma 3 270M (tests/test_nf4.py; mean per-token cosine NF4 vs bf16): >= 0.992
 for every decoder layer's output, 0.961 for the final post-RMSNorm state (its gains amplify the
-last layer's error; notes §6 found 0.960), 0.995 for the LTX-2.3 feature extractor's output.
+last layer's error; an earlier CPU run found 0.960), 0.995 for the LTX-2.3 feature extractor's
+output.
 Prefill speed-ups over bitsandbytes' per-Linear path live in ``ltx_mgpu.text.nf4_dequant``.
 """
 
@@ -311,7 +313,7 @@ def save_nf4(tower: GemmaTextTower, out_dir: str | os.PathLike, *, shard_bytes: 
 
     Raises:
         ValueError: ``tower`` is not NF4, or a weight is in bitsandbytes' AVX512-BF16 packed
-            CPU layout (its inverse is lossy; notes §2.2).
+            CPU layout (its inverse is lossy).
         FileExistsError: ``out_dir`` exists.
     """
     from bitsandbytes.nn import Params4bit

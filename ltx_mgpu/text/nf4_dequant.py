@@ -2,9 +2,9 @@
 
 On H100/H200, bitsandbytes runs every NF4 ``Linear4bit`` of a prefill (M = B x 1024 tokens) as
 "dequantize the whole weight to bf16, then cuBLAS GEMM" (``_gemm_4bit_use_custom_cuda`` never
-picks its fused kernel for M > 512; ../shared/notes/gemma-nf4.md §7.1), per Linear, with the
-double-quant scales dequantized by separate kernels each time: 336 x ~4 launches plus the
-Python of ``Linear4bit.forward`` / ``matmul_4bit`` per forward of Gemma 3 12B.
+picks its fused kernel for M > 512; bitsandbytes 0.50.2's ``backends/cuda/ops.py``), per
+Linear, with the double-quant scales dequantized by separate kernels each time: 336 x ~4
+launches plus the Python of ``Linear4bit.forward`` / ``matmul_4bit`` per forward of Gemma 3 12B.
 
 * **(a) dequantize per layer into a reused buffer** (``scope="layer"``): a forward pre-hook on
   each decoder layer dequantizes its 7 projection weights into views of one flat bf16 buffer
@@ -15,7 +15,7 @@ Python of ``Linear4bit.forward`` / ``matmul_4bit`` per forward of Gemma 3 12B.
   projection) on a side CUDA stream while the current one computes (a compute-bound prefill
   GEMM leaves HBM bandwidth idle).
 * **(b) the byte-LUT dequant** (``method="lut"``): a ``[256, 2]`` float32 table whose row ``b``
-  holds ``(code[b >> 4], code[b & 15])`` (element 2i is the high nibble; notes §5.2-5.3), so one
+  holds ``(code[b >> 4], code[b & 15])`` (element 2i is the high nibble), so one
   gather per packed byte yields both values, times the block's scale. Bit-exact with
   bitsandbytes (float32 table and multiply, then one rounding to bf16). ``"lut_compiled"`` runs
   the same function through ``torch.compile`` (Inductor fuses the scale dequant, the gather, the

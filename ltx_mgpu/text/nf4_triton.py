@@ -10,8 +10,8 @@ launch dequantizes all 7 projections of a decoder layer, double-quantized scales
 written) against 0.51-0.83 ms for bitsandbytes in the same runs (``benchmarks/bench_nf4.py``,
 "dequant one layer"), and the loader's NF4 encode at 1x1024 tokens came to 1.21x our bf16.
 
-The arithmetic is bitsandbytes', step for step (``../shared/notes/gemma-nf4.md`` §5;
-``bitsandbytes.functional.dequantize_4bit``), so the output is bit-identical:
+The arithmetic is bitsandbytes', step for step (``bitsandbytes.functional.dequantize_4bit``),
+so the output is bit-identical:
 
 * block scale ``s = code2[qabsmax[b]] * absmax2[b // blocksize2]`` (float32 multiply, the
   8-bit ``dequantize_blockwise``), then ``s = s + offset`` (a separate float32 add: the kernel

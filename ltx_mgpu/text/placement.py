@@ -1,16 +1,16 @@
 """Where Gemma runs in a multi-process job, and how every rank ends up holding every embedding.
 
-Placements (DESIGN.md §4), orthogonal to the weights mode (``bf16`` / ``nf4``, passed through
-to :func:`ltx_mgpu.text.gemma.load_gemma_text_tower`):
+Placements, orthogonal to the weights mode (``bf16`` / ``nf4``, passed through to
+:func:`ltx_mgpu.text.gemma.load_gemma_text_tower`):
 
 * ``single``: rank 0 holds Gemma and encodes every prompt.
 * ``accelerate``: rank 0 holds Gemma with its decoder layers spread over the given devices
   (Accelerate ``dispatch_model`` hooks move activations between them; execution is sequential,
-  so this buys memory, not speed: ../shared/notes/gemma-nf4.md §8.3). The split is explicit
-  (``ltx_mgpu.text.sharding``), not ``device_map="balanced"``, which leaves GPUs unused for
-  Gemma 3 12B (notes §8.1): every device gets at least one decoder layer and the bytes are
-  spread in proportion to a per-device budget (even by default). With one device (a CPU pool)
-  the whole tower sits on it, still behind the same hooks.
+  so this buys memory, not speed). The split is explicit (``ltx_mgpu.text.sharding``), not
+  ``device_map="balanced"``, which leaves GPUs unused for Gemma 3 12B (``ltx_mgpu.text.sharding``
+  says why): every device gets at least one decoder layer and the bytes are spread in
+  proportion to a per-device budget (even by default). With one device (a CPU pool) the whole
+  tower sits on it, still behind the same hooks.
 * ``batch_parallel``: every rank holds a replica; the prompt list is cut into contiguous
   slices, the remainder going to the first ranks (:func:`split_contiguous`).
 
@@ -219,7 +219,7 @@ def load_prompt_encoder(gemma: str, projection: str, *, weights: str = "bf16", d
     dtype (float32 on CPU, as ``TextEncoderSpec.build``). The staging device is the CPU for bf16
     weights (host memory: the whole model once, 24 GB for 12B; ``load_gemma_text_tower`` places
     a model on one device) and the first shard device for NF4 (7.6 GB for 12B: NF4 is quantized
-    on the device type that runs it, ../shared/notes/gemma-nf4.md §10).
+    on the device type that runs it).
 
     Returns:
         ``(encoder, device_map or None)``.

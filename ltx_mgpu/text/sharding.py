@@ -2,11 +2,11 @@
 
 ``device_map="balanced"`` leaves GPUs unused for Gemma 3 12B (it gives each GPU but the last
 ``total/n + 1.25 x largest leaf``, and the 2 GB embedding is the largest leaf: 4 GPUs fill 3,
-8 fill 5; ../shared/notes/gemma-nf4.md §8.1). This module computes an explicit device map
-instead: contiguous decoder-layer groups, at least one layer per device, bytes spread in
-proportion to a per-device budget (even by default), then dispatches the model with
-Accelerate's hooks, which carry activations across devices. Execution stays sequential
-(notes §8.3): the split buys memory, not speed.
+8 fill 5; accelerate's ``get_balanced_memory``, ``accelerate/utils/modeling.py``). This
+module computes an explicit device map instead: contiguous decoder-layer groups, at least one
+layer per device, bytes spread in proportion to a per-device budget (even by default), then
+dispatches the model with Accelerate's hooks, which carry activations across devices.
+Execution stays sequential: the split buys memory, not speed.
 """
 
 from __future__ import annotations
