@@ -269,7 +269,9 @@ def main(argv=None) -> int:
         results["nf4"]["resident_bytes"] = resident
         print(f"load_nf4: {results['nf4']['load_seconds']:.1f} s, resident {_gb(resident)} "
               f"(bf16 was {_gb(resident_bf16)})", flush=True)
-        encoder = PromptEncoder(nf4, projection)
+        # the variants swap the model's Linear modules under one encoder: eager, since CUDA graphs
+        # bake in the kernels and weight addresses of the model they captured
+        encoder = PromptEncoder(nf4, projection, cuda_graphs=False)
 
         # ---- 4. variants
         base_features = None
@@ -347,8 +349,8 @@ def main(argv=None) -> int:
             def carved(k, ids, mask):
                 def run():
                     torch._C._set_sm_carveout_experimental(k)
-                    try:
-                        return encoder.encode_tokens(ids, mask)
+                    try:  # eager: a graph replays the kernels it captured, without the carve-out
+                        return nf4_eager.encode_tokens(ids, mask)
                     finally:
                         torch._C._set_sm_carveout_experimental(None)
                 return run

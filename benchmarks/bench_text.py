@@ -94,9 +94,10 @@ def main(argv=None) -> int:
     use_causal_skip(ours_model)
     tower = GemmaTextTower(model=ours_model, tokenizer=None, config=ours_model.config, format="random",
                            path=Path("random-12b"))
-    encoder = PromptEncoder(tower, projection)
+    # eager forwards (CUDA graphs, ltx_mgpu.text.graphs, are timed by bench_nf4's head to head)
+    encoder = PromptEncoder(tower, projection, cuda_graphs=False)
     stock = PromptEncoder(GemmaTextTower(model=model, tokenizer=None, config=config, format="random",
-                                         path=Path("random-12b")), projection)
+                                         path=Path("random-12b")), projection, cuda_graphs=False)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "layers": dims["layers"], "tokens": args.tokens,
                "model_build_seconds": build_s, "variants": {}}

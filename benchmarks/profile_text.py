@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     ids = torch.randint(4, GEMMA_12B["vocab"], (args.batch, args.tokens))
     mask = torch.ones_like(ids)
     if not args.no_eager:
-        stages("eager", PromptEncoder(tower, proj), ids, mask, args.rows)
+        stages("eager", PromptEncoder(tower, proj, cuda_graphs=False), ids, mask, args.rows)
     if args.compile:
         mode, _, scope = args.compile.partition("@")
         enc = PromptEncoder(compile_text_tower(tower, scope=scope or "layers", mode=mode, dynamic=False), proj)

@@ -222,3 +222,25 @@ def test_a_12b_shaped_width_is_graphed_by_default():
                            num_layers=tower.num_hidden_states)
     enc = PromptEncoder(tower, proj)
     assert enc.graphs is not None and enc.graphs.width(1000) == 1024 and BUCKET == 64 and MAX_TOKENS == 1024
+
+
+def test_a_failed_capture_falls_back_to_eager_on_the_callers_stream():
+    """A forward that cannot be captured (here: a host sync inside it) disables the graphs with
+    the first error as the reason, leaves the caller's stream current, and encodes eagerly.
+    (Last in this file: it makes CUDA fail a capture on purpose.)"""
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
+    eager, graphed = _graph_encoders(tower)
+    runner = graphed.graphs
+    original = runner._forward
+
+    def syncing(g):
+        original(g)
+        torch.ones(1, device="cuda").item()  # a host sync: not allowed while capturing
+
+    runner._forward = syncing
+    before = torch.cuda.current_stream()
+    ids, mask, _ = tokenize(tower, ["a cat"])
+    assert runner.run(ids, mask) is None
+    assert runner.disabled and runner.shapes == [] and torch.cuda.current_stream() == before
+    for e, g in zip(eager.encode(GRAPH_PROMPTS), graphed.encode(GRAPH_PROMPTS)):
+        torch.testing.assert_close(g.tensor, e.tensor, rtol=0.02, atol=0.02)

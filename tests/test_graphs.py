@@ -131,3 +131,34 @@ def test_which_towers_are_graphed(tower, monkeypatch):
     for value, on in (("0", False), ("off", False), ("1", True), ("", True)):
         monkeypatch.setenv(graphs.ENV, value)
         assert graphs.graphs_enabled() is on
+
+
+def test_the_graphed_forward_runs_causal_kernels_without_a_mask_even_while_capturing(tower, monkeypatch):
+    """During a CUDA-graph capture transformers' is_tracing() is true and its mask builder would
+    make a [B, 1, W, W] mask; the graphed forward passes "no mask" for every layer type instead."""
+    import torch.nn.functional as F
+    import transformers.masking_utils as masking
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)
+    ids, mask, _ = tokenize(tower, PROMPTS)
+    got = _runner(tower).run(ids, mask)
+    assert calls and set(calls) == {(True, True)}
+    monkeypatch.undo()
+    _assert_real_tokens_equal(got, run_tower(tower, ids, mask), got.attention_mask)
+
+
+def test_clear_drops_the_graphs_and_the_buffer(tower):
+    runner = _runner(tower)
+    ids, mask, _ = tokenize(tower, PROMPTS)
+    runner.run(ids, mask)
+    assert runner.shapes and runner._buffer is not None
+    runner.clear()
+    assert runner.shapes == [] and runner._buffer is None
+    assert runner.run(ids, mask) is not None and runner.shapes

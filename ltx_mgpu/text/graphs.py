@@ -22,8 +22,9 @@ How a batch is laid out for a graph (:class:`TowerGraphs`):
   first capture, then the capture: ~2-3 eager forwards once per shape).
 * **Memory.** Every graph writes its hidden states into one shared buffer of
   ``(L - 1) x max_tokens x D`` elements in the model's dtype (Gemma 3 12B: 377 MB) and takes
-  its intermediates from one shared memory pool; graphs are replayed one at a time and none
-  keeps an output in the pool, so sharing is safe in any replay order. The states handed out
+  its intermediates from one shared memory pool (each layer's output is copied out as it is
+  made, so the pool holds about one layer's activations); graphs are replayed one at a time and
+  none keeps an output in the pool, so sharing is safe in any replay order. The states handed out
   are views of that buffer (or gathered copies for rows of unequal length), valid until the
   next replay: :class:`~ltx_mgpu.text.encoder.PromptEncoder` consumes them under its lock.
 
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ltx_mgpu.text.forward import HostEmbedding, TowerOutput, _forward_collecting, layers_device
+from ltx_mgpu.text.forward import HostEmbedding, TowerOutput, layers_device
 
 if TYPE_CHECKING:  # pragma: no cover
     from ltx_mgpu.text.gemma import GemmaTextTower
@@ -120,6 +121,7 @@ class TowerGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._buffer: torch.Tensor | None = None  # [L - 1, max_tokens * D]
         self._pool = None
+        self._stream = None  # the capture stream, on self.device
         self._warm = False
         self.disabled: str | None = None  # why capturing failed (then every batch runs eagerly)
 
@@ -187,51 +189,80 @@ class TowerGraphs:
         return TowerOutput(states, mask[:, t - m:], t - m)
 
     def _forward(self, g: _Graph) -> None:
-        """The forward a graph holds: the decoder stack on the static inputs, its hidden states
-        copied into the shared buffer (nothing the caller reads stays in the graph's pool)."""
-        out = _forward_collecting(self.model, inputs_embeds=g.embeds, position_ids=g.positions,
-                                  attention_mask=None, use_cache=False)
-        for dst, src in zip(g.states[1:], out[1:]):
-            dst.copy_(src)
+        """The forward a graph holds: the decoder stack on the static inputs, each layer's output
+        copied into the shared buffer as it is made (so the graph's pool holds one layer's
+        activations, not all ``L`` states) and the final-normed output after it.
+
+        The attention masks are given as "none" for every layer type: during a capture
+        transformers' ``is_tracing()`` is true and its mask builder would materialise a causal
+        ``[B, 1, W, W]`` mask; with the filler after the real tokens no mask is needed
+        (``W <= sliding_window``: the window excludes nothing), so every layer takes SDPA's
+        ``is_causal`` kernels, in the capture as eagerly."""
+        model = self.model
+        layers = model.layers
+        hooks = [layer.register_forward_hook(
+            lambda m, args, out, dst=dst: dst.copy_(out[0] if isinstance(out, tuple) else out))
+            for layer, dst in zip(layers[:-1], g.states[1:-1])]
+        try:
+            out = model(inputs_embeds=g.embeds, position_ids=g.positions, use_cache=False,
+                        attention_mask={t: None for t in set(model.config.layer_types)})
+        finally:
+            for h in hooks:
+                h.remove()
+        g.states[-1].copy_(out.last_hidden_state)
 
     def _new(self, b: int, w: int) -> _Graph | None:
         d = int(self.tower.config.hidden_size)
         dtype = self.model.get_input_embeddings().weight.dtype
         n_states = int(self.tower.config.num_hidden_layers) + 1
-        if self._buffer is None:
-            self._buffer = torch.empty((n_states - 1, self.max_tokens * d), dtype=dtype, device=self.device)
-        g = _Graph(embeds=torch.zeros((b, w, d), dtype=dtype, device=self.device),
-                   positions=torch.arange(w, device=self.device).expand(b, w).contiguous(), states=())
-        g.states = (g.embeds, *(self._buffer[i, :b * w * d].view(b, w, d) for i in range(n_states - 1)))
-        if self.capture:
-            try:
+        try:
+            if self._buffer is None:
+                self._buffer = torch.empty((n_states - 1, self.max_tokens * d), dtype=dtype, device=self.device)
+            g = _Graph(embeds=torch.zeros((b, w, d), dtype=dtype, device=self.device),
+                       positions=torch.arange(w, device=self.device).expand(b, w).contiguous(), states=())
+            g.states = (g.embeds, *(self._buffer[i, :b * w * d].view(b, w, d) for i in range(n_states - 1)))
+            if self.capture:
                 g.graph = self._capture(g)
-            except Exception as e:  # a kernel or library that cannot be captured: eager from here on
-                self.disabled = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.warning("CUDA graph capture of Gemma failed (%s); encoding eagerly from now on", self.disabled)
-                self._graphs.clear()
-                self._buffer = None
-                return None
+        except Exception as e:  # out of memory, or a kernel or library that cannot be captured: eager from here on
+            cause = e.__context__ if isinstance(e.__context__, Exception) else e  # a failed capture's first error
+            text = str(cause).strip()
+            self.disabled = f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+            log.warning("CUDA graph capture of Gemma failed (%s); encoding eagerly from now on", self.disabled)
+            self.clear()
+            return None
         self._graphs[(b, w)] = g
         return g
+
+    def clear(self) -> None:
+        """Drop every graph, the shared buffer and the pool (new shapes capture again). Needed
+        after changing the model (its kernels and weight addresses are baked into the graphs)."""
+        self._graphs.clear()
+        self._buffer = None
+        self._pool = None
+        self._warm = False
 
     def _capture(self, g: _Graph) -> Any:
         """Capture :meth:`_forward` on ``g``'s buffers (after one warm-up forward on a side
         stream the first time: cuBLAS handles, Triton compilation and other lazy set-up must
         not happen inside a capture)."""
         with torch.cuda.device(self.device), torch.inference_mode():
-            if not self._warm:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
+            current = torch.cuda.current_stream(self.device)
+            if self._stream is None:  # this device's own: torch's default capture stream is per process
+                self._stream = torch.cuda.Stream(self.device)
+            try:
+                if not self._warm:
+                    self._stream.wait_stream(current)
+                    with torch.cuda.stream(self._stream):
+                        self._forward(g)
+                    current.wait_stream(self._stream)
+                    self._warm = True
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: other threads of the process (ComfyUI's) may keep using CUDA meanwhile
+                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                     self._forward(g)
-                torch.cuda.current_stream().wait_stream(side)
-                self._warm = True
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads of the process (ComfyUI's) may keep using CUDA meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._forward(g)
+            finally:  # a capture that fails inside may leave its stream current
+                torch.cuda.set_stream(current)
         log.info("captured a CUDA graph of Gemma for %d x %d tokens", *g.embeds.shape[:2])
         return graph
