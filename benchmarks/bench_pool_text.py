@@ -111,7 +111,7 @@ def _max_diff(a, b) -> float:
 def bench_weights(weights: str, args, gemma: Path, projection: Path, device: torch.device, client,
                   prompt_sets: dict[int, list[str]], results: dict) -> None:
     from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, ensure_text_encoder, upcast
-    from ltx_mgpu.text.encoder import TextEncoderSpec
+    from ltx_mgpu.text.spec import TextEncoderSpec
 
     row = results["weights"][weights] = {}
     spec = TextEncoderSpec(str(gemma), str(projection), weights=weights, device=str(device), dtype="bfloat16")

@@ -147,7 +147,7 @@ def cache_rows(runs: int = 5) -> list[Row]:
     warm-up) vs reading it back from an :class:`~ltx_mgpu.text.cache.EmbeddingCache` (median of 20)."""
     from ltx_mgpu.generate_request import GenerateRequest, resolve_models
     from ltx_mgpu.text.cache import EmbeddingCache
-    from ltx_mgpu.text.encoder import TextEncoderSpec
+    from ltx_mgpu.text.spec import TextEncoderSpec
 
     models = resolve_models(GenerateRequest(prompt=PROMPT))
     spec = TextEncoderSpec(gemma=models.gemma(), projection=models.projection, device="cpu")

@@ -59,7 +59,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _encode(args: argparse.Namespace, spec, prompts: list[str], cache):
     """``encode``'s work: in the pool (``--pool``) or in this process; ``(embeddings, report)``."""
-    from ltx_mgpu.text.encoder import encode_prompts
+    from ltx_mgpu.text.spec import encode_prompts
 
     if args.pool:
         from ltx_mgpu.pool.commands import cli_gpus
@@ -82,7 +82,7 @@ def _encode(args: argparse.Namespace, spec, prompts: list[str], cache):
 
 def _cmd_encode(args: argparse.Namespace) -> int:
     from ltx_mgpu.text.cache import EmbeddingCache, default_cache_dir
-    from ltx_mgpu.text.encoder import TextEncoderSpec
+    from ltx_mgpu.text.spec import TextEncoderSpec
     from ltx_mgpu.files import check_output_path
     from ltx_mgpu.text.embedding_files import save_embeddings
 

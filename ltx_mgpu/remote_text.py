@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from ltx_mgpu.text.cache import CacheKeyParts, CacheReport, EmbeddingCache, encode_cached
-from ltx_mgpu.text.encoder import TextEncoderSpec, parse_dtype
+from ltx_mgpu.text.encoder import parse_dtype
+from ltx_mgpu.text.spec import TextEncoderSpec
 from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
 from ltx_mgpu.text.placement import COMPILE_ACCELERATE, PLACEMENTS
 
@@ -243,7 +244,7 @@ def encode_prompts(client: PoolClient, encoder: PoolTextEncoder | TextEncoderSpe
     if cache is not None:
         out = encode_cached(cache, prompts, parts, encode_remote, request_size)
         if not encoder.truncate:
-            from ltx_mgpu.text.encoder import check_not_truncated
+            from ltx_mgpu.text.spec import check_not_truncated
 
             check_not_truncated(out[0], encoder.token_budget)
         return out

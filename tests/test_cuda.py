@@ -144,7 +144,7 @@ def test_loader_default_triton_layer_dequant_equals_bitsandbytes_layer_dequant()
 def test_a_compiled_spec_on_cuda_encodes_as_the_eager_one_to_bf16_rounding():
     """TextEncoderSpec(compile=True) on a GPU in bf16 (Inductor's Triton kernels): the embeddings of
     two batch lengths equal the eager ones within bf16 tolerance."""
-    from ltx_mgpu.text.encoder import TextEncoderSpec
+    from ltx_mgpu.text.spec import TextEncoderSpec
 
     gemma, ckpt = tiny_gemma_dir(), tiny_ltx_checkpoint("2.3")
     eager = TextEncoderSpec(gemma, ckpt, device="cuda").build()

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ltx_mgpu.text.cache import EmbeddingCache
-from ltx_mgpu.text.encoder import PromptEncoder, TextEncoderSpec, encode_prompts
+from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.spec import TextEncoderSpec, encode_prompts
 from ltx_mgpu.text.embedding_files import load_embeddings
 from ltx_mgpu.text.features import load_projection
 from ltx_mgpu.text.gemma import PromptTooLongError, load_gemma_text_tower

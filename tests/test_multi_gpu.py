@@ -16,7 +16,7 @@ from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.denoise.sampler import sample
 from ltx_mgpu.remote_denoise import remote_load_transformer, remote_sample
 from ltx_mgpu.remote_text import PoolTextEncoder
-from ltx_mgpu.text.encoder import TextEncoderSpec
+from ltx_mgpu.text.spec import TextEncoderSpec
 from pool_support import cleanup, short_dir
 from text_pool_support import PROMPTS, check, encode
 

@@ -42,7 +42,7 @@ def test_dispatch_and_bad_arguments(tiny_gemma_dir, artifact, tmp_path):
 
 def test_cache_never_mixes_nf4_and_bf16(tiny_gemma_dir, artifact, tiny_ltx_23, tmp_path):
     from ltx_mgpu.text.cache import EmbeddingCache, cache_key
-    from ltx_mgpu.text.encoder import TextEncoderSpec, encode_prompts
+    from ltx_mgpu.text.spec import TextEncoderSpec, encode_prompts
 
     specs = {
         "bf16": TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, weights="bf16"),

@@ -15,9 +15,9 @@ from ltx_mgpu.client import PoolClient, PoolError
 from ltx_mgpu.pool import launch
 from ltx_mgpu.remote_text import PoolTextEncoder, encode_prompts
 from ltx_mgpu.text.cache import EmbeddingCache
-from ltx_mgpu.text.encoder import TextEncoderSpec
+from ltx_mgpu.text.spec import TextEncoderSpec
 from ltx_mgpu.text.embedding_files import load_embeddings
-from ltx_mgpu.text.encoder import encode_prompts as encode_in_process
+from ltx_mgpu.text.spec import encode_prompts as encode_in_process
 from pool_support import cleanup, pool_pids, short_dir, wait_all_gone
 from text_pool_support import PROMPTS, check, encode, reference
 

@@ -10,7 +10,7 @@ import torch
 
 from ltx_mgpu.client import PoolClient
 from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, encode_prompts, upcast
-from ltx_mgpu.text.encoder import TextEncoderSpec
+from ltx_mgpu.text.spec import TextEncoderSpec
 from pool_support import cleanup, pool_pids, running, short_dir
 from text_pool_support import PROMPTS, encode, reference
 

@@ -8,7 +8,7 @@ import hashlib
 import torch
 
 from ltx_mgpu.remote_text import embeddings_from_result
-from ltx_mgpu.text.encoder import TextEncoderSpec
+from ltx_mgpu.text.spec import TextEncoderSpec
 
 PROMPTS = [
     "a red fox running through snow at dawn",

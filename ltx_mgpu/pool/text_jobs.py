@@ -32,7 +32,8 @@ import torch
 from ltx_mgpu import protocol
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.text import placement as tp
-from ltx_mgpu.text.encoder import COMPILE_NF4, PromptEncoder, parse_dtype
+from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
+from ltx_mgpu.text.spec import COMPILE_NF4
 from ltx_mgpu.text.features import TOKEN_BUDGET
 from ltx_mgpu.text.sharding import describe_device_map
 

@@ -38,7 +38,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ltx_mgpu.text.encoder import PromptEncoder, TextEncoderSpec, parse_dtype
+from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
+from ltx_mgpu.text.spec import TextEncoderSpec
 from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
 from ltx_mgpu.text.sharding import dispatch_text_tower
 
