@@ -83,7 +83,7 @@ def _encode(args: argparse.Namespace, spec, prompts: list[str], cache):
 def _cmd_encode(args: argparse.Namespace) -> int:
     from ltx_mgpu.text.cache import EmbeddingCache, default_cache_dir
     from ltx_mgpu.text.spec import TextEncoderSpec
-    from ltx_mgpu.files import check_output_path
+    from ltx_mgpu.files import check_directory_setting, check_output_path
     from ltx_mgpu.text.embedding_files import save_embeddings
 
     prompts = _read_prompts(args)
@@ -94,6 +94,11 @@ def _cmd_encode(args: argparse.Namespace) -> int:
                          "checkpoint or projection file made for it), or neither for the embedded default")
     _check_device(args.device)
     check_output_path(args.out)  # before any encode; missing directories are made when it is written
+    if Path(args.out).suffix.lower() != ".safetensors":
+        raise ValueError(f"--out {args.out}: embeddings are written as safetensors; give a name ending in "
+                         ".safetensors")
+    if args.cache:
+        check_directory_setting(args.cache, "--cache")
     if not args.pool and (args.gpus is not None or args.nproc is not None or args.placement != "single"):
         raise ValueError("--gpus, --nproc and --placement choose the pool's ranks: add --pool (without it, "
                          "encode runs in this process on --device)")
@@ -143,6 +148,7 @@ def _peak_rss() -> int:
 def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
     import time
 
+    from ltx_mgpu.files import check_directory_setting
     from ltx_mgpu.text.nf4 import quantize_nf4
     from ltx_mgpu.text.nf4_artifact import artifact_bytes, read_manifest
 
@@ -150,6 +156,10 @@ def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
         return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
     _check_device(args.device)
+    if Path(args.out_dir).exists():
+        raise ValueError(f"OUT_DIR {args.out_dir} already exists: give a new directory name (the artifact is "
+                         "written to a temporary directory and renamed to it at the end)")
+    check_directory_setting(args.out_dir, "OUT_DIR")  # no file in its path; the directory is made
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     try:
@@ -164,7 +174,8 @@ def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
     print(f"wrote NF4 artifact {out}: {size(artifact_bytes(out))} in {len(manifest['files'])} shard(s), "
           f"{n_nf4} NF4 projection weights, quantized on {manifest['quantization']['device']} in {seconds:.1f} s")
     print(f"peak RSS of this process: {size(peak)} (before quantizing: {size(rss_before)})")
-    print(f"use it with: python -m ltx_mgpu encode --gemma {out} ...")
+    print(f"use it with: python -m ltx_mgpu encode --gemma {out} --projection <LTX-2 checkpoint or projection "
+          "file> --prompt ...  (or generate --gemma ... --checkpoint ...)")
     return 0
 
 
@@ -189,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "with --gemma)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a text file, one prompt per line")
-    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--out", required=True, help="output .safetensors file (missing directories are made)")
     p.add_argument("--cache", help="embedding cache directory (default: see README)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per Gemma forward (default 8)")

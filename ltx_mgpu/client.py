@@ -126,7 +126,7 @@ class PoolClient:
             if self._sock is not None or self._fatal:
                 self._reap()
             if self.start and not self.dir.is_dir():  # no pool there: refuse GPUs torch cannot see before
-                launch.require_cuda(self.spec)  # the lock makes the directory
+                launch.check_startable(self.spec)  # the lock makes the directory
             with launch.launch_lock(self.dir, timeout=self.startup_timeout + 60):
                 info = launch.find_live_pool(self.dir)
                 if info is not None:

@@ -83,6 +83,28 @@ def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
     return path
 
 
+def check_directory_setting(path: str | os.PathLike, what: str) -> Path:
+    """Check that a directory setting (a cache, home or runtime directory, made on first use)
+    names a directory or a place where one can be made.
+
+    Args:
+        what: how the user gave it, for the message (``"--cache"``, ``"$LTX_MGPU_HOME"``...).
+
+    Returns:
+        ``path`` as a ``Path`` (``~`` expanded).
+
+    Raises:
+        ValueError: ``"<what> <path>: <component> is a file, not a directory; ..."``.
+    """
+    path = Path(path).expanduser()
+    at = path
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if at.exists() and not at.is_dir():
+        raise ValueError(f"{what} {path}: {at} is a file, not a directory; give a directory (it is made if missing)")
+    return path
+
+
 def make_parent(path: str | os.PathLike) -> Path:
     """Create ``path``'s directory (and missing parents) and return ``path`` as a ``Path``."""
     path = Path(path)

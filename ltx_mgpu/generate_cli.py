@@ -130,7 +130,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help=f"denoising steps (default {d.steps})")
     p.add_argument("--cfg", type=float, default=d.cfg, help=f"guidance scale; 1 = no negative pass (default {d.cfg:g})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"noise seed, as ComfyUI's (default {d.seed})")
-    p.add_argument("--out", default=d.out, help="output MP4; latents go to <out>.latents.safetensors beside it")
+    p.add_argument("--out", default=d.out, help="output MP4 (default %(default)s); latents go to <out>.latents.safetensors beside it; "
+                                                     "missing directories are made")
     p.add_argument("--checkpoint", help="LTX-2 checkpoint (models/checkpoints/ltx-2*.safetensors)")
     p.add_argument("--gemma", help="Gemma 3 12B: HF snapshot dir, ComfyUI single file or NF4 artifact dir")
     p.add_argument("--projection", help="text projection file when --checkpoint has none (transformer-only files)")

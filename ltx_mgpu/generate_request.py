@@ -15,7 +15,7 @@ import torch
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
 from ltx_mgpu.decode import AudioGeometry
-from ltx_mgpu.files import check_output_path
+from ltx_mgpu.files import check_directory_setting, check_output_path
 
 __all__ = ["DEFAULT_NEGATIVE", "EMBEDDED_GEMMA", "GenerateRequest", "ResolvedModels", "TINY_NOTICE",
            "empty_av_latent", "pool_spec_for", "resolve_models", "validate_request", "world_size_for"]
@@ -132,6 +132,10 @@ def validate_request(req: GenerateRequest) -> None:
         raise ValueError(f"{given} was given without {missing}: pass both (the LTX-2 checkpoint and its Gemma 3), "
                          "or neither for the embedded default")
     check_output_path(req.out)  # missing directories are made when the outputs are written
+    if req.cache_dir:
+        check_directory_setting(req.cache_dir, "--cache")
+    if req.runtime_dir:
+        check_directory_setting(req.runtime_dir, "--runtime-dir")
     if Path(req.out).suffix.lower() != ".mp4":
         raise ValueError(f"--out {req.out}: the video is written as MP4 (H.264); give a name ending in .mp4")
 

@@ -33,10 +33,16 @@ T = TypeVar("T")
 
 def home_dir() -> Path:
     """ltx_mgpu's per-user state directory: ``$LTX_MGPU_HOME`` or ``$XDG_CACHE_HOME/ltx_mgpu``
-    (``~/.cache/ltx_mgpu``)."""
+    (``~/.cache/ltx_mgpu``).
+
+    Raises:
+        ValueError: ``$LTX_MGPU_HOME`` names a file (or a path under one).
+    """
     env = os.environ.get("LTX_MGPU_HOME")
     if env:
-        return Path(env).expanduser()
+        from ltx_mgpu.files import check_directory_setting
+
+        return check_directory_setting(env, "$LTX_MGPU_HOME")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ltx_mgpu"
 

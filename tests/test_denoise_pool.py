@@ -183,7 +183,7 @@ def test_heads_not_divisible_by_three_ranks_is_bad_input_and_the_pool_keeps_serv
                 remote_load_transformer(client, str(tiny_ltx_23), dtype="fp32")
             message = str(e.value)
             assert "4 video attention heads and 4 audio attention heads" in message
-            assert "3 GPUs do not divide them" in message and "GPU counts instead: 1, 2, 4" in message
+            assert "3 ranks do not divide them" in message and "rank (GPU) counts instead: 1, 2, 4" in message
             _serving(client, 3)
         assert all(not r["models"] for r in client.status()["ranks"])  # refused before loading weights
     finally:

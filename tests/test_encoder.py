@@ -212,6 +212,7 @@ def test_cli_encode_names_each_mistake_without_a_traceback(tmp_path, tiny_gemma_
          "the embedded Gemma 3 270M pairs with the LTX-2.3 layout, not 2.0"),
         (("--prompt", "x", "--out", str(tmp_path / "afile" / "e.safetensors")), "afile is a file, not a directory"),
         (("--prompt", "x", "--out", str(tmp_path)), "is a directory; give a file name inside it"),
+        (("--prompt", "x", "--out", str(tmp_path / "e.pt")), "give a name ending in .safetensors"),
     ] + ([] if torch.cuda.is_available() else
          [(("--prompt", "x", "--device", "cuda"), "--device cuda: torch sees no CUDA GPU here")]):
         r = encode(*args)

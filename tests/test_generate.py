@@ -131,7 +131,7 @@ def test_bad_requests_fail_before_any_pool_starts(tmp_path, capsys, args, messag
         err = capsys.readouterr().err
         assert rc == 2 and message in err
         if args == ["--gpus", "3"]:
-            assert "Start the pool on one of these GPU counts instead: 1, 2, 4." in err
+            assert "Start the pool on one of these rank (GPU) counts instead: 1, 2, 4." in err
         assert not any(runtime.iterdir())  # no pool directory: nothing was started
         assert not any(p.name != "afile" for p in tmp_path.iterdir())
     finally:
@@ -310,3 +310,36 @@ def test_out_in_a_missing_directory_is_accepted_and_made_when_written(tmp_path):
     assert not out.parent.exists()
     make_parent(req.out)  # what the writer does first
     assert out.parent.is_dir() and req.latents_path.parent == out.parent
+
+
+def test_directory_settings_that_name_a_file_are_refused_with_the_setting_named(tmp_path, monkeypatch, capsys):
+    """A cache, home or runtime directory given as a regular file: one line naming the setting,
+    before any work (a newcomer got NotADirectoryError tracebacks)."""
+    from ltx_mgpu.files import check_directory_setting
+    from ltx_mgpu.identity import home_dir
+    from ltx_mgpu.pool.runtime import runtime_base
+    from ltx_mgpu.text.cache import EmbeddingCache
+    from ltx_mgpu.text.cache_keys import default_cache_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert check_directory_setting(tmp_path / "new" / "dir", "--cache") == tmp_path / "new" / "dir"
+    for what, call in [
+        ("$LTX_MGPU_HOME", lambda: (monkeypatch.setenv("LTX_MGPU_HOME", str(afile)), home_dir())),
+        ("$LTX_MGPU_CACHE_DIR", lambda: (monkeypatch.setenv("LTX_MGPU_CACHE_DIR", str(afile / "sub")), default_cache_dir())),
+        ("$LTX_MGPU_RUNTIME_DIR", lambda: (monkeypatch.setenv("LTX_MGPU_RUNTIME_DIR", str(afile)), runtime_base())),
+        ("runtime directory", lambda: runtime_base(afile)),
+        ("cache directory", lambda: EmbeddingCache(afile)),
+    ]:
+        with pytest.raises(ValueError, match=f"{what.replace('$', '[$]')} .*afile is a file, not a directory"):
+            call()
+        monkeypatch.delenv("LTX_MGPU_HOME", raising=False)
+        monkeypatch.delenv("LTX_MGPU_CACHE_DIR", raising=False)
+        monkeypatch.delenv("LTX_MGPU_RUNTIME_DIR", raising=False)
+    for flag in ("--cache", "--runtime-dir"):
+        rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), flag, str(afile)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{flag} {afile}: {afile} is a file, not a directory" in err and "Traceback" not in err
+    rc = main(["encode", "--prompt", "x", "--out", str(tmp_path / "e.safetensors"), "--cache", str(afile)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--cache {afile}: {afile} is a file" in err

@@ -108,7 +108,7 @@ def test_prompt_encoder_with_graph_layout_equals_eager(tower):
     assert len(graphed.graphs.shapes) >= 2
 
 
-def test_which_towers_are_graphed(tower, monkeypatch):
+def test_which_towers_are_graphed(tower, monkeypatch, caplog):
     assert graphs.ineligible(tower) == "the layers are not on a CUDA device"
     assert graphs.ineligible(tower, capture=False) is None
     proj = load_projection(tiny_ltx_checkpoint("2.3"), num_layers=tower.num_hidden_states)
@@ -131,6 +131,10 @@ def test_which_towers_are_graphed(tower, monkeypatch):
     for value, on in (("0", False), ("off", False), ("1", True), ("", True)):
         monkeypatch.setenv(graphs.ENV, value)
         assert graphs.graphs_enabled() is on
+    monkeypatch.setenv(graphs.ENV, "bogus")
+    with caplog.at_level("WARNING", logger="ltx_mgpu.text.graphs"):
+        assert graphs.graphs_enabled() is True
+    assert "'bogus' is not understood: CUDA graphs stay on (use 0 to turn them off" in caplog.text
 
 
 def test_the_graphed_forward_runs_causal_kernels_without_a_mask_even_while_capturing(tower, monkeypatch):

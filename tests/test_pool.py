@@ -466,3 +466,22 @@ def test_a_cancelled_model_load_is_waited_for_and_returns_while_a_stepped_job_is
     with pytest.raises(client_jobs.PoolFatalError, match="did not stop"):
         stepped.wait(should_cancel=lambda: True, poll_interval=0.02)
     assert len(fake.killed) == 1 and "sample job" in fake.killed[0]
+
+
+def test_a_bad_profile_jobs_value_is_one_clear_error_before_anything_starts(monkeypatch):
+    from pool_support import cleanup, short_dir
+
+    from ltx_mgpu.pool.profiling import profile_jobs_from_env
+
+    assert profile_jobs_from_env({}) == 0 and profile_jobs_from_env({"LTX_MGPU_PROFILE_JOBS": " 3 "}) == 3
+    for bad in ("abc", "-1", "1.5"):
+        with pytest.raises(ValueError, match=r"LTX_MGPU_PROFILE_JOBS='.*': give the number of jobs to profile"):
+            profile_jobs_from_env({"LTX_MGPU_PROFILE_JOBS": bad})
+    base = short_dir()
+    monkeypatch.setenv("LTX_MGPU_PROFILE_JOBS", "abc")
+    try:
+        with pytest.raises(ValueError, match="a whole number"):
+            PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=base, lifetime="with-owner", startup_timeout=60)
+        assert not any(base.iterdir())  # no pool directory: nothing started
+    finally:
+        cleanup(base)

@@ -179,3 +179,12 @@ def test_one_rank_pool_holds_the_encoders_own_tensors(tmp_path, tiny_gemma_dir, 
     ref = reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:2])
     for g, r in zip(got, ref):
         torch.testing.assert_close(g.tensor, r.tensor, rtol=1e-5, atol=1e-5)
+
+
+def test_stop_for_another_rank_count_names_what_runs_and_stops_nothing(pool2, base):
+    """``pool stop --nproc 3`` while a 2-rank pool runs: it says no pool of that set runs and
+    which one does (it said "no pool is running", which was false)."""
+    out = _cli("pool", "stop", "--gpus", "cpu", "--nproc", "3", "--runtime-dir", str(base))
+    assert out.returncode == 0, out.stderr
+    assert f"no pool for --gpus cpu --nproc 3 is running under {base}; running: cpu-2" in out.stdout
+    assert pool2.status()["pool"]["world_size"] == 2  # still serving

@@ -52,9 +52,9 @@ def check_sequence_parallel_config(model: "LTXModel", world_size: int) -> None:
     heads = " and ".join(f"{h} {name} attention heads" for name, h in counts.items())
     sizes = ", ".join(str(s) for s in valid_world_sizes(model))
     raise SequenceParallelConfigError(
-        f"sequence parallelism splits attention heads across GPUs, and this model has {heads}; "
-        f"{world_size} GPUs do not divide them. Start the pool on one of these GPU counts "
-        f"instead: {sizes}."
+        f"sequence parallelism splits attention heads across the pool's ranks (one per GPU), and this model "
+        f"has {heads}; {world_size} ranks do not divide them. Start the pool on one of these rank (GPU) "
+        f"counts instead: {sizes}."
     )
 
 

@@ -150,10 +150,22 @@ def _live_pools(args: argparse.Namespace) -> list[launch.PoolInfo]:
     return [info for d in dirs if d.is_dir() and (info := launch.find_live_pool(d)) is not None]
 
 
+def _none_running(args: argparse.Namespace) -> str:
+    """What to say when no pool matched: which set was asked for, and the pools that do run."""
+    base = launch.runtime_base(args.runtime_dir)
+    if args.gpus is None and args.nproc is None:
+        return f"no pool is running under {base}"
+    others = _live_pools(argparse.Namespace(**{**vars(args), "gpus": None, "nproc": None}))
+    asked = " ".join(f"--{k} {v}" for k, v in (("gpus", args.gpus), ("nproc", args.nproc)) if v is not None)
+    running = ", ".join(Path(i.dir).name for i in others)
+    return (f"no pool for {asked} is running under {base}"
+            + (f"; running: {running} (leave out --gpus/--nproc to act on every pool)" if others else ""))
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     pools = _live_pools(args)
     if not pools:
-        print(f"no pool is running under {launch.runtime_base(args.runtime_dir)}")
+        print(_none_running(args))
         return 0
     for info in pools:
         launch.stop(Path(info.dir))
@@ -166,7 +178,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     pools = _live_pools(args)
     if not pools:
-        print(f"no pool is running under {launch.runtime_base(args.runtime_dir)}")
+        print(_none_running(args))
         return 1
     code = 0
     for info in pools:

@@ -150,9 +150,13 @@ def worker_env(spec: PoolSpec, base: dict | None = None) -> dict[str, str]:
     return env
 
 
-def require_cuda(spec: PoolSpec) -> None:
-    """Raise a one-line ValueError naming the fix when ``spec`` asks for GPUs and torch sees none
+def check_startable(spec: PoolSpec) -> None:
+    """Raise a one-line ValueError naming the fix when a pool for ``spec`` cannot start here:
+    it asks for GPUs and torch sees none, or ``$LTX_MGPU_PROFILE_JOBS`` is not a number
     (checked before anything starts or is written)."""
+    from ltx_mgpu.pool.profiling import profile_jobs_from_env
+
+    profile_jobs_from_env()
     if spec.gpus:
         import torch
 
@@ -205,7 +209,7 @@ def launch(spec: PoolSpec, *, owner_pid: int | None = None, master_port: int | N
     """
     if spec.lifetime == "with-owner" and owner_pid is None:
         raise ValueError("a with-owner pool needs owner_pid")
-    require_cuda(spec)
+    check_startable(spec)
     ensure_private_dir(spec.dir)
     remove_pool_files(spec.dir)
     shutil.rmtree(spec.dir / "elastic", ignore_errors=True)

@@ -64,12 +64,18 @@ class PoolSpec:
 
 
 def runtime_base(runtime_dir: str | os.PathLike | None = None) -> Path:
-    """The base directory under which each GPU set gets its pool directory (see module doc)."""
+    """The base directory under which each GPU set gets its pool directory (see module doc).
+
+    Raises:
+        ValueError: ``runtime_dir`` or ``$LTX_MGPU_RUNTIME_DIR`` names a file (or a path under one).
+    """
+    from ltx_mgpu.files import check_directory_setting
+
     if runtime_dir:
-        return Path(runtime_dir).expanduser().absolute()
+        return check_directory_setting(runtime_dir, "runtime directory").absolute()
     env = os.environ.get("LTX_MGPU_RUNTIME_DIR")
     if env:
-        return Path(env).expanduser().absolute()
+        return check_directory_setting(env, "$LTX_MGPU_RUNTIME_DIR").absolute()
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
         return Path(xdg) / "ltx_mgpu"

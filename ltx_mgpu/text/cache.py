@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ltx_mgpu.files import check_directory_setting
 from ltx_mgpu.text.cache_keys import (  # noqa: F401 - re-exported: the cache's public key API
     FORMAT_VERSION,
     WEIGHTS_MODES,
@@ -116,7 +117,7 @@ class EmbeddingCache:
     def __init__(self, root: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
-        self.root = Path(root).expanduser() if root is not None else default_cache_dir()
+        self.root = check_directory_setting(root, "cache directory") if root is not None else default_cache_dir()
         self.max_bytes = max_bytes
         self._stats = CacheStats()
         self._lock = threading.Lock()

@@ -104,7 +104,9 @@ def default_cache_dir() -> Path:
     """
     env = os.environ.get("LTX_MGPU_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        from ltx_mgpu.files import check_directory_setting
+
+        return check_directory_setting(env, "$LTX_MGPU_CACHE_DIR")
     folder_paths = sys.modules.get("folder_paths")
     get_user_directory = getattr(folder_paths, "get_user_directory", None)
     if callable(get_user_directory):

@@ -60,8 +60,16 @@ ENV = "LTX_MGPU_CUDA_GRAPHS"
 
 
 def graphs_enabled() -> bool:
-    """Whether :data:`ENV` leaves CUDA graphs on (anything but ``0``/``false``/``off``/``no``)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether :data:`ENV` leaves CUDA graphs on: ``0``/``false``/``off``/``no`` turn them off,
+    ``1``/``true``/``on``/``yes`` or unset leave them on; another value leaves them on with a
+    warning naming the accepted values."""
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value not in ("", "1", "true", "on", "yes"):
+        log.warning("$%s=%r is not understood: CUDA graphs stay on (use 0 to turn them off, 1 for on)",
+                    ENV, os.environ.get(ENV))
+    return True
 
 
 def ineligible(tower: "GemmaTextTower", capture: bool = True) -> str | None:
