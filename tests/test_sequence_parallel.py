@@ -128,7 +128,7 @@ def test_heads_not_divisible_fail_identically_on_every_rank_before_any_collectiv
     (error,) = errors
     assert error.startswith("SequenceParallelConfigError")
     assert f"{VIDEO_HEADS} video attention heads" in error and f"{AUDIO_HEADS} audio attention heads" in error
-    assert "3 GPUs" in error and "1, 2, 4" in error
+    assert "3 ranks do not divide them" in error and "1, 2, 4" in error
     # no rank was left inside a collective: a later all_reduce completes on all three
     assert all(report["_all_reduce"] == 3.0 for report in reports)
 
@@ -174,7 +174,7 @@ def test_head_divisibility_lists_the_world_sizes_that_work():
     model = build_tiny_model(num_attention_heads=6, audio_num_attention_heads=4, cross_attention_dim=48)
     assert valid_world_sizes(model) == [1, 2]
     check_sequence_parallel_config(model, 2)
-    with pytest.raises(SequenceParallelConfigError, match="6 video attention heads and 4 audio attention heads.*4 GPUs.*: 1, 2"):
+    with pytest.raises(SequenceParallelConfigError, match="6 video attention heads and 4 audio attention heads.*4 ranks do not divide them.*: 1, 2"):
         check_sequence_parallel_config(model, 4)
     assert valid_world_sizes(build_tiny_model(video_only=True, num_attention_heads=6, cross_attention_dim=48)) == [1, 2, 3, 6]
 
