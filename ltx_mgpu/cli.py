@@ -156,10 +156,7 @@ def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
         return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
     _check_device(args.device)
-    if Path(args.out_dir).exists():
-        raise ValueError(f"OUT_DIR {args.out_dir} already exists: give a new directory name (the artifact is "
-                         "written to a temporary directory and renamed to it at the end)")
-    check_directory_setting(args.out_dir, "OUT_DIR")  # no file in its path; the directory is made
+    check_directory_setting(args.out_dir, "OUT_DIR")  # no file in its path (an existing one: quantize_nf4 says)
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     try:

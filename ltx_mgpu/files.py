@@ -59,6 +59,13 @@ def write_atomically(path: str | os.PathLike, data: bytes, *, mode: int | None =
     return path
 
 
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (the root of a relative path that none does)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Check, before any work, that ``path`` can be created as an output file; missing
     directories are fine (the writer creates them: :func:`make_parent`).
@@ -73,9 +80,7 @@ def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
     path = Path(path).absolute()
     if path.is_dir():
         raise ValueError(f"{flag} {path}: is a directory; give a file name inside it")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = _nearest_existing(path.parent)
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -97,9 +102,7 @@ def check_directory_setting(path: str | os.PathLike, what: str) -> Path:
         ValueError: ``"<what> <path>: <component> is a file, not a directory; ..."``.
     """
     path = Path(path).expanduser()
-    at = path
-    while not at.exists() and at != at.parent:
-        at = at.parent
+    at = _nearest_existing(path)
     if at.exists() and not at.is_dir():
         raise ValueError(f"{what} {path}: {at} is a file, not a directory; give a directory (it is made if missing)")
     return path

@@ -79,7 +79,7 @@ def test_cli_quantize_then_encode(tiny_gemma_dir, tiny_ltx_23, tmp_path, capsys)
     assert f"wrote NF4 artifact {out}" in text and "peak RSS" in text and "42 NF4 projection weights" in text
     assert f"encode --gemma {out} --projection" in text  # the hint gives a command that runs
     assert main(["quantize-nf4", str(tiny_gemma_dir), str(out)]) == 2
-    assert "already exists: give a new directory name" in capsys.readouterr().err
+    assert "already exists; pass a new directory" in capsys.readouterr().err
     (tmp_path / "afile").write_text("")
     assert main(["quantize-nf4", str(tiny_gemma_dir), str(tmp_path / "afile" / "nf4")]) == 2
     assert "afile is a file, not a directory" in capsys.readouterr().err

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ltx_mgpu.text.forward import HostEmbedding, TowerOutput, layers_device
+from ltx_mgpu.text.forward import TowerOutput, layers_device
 
 if TYPE_CHECKING:  # pragma: no cover
     from ltx_mgpu.text.gemma import GemmaTextTower
@@ -182,7 +182,7 @@ class TowerGraphs:
             positions[j] = torch.arange(t - n, t - n + w)
         emb = self.model.get_input_embeddings()
         with torch.inference_mode():
-            g.embeds.copy_(emb(aligned if isinstance(emb, HostEmbedding) else aligned.to(emb.weight.device)))
+            g.embeds.copy_(emb(aligned.to(emb.weight.device)))  # a HostEmbedding's table is on the CPU
             g.positions.copy_(positions)
             if g.graph is not None:
                 g.graph.replay()
@@ -220,9 +220,8 @@ class TowerGraphs:
         g.states[-1].copy_(out.last_hidden_state)
 
     def _new(self, b: int, w: int) -> _Graph | None:
-        d = int(self.tower.config.hidden_size)
+        d, n_states = self.tower.hidden_size, self.tower.num_hidden_states
         dtype = self.model.get_input_embeddings().weight.dtype
-        n_states = int(self.tower.config.num_hidden_layers) + 1
         try:
             if self._buffer is None:
                 self._buffer = torch.empty((n_states - 1, self.max_tokens * d), dtype=dtype, device=self.device)
