@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import shutil
@@ -70,7 +69,7 @@ from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from benchmarks.timing import peak_bytes as _peak  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
 from benchmarks.timing import time_ms as _time  # noqa: E402
-from benchmarks.timing import time_interleaved, warm_gpu  # noqa: E402
+from benchmarks.timing import time_interleaved, warm_gpu, write_json  # noqa: E402
 from benchmarks.nf4_probes import LOADER, dequant_one_layer, print_summary, with_gpu_embeddings  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
@@ -161,8 +160,7 @@ def main(argv=None) -> int:
 
     def save():
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
+            write_json(args.out, results)
 
     try:
         # ---- 1. bf16 model, projection, inputs

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -76,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
+from benchmarks.timing import write_json  # noqa: E402
 from benchmarks.pool_text_setup import (build_snapshot, exact_prompts, host_copy_probe, snapshot_bytes,  # noqa: E402
                                         write_projection)
 
@@ -309,8 +309,7 @@ def main(argv=None) -> int:
         for weights in args.weights.split(","):
             bench_weights(weights, args, gemma, projection, device, client, prompt_sets, results)
             if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(results, indent=1))
+                write_json(args.out, results)
     finally:
         if client is not None:
             client.shutdown()
@@ -335,8 +334,7 @@ def main(argv=None) -> int:
                   f"{r['pool_encode_ms']:>13.2f}{r['pool_broadcast_ms']:>11.2f}{rest:>8.2f}  {verdict}")
     print(f"total wall time {time.perf_counter() - _T0:.0f} s")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_json(args.out, results)
     return 0
 
 

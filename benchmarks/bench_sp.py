@@ -47,11 +47,8 @@ one run. ``--device cpu`` with the small sizes below is the CPU smoke test::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -62,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ltx_core.model.transformer import LTXModelConfigurator, Modality  # noqa: E402
 
-from benchmarks.timing import time_ms  # noqa: E402
+from benchmarks.timing import time_ms, write_json  # noqa: E402
 from ltx_mgpu.assets.ltx_config import tiny_transformer_config  # noqa: E402
 from ltx_mgpu.denoise.latents import NestedTensorLike, latent_to_tokens  # noqa: E402
 from ltx_mgpu.denoise.model import LTXDenoiser  # noqa: E402
@@ -177,23 +174,10 @@ def one_rank_group(device: torch.device):
     return dist.group.WORLD
 
 
-def write_json(path: str, data: dict) -> None:
-    """Atomic write (temp file + rename)."""
-    dst = Path(path)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model and input options of ``bench_sp`` and ``bench_sp_ranks``: the transformer's
+    shape (default :data:`LTX2_19B`), the ltx-core attention backend, the latent sizes (FxHxW,
+    tokens = F*H*W) and the audio and text token counts."""
     ap.add_argument("--layers", type=int, default=LTX2_19B["layers"])
     ap.add_argument("--video-heads", type=int, default=LTX2_19B["video_heads"])
     ap.add_argument("--video-head-dim", type=int, default=LTX2_19B["video_head_dim"])
@@ -204,6 +188,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="16x16x24,16x32x48", help="latent FxHxW per size (tokens = F*H*W)")
     ap.add_argument("--audio-tokens", type=int, default=126)
     ap.add_argument("--text-tokens", type=int, default=1024)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--runs-large", type=int, default=5, help="runs at the largest size")

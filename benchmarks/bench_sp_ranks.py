@@ -47,8 +47,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sp import (LTX2_19B, build_model, make_inputs, modalities,  # noqa: E402
-                                 profiled_self_times, transformer_config, write_json)
+from benchmarks.bench_sp import (add_model_arguments, build_model, make_inputs, modalities,  # noqa: E402
+                                 profiled_self_times, transformer_config)
+from benchmarks.timing import write_json  # noqa: E402
 from ltx_mgpu.pool.launch import free_port  # noqa: E402
 
 COMM_KERNELS = ("nccl", "gloo", "all_to_all", "allgather", "all_gather", "alltoall")
@@ -161,16 +162,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--world-sizes", default="1,2,4,8")
-    ap.add_argument("--layers", type=int, default=LTX2_19B["layers"])
-    ap.add_argument("--video-heads", type=int, default=LTX2_19B["video_heads"])
-    ap.add_argument("--video-head-dim", type=int, default=LTX2_19B["video_head_dim"])
-    ap.add_argument("--audio-heads", type=int, default=LTX2_19B["audio_heads"])
-    ap.add_argument("--audio-head-dim", type=int, default=LTX2_19B["audio_head_dim"])
-    ap.add_argument("--caption-channels", type=int, default=LTX2_19B["caption_channels"])
-    ap.add_argument("--attention-type", default="pytorch", help="ltx-core attention backend (pytorch = SDPA)")
-    ap.add_argument("--shapes", default="16x16x24,16x32x48", help="latent FxHxW per size (tokens = F*H*W)")
-    ap.add_argument("--audio-tokens", type=int, default=126)
-    ap.add_argument("--text-tokens", type=int, default=1024)
+    add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-profile", dest="profile", action="store_false")

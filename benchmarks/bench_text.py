@@ -29,7 +29,6 @@ Every number is measured in this one run; only ratios within it are meaningful.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import peak_bytes, time_interleaved, warm_gpu  # noqa: E402
+from benchmarks.timing import peak_bytes, time_interleaved, warm_gpu, write_json  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
@@ -164,8 +163,7 @@ def main(argv=None) -> int:
             rows.append((name, batch, med, peak))
             print(f"{name} {batch}x{args.tokens}: {med:.2f} ms (peak {peak} GB)", flush=True)
             if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(results, indent=1))
+                write_json(args.out, results)
         results["variants"][f"parity/{batch}x{args.tokens}"] = {
             "eager_max_abs_err": err, "compiled_max_abs_err": c_err, "feature_max_abs": scale}
 
@@ -193,8 +191,7 @@ def main(argv=None) -> int:
         if k.startswith("parity"):
             print(f"{k}: {v}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_json(args.out, results)
     return 0
 
 

@@ -27,7 +27,6 @@ milliseconds (``perf_counter`` around the request; results come back as CPU tens
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -41,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pool_text_setup import GEMMA_12B, build_snapshot, exact_prompts, write_projection  # noqa: E402
+from benchmarks.timing import write_json  # noqa: E402
 
 PLACEMENTS = ("single", "accelerate", "batch_parallel")
 
@@ -138,8 +138,7 @@ def main(argv=None) -> int:
                 results["rows"][f"{weights}/{placement}"] = bench(client, gemma, projection, weights, placement,
                                                                   prompt_sets, a)
                 if a.out:
-                    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-                    Path(a.out).write_text(json.dumps(results, indent=1))
+                    write_json(a.out, results)
     finally:
         if client is not None:
             client.shutdown()

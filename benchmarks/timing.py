@@ -1,13 +1,25 @@
 """Timing and memory probes shared by the benchmarks (one definition, so every table is
-measured the same way; see /work/.library/device/METHOD.md: warm up, device events, medians)."""
+measured the same way; see /work/.library/device/METHOD.md: warm up, device events, medians),
+and the writer of their raw results."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from typing import Callable
 
 import torch
+
+from ltx_mgpu.files import make_parent, umask_mode, write_atomically
+
+
+def write_json(path: str | os.PathLike, data: dict) -> None:
+    """Write a benchmark's raw results as indented JSON, atomically (``ltx_mgpu.files``: a
+    reader, or a run cut short by a time limit, never leaves a partial file), making its
+    directory. Called after every cell, so a run that is stopped keeps what it measured."""
+    write_atomically(make_parent(path), json.dumps(data, indent=1).encode(), mode=umask_mode())
 
 
 def sync(device: torch.device) -> None:
