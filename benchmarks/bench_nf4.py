@@ -40,7 +40,7 @@ What it does, in one process (every ratio is within this run):
    features from the ``bnb`` variant's, and the cosine of its features to the bf16 ones;
 4b. times our bf16 encode and the loader's NF4 encode in turn (interleaved), as the encoders
    run by default (batches of up to 1024 tokens replayed as CUDA graphs,
-   ``ltx_mgpu.text.graphs``) and without CUDA graphs (the same towers);
+   ``ltx_mgpu.text.gemma.graphs``) and without CUDA graphs (the same towers);
 5. times the dequantization alone of one layer's 7 weights with each kernel (GB/s counts the
    packed bytes + scales read and the bf16 written).
 
@@ -66,17 +66,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
+from benchmarks.nf4_probes import LOADER, dequant_one_layer, print_summary, with_gpu_embeddings  # noqa: E402
 from benchmarks.timing import peak_bytes as _peak  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
-from benchmarks.timing import time_ms as _time  # noqa: E402
 from benchmarks.timing import time_interleaved, warm_gpu, write_json  # noqa: E402
-from benchmarks.nf4_probes import LOADER, dequant_one_layer, print_summary, with_gpu_embeddings  # noqa: E402
+from benchmarks.timing import time_ms as _time  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
-from ltx_mgpu.text.gemma import GemmaTextTower  # noqa: E402
-from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.gemma.sources import gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.tower import GemmaTextTower  # noqa: E402
 
-#: variant name -> (FastDequant method, scope, prefetch), None for bitsandbytes' Linear4bit.
+#: variant name -> (FastDequant method, scope, prefetch), None for bitsandbytes' Linear4bit; the
+#: ``lut`` methods are ``benchmarks/nf4_lut.py``'s byte LUT, plugged in as FastDequant's ``fill``.
 VARIANTS = {
     "bnb": None,
     "layer-bnb": ("bnb", "layer", False),
@@ -144,12 +145,14 @@ def main(argv=None) -> int:
     import transformers
     from transformers import Gemma3TextModel
 
+    from benchmarks.nf4_lut import lut_fill
     from ltx_mgpu.assets import tiny_gemma_dir
-    from ltx_mgpu.text.nf4 import load_nf4, quantize_nf4_model
-    from ltx_mgpu.text.nf4_artifact import artifact_bytes, read_manifest
-    from ltx_mgpu.text.forward import use_causal_skip
-    from ltx_mgpu.text.gemma import load_gemma_text_tower
-    from ltx_mgpu.text.nf4_dequant import FastDequant
+    from ltx_mgpu.text.gemma.forward import use_causal_skip
+    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+    from ltx_mgpu.text.nf4.artifact import artifact_bytes, read_manifest
+    from ltx_mgpu.text.nf4.dequant import FastDequant
+    from ltx_mgpu.text.nf4.load import load_nf4
+    from ltx_mgpu.text.nf4.quantize import quantize_nf4_model
 
     device = torch.device(args.device)
     work = Path(tempfile.mkdtemp(prefix="bench-nf4-", dir=args.tmp))
@@ -293,7 +296,9 @@ def main(argv=None) -> int:
                           flush=True)
                     encoder = PromptEncoder(nf4, projection)
                 elif spec is not None:
-                    fast = FastDequant(nf4.model, *spec)
+                    method, scope, prefetch = spec
+                    lut = {"lut": lut_fill(compiled=False), "lut_compiled": lut_fill(compiled=True)}.get(method)
+                    fast = FastDequant(nf4.model, "bnb" if lut else method, scope, prefetch, fill=lut)
                 ids, mask = inputs[batches[0]]
                 t0 = time.perf_counter()
                 feats = torch.stack([e.tensor for e in encoder.encode_tokens(ids, mask)])
@@ -360,7 +365,7 @@ def main(argv=None) -> int:
                 fns.update({f"{LOADER}-carveout{k}": carved(k, ids, mask) for k in carveouts})
                 if args.gpu_embeddings and device.type == "cuda":
                     fns[f"{LOADER}-gpu-embeddings"] = with_gpu_embeddings(encoder, ids, mask)
-                if encoder.graphs is not None:  # the same towers without CUDA graphs (ltx_mgpu.text.graphs)
+                if encoder.graphs is not None:  # the same towers without CUDA graphs (ltx_mgpu.text.gemma.graphs)
                     fns["bf16-eager"] = lambda: bf_eager.encode_tokens(ids, mask)
                     fns[f"{LOADER}-eager"] = lambda: nf4_eager.encode_tokens(ids, mask)
                 r = time_interleaved(device, fns, args.warmup, 2 * args.runs)

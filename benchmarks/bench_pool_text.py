@@ -26,18 +26,18 @@ What it does, in one process (every ratio is within this run):
    test assets (``ltx_mgpu.assets``), nothing is built.
 2. starts a one-rank pool on the device (``PoolClient.connect``, CPU: one gloo rank).
 3. for each ``--weights`` (``bf16``, ``nf4``: NF4 made at load from the same bf16 snapshot,
-   ``ltx_mgpu.text.nf4.load_nf4_on_the_fly``): loads it in-process
-   (``TextEncoderSpec(...).build()``) and in the pool (placement ``single``), times each
+   ``ltx_mgpu.text.nf4.load.load_nf4_on_the_fly``): loads it in-process
+   (``LocalTextEncoder(...).build()``) and in the pool (placement ``single``), times each
    prompt set (``--batches`` x ``--tokens``-token prompts, every prompt exactly that many
    tokens, BOS included), alternating the two paths run by run (``--warmup`` untimed rounds,
    then the median of ``--runs``):
 
-   * ``in-process``: ``TextEncoderSpec.build().encode(prompts, batch_size)``;
-   * ``pool``: ``PoolClient.encode_prompts(encoder, prompts, cache=None, keep=False)`` - what
+   * ``in-process``: ``LocalTextEncoder.build().encode(prompts, batch_size)``;
+   * ``pool``: ``ltx_mgpu.client.text.encode_prompts(client, config, prompts, cache=None, keep=False)`` - what
      the ComfyUI encode node does: the ``encode`` job with the resident encoder's key (a pool
      without it rejects the request and the client loads, then retries), the job (Gemma
      forward, the replication to every rank, not kept resident), the result (float32 from a
-     one-rank pool) in shared memory (``ltx_mgpu.shm``: handed over in a spare the pool made
+     one-rank pool) in shared memory (``ltx_mgpu.wire.arena``: handed over in a spare the pool made
      ahead, the encoder's rows written straight into it, else copied out of the connection's
      arena; the socket under 1 MiB; each row reports ``wire_bytes`` and ``transport``);
    * ``pool request``: the ``encode`` request alone, whose result gives the pool-side split
@@ -73,11 +73,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import dataclasses
+
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
+from benchmarks.pool_text_setup import build_snapshot, exact_prompts, host_copy_probe, snapshot_bytes, write_projection  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
 from benchmarks.timing import write_json  # noqa: E402
-from benchmarks.pool_text_setup import (build_snapshot, exact_prompts, host_copy_probe, snapshot_bytes,  # noqa: E402
-                                        write_projection)
+from ltx_mgpu.text.config import TextEncoderConfig
 
 GOAL_OVERHEAD = 0.05
 _T0 = time.perf_counter()
@@ -110,19 +112,19 @@ def _max_diff(a, b) -> float:
 
 def bench_weights(weights: str, args, gemma: Path, projection: Path, device: torch.device, client,
                   prompt_sets: dict[int, list[str]], results: dict) -> None:
-    from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, ensure_text_encoder, upcast
-    from ltx_mgpu.text.spec import TextEncoderSpec
+    from ltx_mgpu.client.text import embeddings_from_result, encode_prompts, ensure_text_encoder, pool_key, upcast
+    from ltx_mgpu.text.spec import LocalTextEncoder
 
     row = results["weights"][weights] = {}
-    spec = TextEncoderSpec(str(gemma), str(projection), weights=weights, device=str(device), dtype="bfloat16")
+    spec = LocalTextEncoder(TextEncoderConfig(str(gemma), str(projection), weights=weights, dtype="bfloat16"), str(device))
     t0 = time.perf_counter()
     encoder = spec.build()
     _sync(device)
     row["in_process_load_seconds"] = time.perf_counter() - t0
     log(f"{weights}: in-process load {row['in_process_load_seconds']:.1f} s")
-    remote = PoolTextEncoder.from_spec(spec, placement="single")
+    remote = dataclasses.replace(spec.config, placement="single")
     t0 = time.perf_counter()
-    key = remote.key()  # content digests of the files: hashed once, then memoised by stat
+    key = pool_key(remote)  # content digests of the files: hashed once, then memoised by stat
     row["digest_seconds"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     loaded = ensure_text_encoder(client, remote, key, timeout=1800)
@@ -137,7 +139,7 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
             return encoder.encode(prompts, batch_size=batch)
 
         def pool():
-            return client.encode_prompts(remote, prompts, cache=None, batch_size=batch, timeout=600, keep=False)[0]
+            return encode_prompts(client, remote, prompts, cache=None, batch_size=batch, timeout=600, keep=False)[0]
 
         def pool_request():  # as encode_prompts sends it (receive=upcast: a float32 result is kept as it is)
             job = client.submit("encode", {"prompts": prompts, "batch_size": batch, "expect": key, "keep": False},
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
     import transformers
 
     from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
-    from ltx_mgpu.client import PoolClient
+    from ltx_mgpu.client.pool_client import PoolClient
 
     work = Path(tempfile.mkdtemp(prefix="bench-pool-text-", dir=args.tmp))
     os.environ.setdefault("LTX_MGPU_HOME", str(work / "home"))  # the digest memo stays in the run's directory
@@ -290,8 +292,8 @@ def main(argv=None) -> int:
             if args.save_only:
                 return 0
 
-        from ltx_mgpu.text.gemma_sources import find_tokenizer_files
-        from ltx_mgpu.text.tokenizer import check_tokenizer, load_tokenizer
+        from ltx_mgpu.text.gemma.sources import find_tokenizer_files
+        from ltx_mgpu.text.gemma.tokenizer import check_tokenizer, load_tokenizer
 
         tokenizer = check_tokenizer(load_tokenizer(find_tokenizer_files(tok_dir)), tok_dir)
         prompt_sets = {b: exact_prompts(tokenizer, b, args.tokens, seed=b) for b in map(int, args.batches.split(","))}

@@ -12,7 +12,7 @@ Prints one table, each number measured in this run (medians over ``--repeat``):
 * for each ``--mb`` size, a uint8 result (``selftest`` ``result_bytes``, resident in the pool,
   so only the delivery is timed: request -> tensors in this process) to a client taking it
   through the socket (``shm=False``: received with ``recv_into`` into one buffer, parsed in
-  place) and to one taking it through the shared-memory arena (``ltx_mgpu.shm``: the pool
+  place) and to one taking it through the shared-memory arena (``ltx_mgpu.wire.arena``: the pool
   copies it into the warm arena, the client copies it out); then the same bytes read as a
   bf16 embedding and delivered as float32, the way ``encode`` results arrive (socket: upcast
   after receipt; arena: ``receive`` upcasts straight from the arena). Beside them, in this
@@ -46,10 +46,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ltx_mgpu import protocol, shm  # noqa: E402
-from ltx_mgpu.shm_receive import ArenaReceiver  # noqa: E402
-from ltx_mgpu.shm_send import ArenaSender  # noqa: E402
-from ltx_mgpu.client import PoolClient  # noqa: E402
+from ltx_mgpu import wire
+from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
+from ltx_mgpu.wire.receiver import ArenaReceiver  # noqa: E402
+from ltx_mgpu.wire.sender import ArenaSender  # noqa: E402
 
 EMBEDDING_BYTES = 1024 * 6144 * 2  # one 1024-token LTX-2.3 embedding in bf16
 
@@ -66,7 +66,7 @@ def _median_s(fn, repeat: int, warmup: int = 5) -> float:
 
 
 def _upcast(name: str, t: torch.Tensor) -> torch.Tensor:
-    """What ``ltx_mgpu.remote_text.upcast`` does to a received bf16 embedding."""
+    """What ``ltx_mgpu.client.text.upcast`` does to a received bf16 embedding."""
     return torch.empty(t.shape, dtype=torch.float32).copy_(t)
 
 
@@ -74,14 +74,14 @@ def _pair_seconds(tensors: dict, repeat: int, arena: bool, upcast: bool = False)
     """One frame of ``tensors`` over an in-process socket pair, through the socket or the arena;
     ``upcast``: float32 copies in hand at the end (arena: straight from it, as ``encode``)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender = ArenaSender(shm.Budget(), min_bytes=0) if arena else None
+    sender = ArenaSender(arena.Budget(), min_bytes=0) if arena else None
     receiver = ArenaReceiver(take=(lambda header: _upcast) if upcast else None) if arena else None
 
     def once():
-        payload = protocol.tensors_to_payload(tensors)
-        th = threading.Thread(target=protocol.send_frame, args=(a, {"event": "x"}, payload), kwargs={"shm": sender})
+        payload = wire.tensors_to_payload(tensors)
+        th = threading.Thread(target=wire.send_frame, args=(a, {"event": "x"}, payload), kwargs={"shm": sender})
         th.start()
-        _, got = protocol.recv_frame(b, shm=receiver)
+        _, got = wire.recv_frame(b, shm=receiver)
         th.join()
         if upcast and not arena:
             got = {k: _upcast(k, v) for k, v in got.items()}

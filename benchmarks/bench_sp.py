@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ltx_core.model.transformer import LTXModelConfigurator, Modality  # noqa: E402
 
 from benchmarks.timing import time_ms, write_json  # noqa: E402
-from ltx_mgpu.assets.ltx_config import tiny_transformer_config  # noqa: E402
-from ltx_mgpu.denoise.latents import NestedTensorLike, latent_to_tokens  # noqa: E402
+from ltx_mgpu.assets.geometry import tiny_transformer_config  # noqa: E402
+from ltx_mgpu.denoise.latents import latent_to_tokens
 from ltx_mgpu.denoise.model import LTXDenoiser  # noqa: E402
 from ltx_mgpu.denoise.sampler import _predict, _Stream, sample  # noqa: E402
 from ltx_mgpu.denoise.sequence_parallel import (  # noqa: E402
@@ -70,6 +70,7 @@ from ltx_mgpu.denoise.sequence_parallel import (  # noqa: E402
     install_attention_wrappers,
     remove_attention_wrappers,
 )
+from ltx_mgpu.nested import NestedTensorLike  # noqa: E402
 
 #: LTX-2 19B (LTX-2.0 layout) transformer geometry.
 LTX2_19B = dict(layers=48, video_heads=32, video_head_dim=128, audio_heads=32, audio_head_dim=64, caption_channels=3840)
@@ -165,7 +166,7 @@ def attention_share(fn, device: torch.device) -> dict:
 
 def one_rank_group(device: torch.device):
     """A real 1-rank process group (NCCL on CUDA, gloo on CPU) on a free local port."""
-    from ltx_mgpu.pool.launch import free_port
+    from ltx_mgpu.client.launch import free_port
 
     port = free_port()
     kw = {"device_id": device} if device.type == "cuda" else {}

@@ -47,10 +47,16 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sp import (add_model_arguments, build_model, make_inputs, modalities,  # noqa: E402
-                                 profiled_self_times, transformer_config)
+from benchmarks.bench_sp import (  # noqa: E402
+    add_model_arguments,
+    build_model,
+    make_inputs,
+    modalities,
+    profiled_self_times,
+    transformer_config,
+)
 from benchmarks.timing import write_json  # noqa: E402
-from ltx_mgpu.pool.launch import free_port  # noqa: E402
+from ltx_mgpu.client.launch import free_port  # noqa: E402
 
 COMM_KERNELS = ("nccl", "gloo", "all_to_all", "allgather", "all_gather", "alltoall")
 #: efficiency goals of the multi-GPU issue at 8 GPUs, by video tokens

@@ -16,7 +16,7 @@ run each per round, so that a drift of the GPU's speed affects them alike), for 
 * ``ours-eager`` / ``compiled-<mode>``: :meth:`PromptEncoder.encode_tokens` — Gemma forward +
   LTX-2.3 feature extraction + the copy of the result to the host — without and with
   ``torch.compile`` of the text tower in each of ``--compile-modes``; the tower uses the
-  loaders' attention implementation (``ltx_mgpu.text.forward.ATTENTION``);
+  loaders' attention implementation (``ltx_mgpu.text.gemma.forward.ATTENTION``);
 * ``ours-eager-stock-sdpa``: the same encode on transformers' stock SDPA (what the causal-skip
   attention gives).
 
@@ -42,9 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import peak_bytes, time_interleaved, warm_gpu, write_json  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
-from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
-from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, copy_sharing_weights  # noqa: E402
-from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.gemma.forward import (
+    compile_text_tower,
+    copy_sharing_weights,
+    use_causal_skip,  # noqa: E402
+)
+from ltx_mgpu.text.gemma.sources import gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.tower import GemmaTextTower  # noqa: E402
 
 #: Gemma 3 12B's text dimensions (google/gemma-3-12b-it config.json; the defaults of
 #: ``gemma3_text_config``), shared by the text, NF4, pool and profile benchmarks.
@@ -93,7 +97,7 @@ def main(argv=None) -> int:
     use_causal_skip(ours_model)
     tower = GemmaTextTower(model=ours_model, tokenizer=None, config=ours_model.config, format="random",
                            path=Path("random-12b"))
-    # eager forwards (CUDA graphs, ltx_mgpu.text.graphs, are timed by bench_nf4's head to head)
+    # eager forwards (CUDA graphs, ltx_mgpu.text.gemma.graphs, are timed by bench_nf4's head to head)
     encoder = PromptEncoder(tower, projection, cuda_graphs=False)
     stock = PromptEncoder(GemmaTextTower(model=model, tokenizer=None, config=config, format="random",
                                          path=Path("random-12b")), projection, cuda_graphs=False)
@@ -168,7 +172,8 @@ def main(argv=None) -> int:
             "eager_max_abs_err": err, "compiled_max_abs_err": c_err, "feature_max_abs": scale}
 
     # cache hit vs encode, one 1024-token LTX-2.3 entry (CPU)
-    from ltx_mgpu.text.cache import CacheKeyParts, EmbeddingCache
+    from ltx_mgpu.text.cache.keys import CacheKeyParts
+    from ltx_mgpu.text.cache.store import EmbeddingCache
     from ltx_mgpu.text.features import PromptEmbedding
 
     emb = PromptEmbedding(torch.randn(args.tokens, 6144), "2.3")

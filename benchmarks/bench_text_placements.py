@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pool_text_setup import GEMMA_12B, build_snapshot, exact_prompts, write_projection  # noqa: E402
 from benchmarks.timing import write_json  # noqa: E402
-
-PLACEMENTS = ("single", "accelerate", "batch_parallel")
+from ltx_mgpu.choices import PLACEMENTS  # noqa: E402
+from ltx_mgpu.text.config import TextEncoderConfig  # noqa: E402
 
 
 def _memory(client) -> list[dict]:
@@ -57,10 +57,10 @@ def _memory(client) -> list[dict]:
 
 def bench(client, gemma: Path, projection: Path, weights: str, placement: str, prompt_sets: dict, a) -> dict:
     """Load one configuration and time its prompt sets; returns its row."""
-    from ltx_mgpu.remote_text import PoolTextEncoder, ensure_text_encoder
+    from ltx_mgpu.client.text import ensure_text_encoder, pool_key
 
-    encoder = PoolTextEncoder(str(gemma), str(projection), weights=weights, placement=placement, dtype="bfloat16")
-    key = encoder.key()
+    encoder = TextEncoderConfig(str(gemma), str(projection), weights=weights, placement=placement, dtype="bfloat16")
+    key = pool_key(encoder)
     t0 = time.perf_counter()
     loaded = ensure_text_encoder(client, encoder, key, timeout=1800) or {}
     row: dict = {"load_seconds": time.perf_counter() - t0, "layers": loaded.get("layers"),
@@ -106,9 +106,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown placement(s) {unknown}; choose from {list(PLACEMENTS)}")
 
     from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
-    from ltx_mgpu.client import PoolClient
-    from ltx_mgpu.text.gemma_sources import find_tokenizer_files
-    from ltx_mgpu.text.tokenizer import check_tokenizer, load_tokenizer
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.text.gemma.sources import find_tokenizer_files
+    from ltx_mgpu.text.gemma.tokenizer import check_tokenizer, load_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="bench-text-placements-", dir=a.tmp))
     runtime = None

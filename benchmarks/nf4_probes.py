@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.nf4_lut import dequantize_nf4_lut
 from benchmarks.timing import time_ms as _time
 from ltx_mgpu.text.encoder import PromptEncoder
-from ltx_mgpu.text.nf4_dequant import dequantize_nf4
+from ltx_mgpu.text.nf4.dequant import dequantize_nf4
 
 #: not a FastDequant setting: the artifact loaded by ``load_gemma_text_tower`` with its defaults
 #: (on a GPU: embedding table in host memory, Triton layer dequant with prefetch), as the pool
@@ -27,7 +28,7 @@ def dequant_one_layer(model, device: torch.device, warmup: int, runs: int, sweep
     numel = sum(m.out_features * m.in_features for m in lins)
     buf = torch.empty(numel, dtype=torch.bfloat16, device=device)
     read = sum(m.weight.numel() + m.weight.quant_state.absmax.numel() for m in lins)
-    from ltx_mgpu.text.nf4_triton import UnitDequant
+    from ltx_mgpu.text.nf4.kernel import UnitDequant
 
     views, start = [], 0
     for m in lins:
@@ -42,7 +43,10 @@ def dequant_one_layer(model, device: torch.device, warmup: int, runs: int, sweep
                 unit_launch()
                 return
             for m, v in zip(lins, views):
-                dequantize_nf4(m.weight, v, method)
+                if method.startswith("lut"):
+                    dequantize_nf4_lut(m.weight, v, compiled=method == "lut_compiled")
+                else:
+                    dequantize_nf4(m.weight, v, method)
         try:
             med, _ = _time(device, run, warmup, runs)
             out[method] = med

@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.bench_text import GEMMA_12B
 from benchmarks.timing import sync as _sync
-from ltx_mgpu.text.gemma_sources import gemma3_text_config
+from ltx_mgpu.text.gemma.sources import gemma3_text_config
 
 
 def _dir_bytes(path: Path) -> int:

@@ -26,9 +26,13 @@ from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from benchmarks.timing import time_ms  # noqa: E402
 from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
-from ltx_mgpu.text.forward import use_causal_skip  # noqa: E402
-from ltx_mgpu.text.gemma import GemmaTextTower, compile_text_tower, encode_hidden_states  # noqa: E402
-from ltx_mgpu.text.gemma_sources import gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.gemma.forward import (
+    compile_text_tower,
+    encode_hidden_states,
+    use_causal_skip,  # noqa: E402
+)
+from ltx_mgpu.text.gemma.sources import gemma3_text_config  # noqa: E402
+from ltx_mgpu.text.tower import GemmaTextTower  # noqa: E402
 
 DEV = torch.device("cuda")
 

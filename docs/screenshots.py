@@ -199,6 +199,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["LTX_MGPU_HOME"] = tempfile.mkdtemp(prefix="ltxm-shots-home-")  # keep the user's cache out
     from comfyui_support import chromium_page, comfyui_server, workflow_model_links
+
     from ltx_mgpu.assets import tiny_gemma_comfy_file, tiny_gemma_dir, tiny_ltx_checkpoint
 
     assets = Path(tempfile.mkdtemp(prefix="ltxm-shots-assets-"))

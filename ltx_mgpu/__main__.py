@@ -1,6 +1,6 @@
-"""``python -m ltx_mgpu``: the command-line engine (see ``ltx_mgpu.cli``)."""
+"""``python -m ltx_mgpu``: the command-line engine (see :mod:`ltx_mgpu.cli.main`)."""
 
-from ltx_mgpu.cli import main
+from ltx_mgpu.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from safetensors import safe_open
+
 
 def safetensors_header(path: str | os.PathLike, error: type[Exception] = ValueError,
                        hint: str = "") -> tuple[list[str], dict[str, str]]:
@@ -22,8 +24,6 @@ def safetensors_header(path: str | os.PathLike, error: type[Exception] = ValueEr
         error: ``"<path>: not a readable .safetensors file (<reason>)<hint>"`` for a damaged,
             truncated or foreign file (safetensors raises its own error types for bad headers).
     """
-    from safetensors import safe_open
-
     try:
         with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
             return list(f.keys()), dict(f.metadata() or {})

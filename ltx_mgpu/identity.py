@@ -20,6 +20,8 @@ from typing import Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
+from ltx_mgpu.files import check_directory_setting
+
 _CHUNK = 16 * 1024 * 1024
 _LOCK = threading.Lock()
 _MEMORY: dict[str, str] = {}
@@ -40,8 +42,6 @@ def home_dir() -> Path:
     """
     env = os.environ.get("LTX_MGPU_HOME")
     if env:
-        from ltx_mgpu.files import check_directory_setting
-
         return check_directory_setting(env, "$LTX_MGPU_HOME")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ltx_mgpu"
@@ -172,10 +172,10 @@ def memoized_by_stats(key: Hashable, watched: Callable[[], Sequence[str | os.Pat
     """``compute(watched())``'s value, memoised in memory under ``key`` while the watched paths
     are unchanged. ``watched()`` lists, cheaply (names only), every file whose bytes the value
     depends on and every directory whose listing it depends on (missing paths allowed); a later
-    call re-stats them (:func:`stat_signature`, tens of microseconds) instead of recomputing.
+    call re-stats them (:func:`stat_signature`, one ``stat`` per path) instead of recomputing.
     Used where a per-request cost matters: the text encoder's cache key is asked for on every
-    prompt (format detection, safetensors header parsing and per-file digest lookups took
-    0.3-0.7 ms for a snapshot, more for a single file).
+    prompt (format detection, safetensors header parsing and per-file digest lookups cost far
+    more than the stats).
 
     The value is kept only when the listing and its signature are the same before and after
     ``compute`` (nothing was replaced meanwhile: hashing a new Gemma takes minutes) and no

@@ -1,6 +1,6 @@
 """The pack's ComfyUI nodes (one module per node family; ids prefixed ``LTXMGPU``).
 
-Nodes are thin: they validate inputs, call ``ltx_mgpu.client`` and convert types. The
+Nodes are thin: they validate inputs, call ``ltx_mgpu.client.pool_client`` and convert types. The
 mappings below are assembled from every node module listed in ``_MODULES``.
 """
 

@@ -1,5 +1,5 @@
 """What the node families share: the custom type names, the platform check, the pool handle
-(one :class:`ltx_mgpu.client.PoolClient` per GPU set for the whole ComfyUI process) and
+(one :class:`ltx_mgpu.client.pool_client.PoolClient` per GPU set for the whole ComfyUI process) and
 :class:`JobWatch`, which ties a pool job to the node's progress bar and to ComfyUI's Stop.
 
 Stop, step by step (ComfyUI's interrupt API is in ``comfy/model_management.py``): while a node
@@ -23,8 +23,7 @@ from typing import Any
 
 from . import _comfy
 
-__all__ = ["CATEGORY", "POOL", "TEXT_ENCODER", "MODEL", "JobWatch", "PoolHandle", "free_pool", "known_clients",
-           "pool_specs", "pool_status",
+__all__ = ["CATEGORY", "POOL", "TEXT_ENCODER", "MODEL", "JobWatch", "PoolHandle", "known_clients", "pool_specs",
            "pool_unavailable_reason", "require_pool"]
 
 CATEGORY = "LTX-2 Multi-GPU"
@@ -44,7 +43,7 @@ def pool_unavailable_reason() -> str | None:
         return ("LTX-2 Multi-GPU: this torch build has no torch.distributed, which the pool needs; "
                 "install a torch build with distributed support (the official Linux wheels have it)")
     try:
-        import ltx_mgpu.client  # noqa: F401
+        import ltx_mgpu.client.pool_client  # noqa: F401
     except Exception as e:  # noqa: BLE001 - report any import failure as the reason
         return f"LTX-2 Multi-GPU: the pool client could not be imported ({type(e).__name__}: {e}); " \
                "reinstall the pack's requirements (pip install -r requirements.txt)"
@@ -91,20 +90,20 @@ class PoolHandle:
 
     def __post_init__(self) -> None:
         require_pool()
-        from ltx_mgpu.pool import launch
+        from ltx_mgpu.client.spec import parse_gpus, resolve_spec
 
-        ids = launch.parse_gpus(self.gpus)
+        ids = parse_gpus(self.gpus)
         if ids is None:
             import torch
 
             ids = () if not torch.cuda.is_available() or torch.cuda.device_count() == 0 else None
         nproc = int(self.cpu_ranks) if ids == () else None
-        object.__setattr__(self, "spec", launch.resolve_spec(self.gpus, nproc, self.lifetime))
+        object.__setattr__(self, "spec", resolve_spec(self.gpus, nproc, self.lifetime))
 
     @property
     def client(self):
         """The process-wide :class:`PoolClient` of this GPU set (created unconnected)."""
-        from ltx_mgpu.client import PoolClient
+        from ltx_mgpu.client.pool_client import PoolClient
 
         key = str(self.spec.dir)
         with _CLIENTS_LOCK:
@@ -136,7 +135,7 @@ class PoolHandle:
 
 
 class _Session:
-    """A :class:`PoolClient` proxy (what ``ltx_mgpu.remote_text`` / ``remote_denoise`` call:
+    """A :class:`PoolClient` proxy (what ``ltx_mgpu.client.text`` / ``ltx_mgpu.client.denoise`` call:
     ``request``, ``submit``, ``status``, ``spec``...) running ``handle.before_job()`` once."""
 
     def __init__(self, handle: PoolHandle):
@@ -161,67 +160,17 @@ class _Session:
 
 # --------------------------------------------------------------------------- observing pools
 
-_OBSERVERS: dict[str, Any] = {}
-
-
-def _observer(spec):
-    """A status-only client of the pool in ``spec.dir`` (``start=False``: it never starts one)."""
-    from ltx_mgpu.client import PoolClient
-
-    key = str(spec.dir)
-    with _CLIENTS_LOCK:
-        client = _OBSERVERS.get(key)
-        if client is None:
-            client = _OBSERVERS[key] = PoolClient(spec, start=False)
-        return client
-
 
 def pool_specs() -> list:
     """The pools to report: every GPU set a Pool node configured in this process (started or
     not) and every live pool under the runtime base directory (e.g. one started with
     ``python -m ltx_mgpu pool start --detach``), without duplicates."""
-    from ltx_mgpu.pool import launch
+    from ltx_mgpu.client.discovery import live_pools, spec_of
 
     specs = {str(c.spec.dir): c.spec for c in known_clients()}
-    base = launch.runtime_base()
-    if base.is_dir():
-        for path in sorted(base.glob(f"*/{launch.INFO_NAME}")):
-            info = launch.PoolInfo.read(path.parent)
-            if info is not None and str(path.parent) not in specs and info.alive():
-                specs[str(path.parent)] = launch.PoolSpec(tuple(info.gpus), info.nproc, info.lifetime, path.parent)
+    for info in live_pools():
+        specs.setdefault(str(info.dir), spec_of(info))
     return list(specs.values())
-
-
-def pool_status(spec, timeout: float = 10.0) -> dict | None:
-    """The pool's ``status`` answer (ranks, memory, models, current job, queue), or None when
-    no pool runs for ``spec`` (none is started).
-
-    Raises:
-        ltx_mgpu.client.PoolError: the pool runs but does not answer.
-    """
-    from ltx_mgpu.pool import launch
-
-    if launch.find_live_pool(spec.dir) is None:
-        return None
-    return _observer(spec).status(timeout=timeout)
-
-
-def free_pool(spec, shutdown: bool = False, timeout: float = 60.0) -> dict:
-    """Make the pool of ``spec`` release every resident model (``unload``), or stop it.
-
-    Returns:
-        ``{"running": bool, "unloaded": [names], "stopped": bool}`` (nothing is started).
-    Raises:
-        ltx_mgpu.client.PoolError: the pool runs but does not answer.
-    """
-    from ltx_mgpu.pool import launch
-
-    if launch.find_live_pool(spec.dir) is None:
-        return {"running": False, "unloaded": [], "stopped": False}
-    if shutdown:
-        return {"running": True, "unloaded": [], "stopped": launch.stop(spec.dir)}
-    result, _ = _observer(spec).request("unload", {"names": None}, timeout=timeout)
-    return {"running": True, "unloaded": result["unloaded"], "stopped": False}
 
 
 # --------------------------------------------------------------------------- progress and Stop
@@ -269,7 +218,7 @@ class JobWatch:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None or not self.interrupted:
             return False
-        from ltx_mgpu.client import JobCancelledError, PoolFatalError
+        from ltx_mgpu.client.errors import JobCancelledError, PoolFatalError
 
         if isinstance(exc, (JobCancelledError, PoolFatalError)):
             _comfy.raise_interrupt()

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ltx_mgpu.choices import SAMPLERS
+from ltx_mgpu.choices import TRANSFORMER_DTYPES as DTYPES
+
 from . import _comfy
 from ._runtime import CATEGORY, MODEL, POOL, JobWatch, PoolHandle
 
-DTYPES = ("bf16", "fp16", "fp32")
-#: Samplers the pool implements (``ltx_mgpu.denoise.sampler.SAMPLERS``; not imported here, which
-#: would pull ltx-core into ComfyUI's process; a test keeps the two equal).
-SAMPLERS = ("euler",)
 MODEL_FOLDERS = ("checkpoints", "diffusion_models")
 
 
@@ -87,7 +86,7 @@ class ModelHandle:
 
     def ensure_loaded(self, session, watch: JobWatch) -> dict:
         """Load (or keep, when unchanged) the transformer on every rank; the load result."""
-        from ltx_mgpu.remote_denoise import remote_load_transformer
+        from ltx_mgpu.client.denoise import remote_load_transformer
 
         return remote_load_transformer(session, self.checkpoint, dtype=self.dtype, loras=list(self.loras),
                                        max_tokens=self.max_tokens, should_cancel=watch.should_cancel)
@@ -184,15 +183,15 @@ class LTXMGPUSPSampler:
 
     def sample(self, model: ModelHandle, positive, negative, latent, steps: int, cfg: float, seed: int,
                sampler: str, sigmas=None, unique_id: str | None = None):
-        from ltx_mgpu.remote_denoise import remote_sample
+        from ltx_mgpu.client.denoise import SampleRequest, remote_sample
 
         session = model.pool.session()
         with JobWatch(unique_id) as watch:
             loaded = model.ensure_loaded(session, watch)
-            out = remote_sample(session, positive, negative if float(cfg) != 1.0 else None, latent,
-                                model=loaded["model"], sigmas=sigmas, steps=None if sigmas is not None else int(steps),
-                                cfg=float(cfg), seed=int(seed), sampler=sampler, on_progress=watch.on_progress,
-                                should_cancel=watch.should_cancel)
+            request = SampleRequest(positive, negative if float(cfg) != 1.0 else None, latent, model=loaded["model"],
+                                    sigmas=sigmas, steps=None if sigmas is not None else int(steps), cfg=float(cfg),
+                                    seed=int(seed), sampler=sampler)
+            out = remote_sample(session, request, on_progress=watch.on_progress, should_cancel=watch.should_cancel)
         return (_comfy.to_comfy_latent(out),)
 
 

@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from ._runtime import CATEGORY, POOL, PoolHandle, free_pool, pool_status
+from ltx_mgpu.choices import LIFETIMES
 
-LIFETIMES = ("with-owner", "detached")
+from ._runtime import CATEGORY, POOL, PoolHandle
 
 
 class LTXMGPUPool:
@@ -51,7 +51,7 @@ class LTXMGPUPool:
 
 
 def _status_text(handle: PoolHandle) -> str:
-    from ltx_mgpu.pool.commands import format_status
+    from ltx_mgpu.client.discovery import format_status, pool_status
 
     status = pool_status(handle.spec)
     if status is None:
@@ -111,6 +111,8 @@ class LTXMGPUFree:
         return float("nan")
 
     def free(self, pool: PoolHandle, stop_pool: bool):
+        from ltx_mgpu.client.discovery import free_pool
+
         out = free_pool(pool.spec, shutdown=bool(stop_pool))
         if not out["running"]:
             text = f"pool on {pool.describe()}: not running, nothing to free"

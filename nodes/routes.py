@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from . import _comfy
-from ._runtime import free_pool, pool_specs, pool_status, pool_unavailable_reason
+from ._runtime import pool_specs, pool_unavailable_reason
 
 _REGISTERED = False
 
@@ -41,7 +41,8 @@ def status_payload(timeout: float = 5.0) -> dict:
     out: dict[str, Any] = {"available": reason is None, "message": reason, "time": time.time(), "pools": []}
     if reason is not None:
         return out
-    from ltx_mgpu.client import PoolError
+    from ltx_mgpu.client.discovery import pool_status
+    from ltx_mgpu.client.errors import PoolError
 
     for spec in pool_specs():
         entry = {**_spec_info(spec), "state": "not running", "error": None, "ranks": [], "current": None, "queue": []}
@@ -62,7 +63,8 @@ def free_payload(stop: bool = False) -> dict:
     "stopped", "error"}]}`` after every running pool released its models (or stopped)."""
     if pool_unavailable_reason() is not None:
         return {"pools": []}
-    from ltx_mgpu.client import PoolError
+    from ltx_mgpu.client.discovery import free_pool
+    from ltx_mgpu.client.errors import PoolError
 
     pools = []
     for spec in pool_specs():

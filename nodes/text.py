@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ltx_mgpu.choices import PLACEMENTS, WEIGHTS
+from ltx_mgpu.text.config import TextEncoderConfig
+
 from . import _comfy
 from ._runtime import CATEGORY, POOL, TEXT_ENCODER, JobWatch, PoolHandle
 
-WEIGHTS = ("bf16", "nf4")
-PLACEMENTS = ("single", "accelerate", "batch_parallel")
 #: Files that make a directory in ``models/text_encoders`` a Gemma source (HF snapshot, NF4 artifact).
 GEMMA_DIR_MARKERS = ("config.json", "ltx_mgpu_nf4.json")
 #: Folders a projection source may come from (prefix of the picker's entries).
@@ -57,11 +58,11 @@ def resolve_projection(choice: str) -> str:
 
 @dataclass(frozen=True)
 class TextEncoderHandle:
-    """The ``LTXMGPU_TEXT_ENCODER`` value: the pool, the encoder configuration
-    (:class:`ltx_mgpu.remote_text.PoolTextEncoder`) and whether Gemma stays loaded."""
+    """The ``LTXMGPU_TEXT_ENCODER`` value: the pool, the text encoder's config and whether Gemma
+    stays loaded."""
 
     pool: PoolHandle
-    encoder: Any
+    config: TextEncoderConfig
     keep_loaded: bool = True
 
 
@@ -102,10 +103,8 @@ class LTXMGPUGemmaLoader:
             "optional": {
                 "compile": ("BOOLEAN", {"default": False, "tooltip": (
                     "Run Gemma's layers through torch.compile: Gemma takes longer to load (it compiles), and new "
-                    "kinds of batch compile on first use; then encoding is faster (Gemma 3 12B on an H200, one "
-                    "1024-token prompt compiled for that one shape: 42 instead of 73 ms; the shape-generic graphs "
-                    "prompts of varying length run on are not yet timed). bf16 weights, placement single or "
-                    "batch_parallel.")}),
+                    "kinds of batch compile on first use; then encoding is faster. bf16 weights, placement single "
+                    "or batch_parallel.")}),
             },
         }
 
@@ -119,26 +118,23 @@ class LTXMGPUGemmaLoader:
 
     def load(self, pool: PoolHandle, gemma: str, projection: str, weights: str, placement: str, keep_loaded: bool,
              compile: bool = False):
-        from ltx_mgpu.remote_text import PoolTextEncoder
-        from ltx_mgpu.text.gemma_sources import detect_gemma_format
+        from ltx_mgpu.client.text import check_sources
 
-        gemma_path = _comfy.full_path("text_encoders", gemma)
-        detect_gemma_format(gemma_path)  # headers only: a wrong file fails here, naming the supported formats
-        encoder = PoolTextEncoder(gemma_path, resolve_projection(projection), weights=weights, placement=placement,
-                                  compile=bool(compile))
-        return (TextEncoderHandle(pool, encoder, bool(keep_loaded)),)
+        config = TextEncoderConfig(_comfy.full_path("text_encoders", gemma), resolve_projection(projection),
+                                   weights=weights, placement=placement, compile=bool(compile))
+        check_sources(config)  # headers only: a wrong file fails here, naming the supported formats
+        return (TextEncoderHandle(pool, config, bool(keep_loaded)),)
 
 
 def _encode(te: TextEncoderHandle, prompts: list[str], use_cache: bool, node_id: str | None,
             batch_size: int = 8) -> tuple[list, Any, Any]:
     """``(embeddings, CacheReport, cache)`` of ``prompts`` through the cache and the pool."""
-    from ltx_mgpu.remote_text import encode_prompts
-    from ltx_mgpu.text.cache import EmbeddingCache
+    from ltx_mgpu.client.text import default_cache, encode_prompts
 
-    cache = EmbeddingCache() if use_cache else None
+    cache = default_cache() if use_cache else None
     session = te.pool.session()
     with JobWatch(node_id) as watch:
-        embeddings, report = encode_prompts(session, te.encoder, prompts, cache=cache, batch_size=batch_size,
+        embeddings, report = encode_prompts(session, te.config, prompts, cache=cache, batch_size=batch_size,
                                             keep=False, on_progress=watch.on_progress,
                                             should_cancel=watch.should_cancel)
         if not te.keep_loaded and report.encoded:

@@ -81,7 +81,7 @@ def checkpoints(tiny_ltx_20, tiny_ltx_23):
 def gemma(tiny_gemma_dir, tiny_gemma_comfy_file):
     """The tiny Gemma's snapshot dir, its ComfyUI single file and the snapshot-loaded tower
     (test_gemma*)."""
-    from ltx_mgpu.text.gemma import load_gemma_text_tower
+    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 
     return {"snapshot": tiny_gemma_dir, "comfy": tiny_gemma_comfy_file, "tower": load_gemma_text_tower(tiny_gemma_dir)}
 
@@ -89,7 +89,7 @@ def gemma(tiny_gemma_dir, tiny_gemma_comfy_file):
 @pytest.fixture(scope="module")
 def artifact(tiny_gemma_dir, tmp_path_factory):
     """The tiny Gemma quantized on the CPU into a fresh NF4 artifact, one per module (test_nf4*)."""
-    from ltx_mgpu.text.nf4 import quantize_nf4
+    from ltx_mgpu.text.nf4.quantize import quantize_nf4
 
     return quantize_nf4(tiny_gemma_dir, tmp_path_factory.mktemp("nf4") / "tiny-nf4", device="cpu")
 
@@ -97,7 +97,7 @@ def artifact(tiny_gemma_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def nf4_tower(artifact):
     """The module's NF4 artifact loaded on the CPU (tests may wrap its layers, and undo it)."""
-    from ltx_mgpu.text.nf4 import load_nf4
+    from ltx_mgpu.text.nf4.load import load_nf4
 
     return load_nf4(artifact)
 
@@ -105,7 +105,7 @@ def nf4_tower(artifact):
 @pytest.fixture(scope="module")
 def bf16_tower(tiny_gemma_dir):
     """The tiny Gemma loaded in bf16 from its snapshot."""
-    from ltx_mgpu.text.gemma import load_gemma_text_tower
+    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 
     return load_gemma_text_tower(tiny_gemma_dir)
 

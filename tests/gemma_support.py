@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ltx_mgpu.text.gemma import encode_hidden_states
-from ltx_mgpu.text.tokenizer import tokenize
+from ltx_mgpu.text.gemma.forward import encode_hidden_states
+from ltx_mgpu.text.gemma.tokenizer import tokenize
 
 LONG = "a red camera walks slowly through the city at night while the rain falls and music plays"
 PROMPTS = ["the cat", LONG, LONG + " " + LONG, "日本 x\ty\n  é", ""]  # 2..~90 tokens: sliding window 16 exercised

@@ -14,8 +14,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from ltx_mgpu import protocol
-from ltx_mgpu.pool import launch
+from ltx_mgpu import wire
+from ltx_mgpu.client import launch
+from ltx_mgpu.pool import runtime
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -33,7 +34,7 @@ def pool_pids(client) -> list[tuple[int, float | None]]:
 
 def running(pids: list[tuple[int, float | None]]) -> list[int]:
     """The pids (of those processes) still running; a zombie counts as gone."""
-    return [pid for pid, ct in pids if launch.same_process(pid, ct)]
+    return [pid for pid, ct in pids if runtime.same_process(pid, ct)]
 
 
 def wait_all_gone(pids, timeout: float = 30.0) -> list[int]:
@@ -48,9 +49,9 @@ def cleanup(base: Path) -> None:
     for d in base.glob("*/"):
         with contextlib.suppress(Exception):
             launch.stop(d, timeout=10.0)
-        for rec in launch.rank_records(d):  # ranks of a pool whose torchrun already died
+        for rec in runtime.rank_records(d):  # ranks of a pool whose torchrun already died
             with contextlib.suppress(psutil.Error):
-                if launch.same_process(rec["pid"], rec["create_time"]):
+                if runtime.same_process(rec["pid"], rec["create_time"]):
                     psutil.Process(rec["pid"]).kill()
     shutil.rmtree(base, ignore_errors=True)
 
@@ -60,16 +61,16 @@ def raw_connect(dir: Path, timeout: float = 10.0) -> socket.socket:
 
 
 def raw_hello(sock: socket.socket, dir: Path) -> dict:
-    return launch.hello(sock, launch.read_token(dir))
+    return launch.hello(sock, runtime.read_token(dir))
 
 
 def read_answer(sock: socket.socket, timeout: float = 10.0):
     """The next frame's header, or None when the peer closed the connection."""
     sock.settimeout(timeout)
     try:
-        header, _ = protocol.recv_frame(sock)
+        header, _ = wire.recv_frame(sock)
         return header
-    except (protocol.ConnectionClosed, ConnectionResetError, BrokenPipeError):
+    except (wire.ConnectionClosed, ConnectionResetError, BrokenPipeError):
         return None
 
 

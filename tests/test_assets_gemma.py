@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS
 from ltx_mgpu.assets.gemma import (
     BOS_ID,
     BYTE_PIECES_START,
@@ -22,13 +21,15 @@ from ltx_mgpu.assets.gemma import (
     PAD_ID,
     SPECIAL_PIECES,
     START_OF_TURN_ID,
+    TINY_GEMMA_HIDDEN,
+    TINY_GEMMA_LAYERS,
     TINY_GEMMA_VOCAB,
     UNK_ID,
     build_tiny_gemma_comfy_file,
     build_tiny_gemma_snapshot,
     tiny_spm_pieces,
 )
-from ltx_mgpu.text.tokenizer import tokenizer_from_spm
+from ltx_mgpu.text.gemma.tokenizer import tokenizer_from_spm
 
 
 @pytest.fixture(scope="session")
@@ -147,7 +148,7 @@ def test_tokenizer_from_spm_refuses_models_that_are_not_gemma(assets):
     """transformers' GemmaConverter hard-codes Gemma's ids and normaliser: other models are refused."""
     from sentencepiece import sentencepiece_model_pb2
 
-    from ltx_mgpu.text.gemma_sources import GemmaFormatError
+    from ltx_mgpu.text.gemma.sources import GemmaFormatError
 
     data = (assets["snapshot"] / "tokenizer.model").read_bytes()
     with pytest.raises(GemmaFormatError, match="not a SentencePiece model"):

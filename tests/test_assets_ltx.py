@@ -15,9 +15,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
-
 from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifier
 from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 from ltx_core.loader.sft_loader import SafetensorsModelStateDictLoader
@@ -35,10 +32,12 @@ from ltx_core.text_encoders.gemma.encoders.encoder_configurator import (
 )
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
+from ltx_mgpu.assets.gemma import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
+from ltx_mgpu.assets.geometry import tiny_ltx_config, tiny_transformer_config
 from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint, tiny_embeddings_processor_ops
-from ltx_mgpu.assets.ltx_config import tiny_ltx_config, tiny_transformer_config
 
 VERSIONS = ("2.0", "2.3")
 CPU = torch.device("cpu")
@@ -94,7 +93,7 @@ def test_metadata(checkpoints, version):
     config = json.loads(meta["config"])
     assert config == tiny_ltx_config(version)
     assert config["transformer"] == tiny_transformer_config(version)
-    # 2.3 carries the tiny audio VAE decoder + vocoder (assets/ltx_audio.py); 2.0 has none.
+    # 2.3 carries the tiny audio VAE decoder + vocoder (assets/audio.py); 2.0 has none.
     audio = {"audio_vae", "vocoder"} if version == "2.3" else set()
     assert set(config) == {"transformer", "vae"} | audio
     # What ltx-core's builders see: the parsed config.
@@ -273,9 +272,9 @@ def test_bad_version_is_rejected_with_the_choices(tmp_path):
 
 
 def test_audio_tensors_only_in_23_and_other_tensors_shared(checkpoints):
-    """2.3 adds exactly the audio keys (bfloat16, as ltx_audio.tiny_audio_shapes says) and keeps the
+    """2.3 adds exactly the audio keys (bfloat16, as audio.tiny_audio_shapes says) and keeps the
     values of every tensor it shares with 2.0 (each tensor depends only on seed and key)."""
-    from ltx_mgpu.assets.ltx_audio import tiny_audio_shapes
+    from ltx_mgpu.assets.audio import tiny_audio_shapes
 
     a20, a23 = load_file(checkpoints["2.0"]), load_file(checkpoints["2.3"])
     audio = {k for k in a23 if k.startswith(("audio_vae.", "vocoder."))}

@@ -1,4 +1,4 @@
-"""Tests of the content-addressed prompt-embedding cache (ltx_mgpu/text/cache.py).
+"""Tests of the content-addressed prompt-embedding cache (ltx_mgpu/text/cache/store.py).
 
 Hermetic: temp directories and random tensors stand in for Gemma's output.
 """
@@ -17,16 +17,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ltx_mgpu.text.cache import (
-    FORMAT_VERSION,
-    CacheEntryWarning,
-    CacheKeyParts,
-    CacheReport,
-    EmbeddingCache,
-    cache_key,
-    default_cache_dir,
-    encode_cached,
-)
+from ltx_mgpu.text.cache.keys import FORMAT_VERSION, CacheKeyParts, cache_key, default_cache_dir
+from ltx_mgpu.text.cache.store import CacheEntryWarning, CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.features import PromptEmbedding
 
 D = 16

@@ -1,5 +1,5 @@
 """The pack inside a real ComfyUI (headless, CPU): runs only when ``COMFYUI_DIR`` points at a
-ComfyUI checkout; skipped otherwise (see README "Testing against a real ComfyUI" for the setup).
+ComfyUI checkout; skipped otherwise (see docs/testing.md, "Testing against a real ComfyUI", for the setup).
 
 ``$COMFYUI_PYTHON`` (default: this interpreter) runs ComfyUI; it needs ComfyUI's requirements
 (torch 2.9.1 + torchaudio 2.9.* on CPU), this pack's requirements, and ``aiohttp`` here for the
@@ -44,7 +44,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_support import (  # noqa: E402
-    COMFYUI_DIR, REPO, api_workflow, cdp_page, chromium_page, comfyui_server, http, run_prompt, tiny_prompt, wait_for,
+    COMFYUI_DIR,
+    REPO,
+    api_workflow,
+    cdp_page,
+    chromium_page,
+    comfyui_server,
+    http,
+    run_prompt,
+    tiny_prompt,
+    wait_for,
     workflow_model_links,
 )
 
@@ -56,8 +65,8 @@ WORKFLOWS = ("ltx_mgpu_precompute_prompts", "ltx_mgpu_text_to_video", "ltx_mgpu_
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not COMFYUI_DIR or not (Path(COMFYUI_DIR or ".") / "main.py").is_file(),
-                       reason="COMFYUI_DIR does not point at a ComfyUI checkout (README: 'Use in ComfyUI' > 'Testing "
-                              "against a real ComfyUI'); these tests need ComfyUI's own environment with torchaudio"),
+                       reason="COMFYUI_DIR does not point at a ComfyUI checkout (docs/testing.md: 'Testing against "
+                              "a real ComfyUI'); these tests need ComfyUI's own environment with torchaudio"),
 ]
 
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
+from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder import PromptEncoder
 from ltx_mgpu.text.features import load_projection
-from ltx_mgpu.text.forward import HostEmbedding, run_tower
-from ltx_mgpu.text.gemma import load_gemma_text_tower, tokenize
+from ltx_mgpu.text.gemma.forward import HostEmbedding, run_tower
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.tokenizer import tokenize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
@@ -64,7 +66,7 @@ def test_nf4_loader_defaults_equal_bitsandbytes_path(tmp_path):
     for x, y in zip(a[1:], b[1:]):
         torch.testing.assert_close(x[keep].float(), y[keep].float(), rtol=0.02, atol=0.05)
     # the artifact saved from the default tower loads and gives the same hidden states
-    from ltx_mgpu.text.nf4 import save_nf4
+    from ltx_mgpu.text.nf4.quantize import save_nf4
 
     save_nf4(default, tmp_path / "nf4")
     again = load_gemma_text_tower(tmp_path / "nf4", device="cuda")
@@ -95,7 +97,7 @@ def _nf4(shape, seed=0):
 @needs_triton
 @pytest.mark.parametrize("shape", [(64, 64), (3840, 4096), (15360, 3840), (8, 96)])
 def test_triton_nf4_dequant_is_bit_identical_to_bitsandbytes(shape):
-    from ltx_mgpu.text.nf4_dequant import dequantize_nf4
+    from ltx_mgpu.text.nf4.dequant import dequantize_nf4
 
     param, ref = _nf4(shape)
     assert torch.equal(dequantize_nf4(param, method="triton"), ref)
@@ -108,7 +110,7 @@ def test_triton_unit_dequant_fills_every_weight_of_a_unit_in_one_launch(blocks, 
     """Weights of different sizes (one with a nested-block count that is not a multiple of 256)
     into views of one buffer, as FastDequant lays out a decoder layer; every launch setting
     gives the same bytes."""
-    from ltx_mgpu.text.nf4_triton import UnitDequant
+    from ltx_mgpu.text.nf4.kernel import UnitDequant
 
     shapes = [(256, 512), (8, 96), (1024, 384), (64, 64)]
     pairs = [_nf4(s, seed=i) for i, s in enumerate(shapes)]
@@ -130,7 +132,7 @@ def test_triton_unit_dequant_fills_every_weight_of_a_unit_in_one_launch(blocks, 
 @needs_bnb
 @needs_triton
 def test_loader_default_triton_layer_dequant_equals_bitsandbytes_layer_dequant():
-    from ltx_mgpu.text.nf4_dequant import FastDequant
+    from ltx_mgpu.text.nf4.dequant import FastDequant
 
     default = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4")
     bnb_layers = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4", layer_dequant=False)
@@ -142,26 +144,26 @@ def test_loader_default_triton_layer_dequant_equals_bitsandbytes_layer_dequant()
 
 
 def test_a_compiled_spec_on_cuda_encodes_as_the_eager_one_to_bf16_rounding():
-    """TextEncoderSpec(compile=True) on a GPU in bf16 (Inductor's Triton kernels): the embeddings of
+    """TextEncoderConfig(compile=True) on a GPU in bf16 (Inductor's Triton kernels): the embeddings of
     two batch lengths equal the eager ones within bf16 tolerance."""
-    from ltx_mgpu.text.spec import TextEncoderSpec
+    from ltx_mgpu.text.spec import LocalTextEncoder
 
     gemma, ckpt = tiny_gemma_dir(), tiny_ltx_checkpoint("2.3")
-    eager = TextEncoderSpec(gemma, ckpt, device="cuda").build()
-    compiled = TextEncoderSpec(gemma, ckpt, device="cuda", compile=True).build()
+    eager = LocalTextEncoder(TextEncoderConfig(gemma, ckpt), "cuda").build()
+    compiled = LocalTextEncoder(TextEncoderConfig(gemma, ckpt, compile=True), "cuda").build()
     for batch in (PROMPTS, PROMPTS[1:3]):
         for c, e in zip(compiled.encode(batch), eager.encode(batch)):
             torch.testing.assert_close(c.tensor, e.tensor, rtol=3e-2, atol=3e-2)
 
 
-# --------------------------------------------------------------------------- CUDA graphs (ltx_mgpu.text.graphs)
+# --------------------------------------------------------------------------- CUDA graphs (ltx_mgpu.text.gemma.graphs)
 
 #: within the tiny Gemma's 16-token sliding window (graphs are taken only up to the window)
 GRAPH_PROMPTS = ["a cat", "a red fox", "x", "two words"]
 
 
 def _graph_encoders(tower):
-    from ltx_mgpu.text.graphs import TowerGraphs
+    from ltx_mgpu.text.gemma.graphs import TowerGraphs
 
     proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,
                            num_layers=tower.num_hidden_states)
@@ -172,7 +174,7 @@ def _graph_encoders(tower):
 
 
 def _check_graph_replay(tower):
-    from ltx_mgpu.text.graphs import TowerGraphs
+    from ltx_mgpu.text.gemma.graphs import TowerGraphs
 
     eager, graphed = _graph_encoders(tower)
     stand_in = TowerGraphs(tower, bucket=4, max_tokens=64, capture=False)
@@ -205,7 +207,7 @@ def test_cuda_graph_replay_equals_the_eager_forward_bf16():
 @needs_bnb
 def test_cuda_graph_replay_equals_the_eager_forward_nf4_with_prefetch():
     """The loader's NF4 tower: the Triton unit dequant with its side-stream prefetch is captured."""
-    from ltx_mgpu.text.nf4_dequant import _DenseLinear
+    from ltx_mgpu.text.nf4.dequant import _DenseLinear
 
     tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4")
     dense = [m for m in tower.model.modules() if isinstance(m, _DenseLinear)]
@@ -215,7 +217,7 @@ def test_cuda_graph_replay_equals_the_eager_forward_nf4_with_prefetch():
 
 def test_a_12b_shaped_width_is_graphed_by_default():
     """The defaults graph a one-prompt batch of the 12B's 1024 tokens (window 1024)."""
-    from ltx_mgpu.text.graphs import BUCKET, MAX_TOKENS
+    from ltx_mgpu.text.gemma.graphs import BUCKET, MAX_TOKENS
 
     tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
     proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,

@@ -18,15 +18,9 @@ from ltx_core.utils import rms_norm
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, infer_transformer_config, inspect_checkpoint
 from ltx_mgpu.denoise.conditioning import run_connector
-from ltx_mgpu.denoise.model import (
-    CheckpointError,
-    LoraSpec,
-    export_transformer_only,
-    infer_transformer_config,
-    inspect_checkpoint,
-    load_ltx_model,
-)
+from ltx_mgpu.denoise.model import export_transformer_only, load_ltx_model
 
 F32 = torch.float32
 WIDTH = {"2.0": 64, "2.3": 48}  # unprocessed context width of the tiny checkpoints (2.3: 32 + 16)

@@ -3,7 +3,7 @@
 latents whose 45 video tokens divide by neither 2 nor 4, with a noise mask and with a LoRA;
 seeds; progress and cancel; bad requests (heads the world size does not divide, too many
 tokens, unsupported conditioning) answered ``bad_input`` while the pool keeps serving. Also
-the LATENT / CONDITIONING wire layout of :mod:`ltx_mgpu.remote_denoise` on its own.
+the LATENT / CONDITIONING wire layout of :mod:`ltx_mgpu.wire.codec` on its own.
 
 Checkpoint layouts (monolith vs transformer-only) are compared in-process by
 ``test_denoise_model.py``; the pool job calls the same loader."""
@@ -14,19 +14,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ltx_mgpu.client import BadInputError, JobCancelledError, PoolClient
-from ltx_mgpu.denoise.latents import NestedTensorLike
+from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample
+from ltx_mgpu.client.errors import BadInputError, JobCancelledError
+from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.denoise.sampler import sample
-from ltx_mgpu.remote_denoise import (
+from ltx_mgpu.nested import NestedTensorLike
+from ltx_mgpu.wire.codec import (
     conditioning_from_request,
     conditioning_to_request,
     latent_from_request,
     latent_from_result,
     latent_to_request,
     latent_to_result,
-    remote_load_transformer,
-    remote_sample,
 )
 
 pytestmark = pytest.mark.slow
@@ -121,8 +121,7 @@ def test_sample_through_two_ranks_equals_the_in_process_sampler(pool2, model23, 
     latent = _av_latent(masked=masked, my_key="kept")
     timing = {"sigmas": SIGMAS} if sigmas else {"steps": 3}
     seen = []
-    got = remote_sample(pool2, pos, neg if cfg != 1 else None, latent, cfg=cfg, seed=42, timeout=120,
-                        on_progress=lambda *p: seen.append(p), **timing)
+    got = remote_sample(pool2, SampleRequest(pos, neg if cfg != 1 else None, latent, cfg=cfg, seed=42, **timing), timeout=120, on_progress=lambda *p: seen.append(p))
     ref = sample(model23, pos, neg if cfg != 1 else None, latent, cfg=cfg, seed=42, **timing)
     assert type(got["samples"]) is NestedTensorLike
     assert [p.shape for p in _parts(got)] == [p.shape for p in _parts(latent)]
@@ -134,7 +133,7 @@ def test_sample_through_two_ranks_equals_the_in_process_sampler(pool2, model23, 
 
 
 def test_same_seed_same_output_different_seed_different(pool2):
-    run = lambda seed: remote_sample(pool2, _cond(9, 1), None, _av_latent(), sigmas=SIGMAS, seed=seed, timeout=120)  # noqa: E731
+    run = lambda seed: remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), sigmas=SIGMAS, seed=seed), timeout=120)  # noqa: E731
     a, b, c = run(5), run(5), run(6)
     assert all(torch.equal(x, y) for x, y in zip(_parts(a), _parts(b), strict=True))
     assert all(not torch.allclose(x, y, atol=1e-3) for x, y in zip(_parts(a), _parts(c), strict=True))
@@ -151,8 +150,8 @@ def test_lora_changes_the_output_and_two_ranks_still_equal_world_size_one(pool2,
     loaded = remote_load_transformer(pool2, str(tiny_ltx_23), dtype="fp32", loras=[(lora, 1.0)], name="with_lora")
     assert loaded["loras"] == [{"path": lora, "strength": 1.0}]
     pos, neg, latent = _cond(9, 1), _cond(5, 2), _av_latent()
-    got = remote_sample(pool2, pos, neg, latent, model="with_lora", sigmas=SIGMAS, cfg=2.0, seed=3, timeout=120)
-    plain = remote_sample(pool2, pos, neg, latent, sigmas=SIGMAS, cfg=2.0, seed=3, timeout=120)
+    got = remote_sample(pool2, SampleRequest(pos, neg, latent, model="with_lora", sigmas=SIGMAS, cfg=2.0, seed=3), timeout=120)
+    plain = remote_sample(pool2, SampleRequest(pos, neg, latent, sigmas=SIGMAS, cfg=2.0, seed=3), timeout=120)
     ref = sample(load_ltx_model(tiny_ltx_23, dtype=F32, loras=[(lora, 1.0)]), pos, neg, latent, sigmas=SIGMAS,
                  cfg=2.0, seed=3)
     assert _max_diff(got, ref) <= TOL
@@ -165,7 +164,7 @@ def test_four_ranks_equal_world_size_one(base, tiny_ltx_23, model23):
     try:
         assert remote_load_transformer(client, str(tiny_ltx_23), dtype="fp32")["world_size"] == 4
         pos, neg, latent = _cond(9, 1), _cond(5, 2), _av_latent(masked=True)
-        got = remote_sample(client, pos, neg, latent, sigmas=SIGMAS, cfg=3.0, seed=9, timeout=120)
+        got = remote_sample(client, SampleRequest(pos, neg, latent, sigmas=SIGMAS, cfg=3.0, seed=9), timeout=120)
         ref = sample(model23, pos, neg, latent, sigmas=SIGMAS, cfg=3.0, seed=9)
         assert _max_diff(got, ref) <= TOL
     finally:
@@ -193,21 +192,21 @@ def test_heads_not_divisible_by_three_ranks_is_bad_input_and_the_pool_keeps_serv
 def test_too_many_tokens_is_bad_input_and_a_fitting_latent_still_samples(pool2, tiny_ltx_23):
     remote_load_transformer(pool2, str(tiny_ltx_23), dtype="fp32", max_tokens=44, name="small")
     with pytest.raises(BadInputError, match=r"45 tokens .*max_tokens=44.*Lower the resolution or the number of frames"):
-        remote_sample(pool2, _cond(9, 1), None, _av_latent(), model="small", sigmas=SIGMAS, timeout=60)
-    out = remote_sample(pool2, _cond(9, 1), None, _av_latent(f=2, h=3, w=4), model="small", sigmas=SIGMAS, timeout=60)
+        remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), model="small", sigmas=SIGMAS), timeout=60)
+    out = remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(f=2, h=3, w=4), model="small", sigmas=SIGMAS), timeout=60)
     assert _parts(out)[0].shape == (1, 128, 2, 3, 4)
     pool2.request("unload", {"names": ["small"]}, timeout=30)
 
 
 def test_bad_requests_name_the_fix_and_the_pool_keeps_serving(pool2, tmp_path, tiny_ltx_23):
     with pytest.raises(BadInputError, match="'keyframe_idxs' .*LTXVAddGuide"):
-        remote_sample(pool2, _cond(9, 1, keyframe_idxs=torch.zeros(1, 3)), None, _av_latent(), sigmas=SIGMAS)
+        remote_sample(pool2, SampleRequest(_cond(9, 1, keyframe_idxs=torch.zeros(1, 3)), None, _av_latent(), sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="'my_hook'; .*refuses to ignore"):
-        remote_sample(pool2, _cond(9, 1, my_hook=object()), None, _av_latent(), sigmas=SIGMAS)
+        remote_sample(pool2, SampleRequest(_cond(9, 1, my_hook=object()), None, _av_latent(), sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="no LTX-2 transformer named 'nope'.*load one first"):
-        remote_sample(pool2, _cond(9, 1), None, _av_latent(), model="nope", sigmas=SIGMAS)
+        remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), model="nope", sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="LTX-2 video latent is"):
-        remote_sample(pool2, _cond(9, 1), None, {"samples": torch.zeros(1, 128, 4, 4)}, sigmas=SIGMAS)
+        remote_sample(pool2, SampleRequest(_cond(9, 1), None, {"samples": torch.zeros(1, 128, 4, 4)}, sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="no checkpoint at"):
         remote_load_transformer(pool2, str(tmp_path / "missing.safetensors"), name="x")
     with pytest.raises(BadInputError, match="no LoRA file"):
@@ -218,8 +217,7 @@ def test_bad_requests_name_the_fix_and_the_pool_keeps_serving(pool2, tmp_path, t
 def test_cancel_stops_at_a_step_boundary_and_the_pool_keeps_serving(pool2):
     seen = []
     with pytest.raises(JobCancelledError):
-        remote_sample(pool2, _cond(9, 1), None, _av_latent(), steps=400, on_progress=lambda *p: seen.append(p),
-                      should_cancel=lambda: bool(seen), timeout=120)
+        remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), steps=400), on_progress=lambda *p: seen.append(p), should_cancel=lambda: bool(seen), timeout=120)
     assert seen and seen[0] == ("denoise", 1, 400) and len(seen) < 400
     _serving(pool2, 2)
 

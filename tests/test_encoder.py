@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ltx_mgpu.text.cache import EmbeddingCache
-from ltx_mgpu.text.encoder import PromptEncoder
-from ltx_mgpu.text.spec import TextEncoderSpec, encode_prompts
+from ltx_mgpu.text.cache.keys import cache_key_parts
+from ltx_mgpu.text.cache.store import EmbeddingCache
+from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.embedding_files import load_embeddings
+from ltx_mgpu.text.encoder import PromptEncoder
 from ltx_mgpu.text.features import load_projection
-from ltx_mgpu.text.gemma import PromptTooLongError, load_gemma_text_tower
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.tokenizer import PromptTooLongError
+from ltx_mgpu.text.spec import LocalTextEncoder, encode_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,10 +147,10 @@ def test_projection_gemma_mismatch_is_a_clear_error(tower, tmp_path):
 
 def test_cache_round_trip_keeps_rows_apart_and_never_loads_gemma_when_cached(tiny_gemma_dir, tiny_ltx_23, tmp_path):
     cache = EmbeddingCache(tmp_path / "cache")
-    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32")
+    spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
     first, report = encode_prompts(spec, PROMPTS[:3], batch_size=3, cache=cache)
     assert report.misses == 3 and spec.loaded
-    fresh = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32")
+    fresh = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
     second, report2 = encode_prompts(fresh, PROMPTS[:3], batch_size=3, cache=cache)
     assert report2.hits == 3 and report2.encoded == 0
     assert not fresh.loaded, "a fully cached prompt set must not construct Gemma"
@@ -158,9 +161,9 @@ def test_cache_round_trip_keeps_rows_apart_and_never_loads_gemma_when_cached(tin
     for s, b in zip(singles, second):
         torch.testing.assert_close(b.tensor, s, rtol=1e-5, atol=1e-5)
     # a different weights mode or dtype is another key: no hit
-    other = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="bfloat16")
-    assert other.cache_key_parts() != fresh.cache_key_parts()
-    assert cache.get(PROMPTS[0], other.cache_key_parts()) is None
+    other = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="bfloat16"))
+    assert cache_key_parts(other.config) != cache_key_parts(fresh.config)
+    assert cache.get(PROMPTS[0], cache_key_parts(other.config)) is None
 
 
 def test_cli_encode_embedded_default_then_cache_hits(tmp_path):
@@ -236,39 +239,39 @@ def test_a_compiled_spec_encodes_as_the_eager_one_and_refuses_nf4(tiny_gemma_dir
     from torch._dynamo.utils import counters
 
     prompts = PROMPTS[:3]
-    eager = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32").build()
-    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32", compile=True)
+    eager = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32")).build()
+    spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32", compile=True))
     graphs = counters["stats"]["unique_graphs"]
     compiled = spec.build()
     assert counters["stats"]["unique_graphs"] > graphs  # compiled while loading (one and two prompts)
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in compiled.tower.model.layers)
     assert not hasattr(eager.tower.model.layers[0].forward, "_torchdynamo_orig_callable")
-    assert spec.cache_key_parts() == TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32").cache_key_parts()
+    assert cache_key_parts(spec.config) == cache_key_parts(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
     for batch in (prompts, prompts[1:]):
         for c, e in zip(compiled.encode(batch), eager.encode(batch)):
             torch.testing.assert_close(c.tensor, e.tensor, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="compile works with bf16 weights"):
-        TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, weights="nf4", compile=True)
+        LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, weights="nf4", compile=True))
     with pytest.raises(ValueError, match="compile works with bf16 weights"):
-        TextEncoderSpec(artifact, tiny_ltx_23, compile=True).build()
+        LocalTextEncoder(TextEncoderConfig(artifact, tiny_ltx_23, compile=True)).build()
     with pytest.raises(ValueError, match="compile must be True or False"):
-        TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, compile="yes")
+        LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, compile="yes"))
 
 
 def test_a_compiler_that_fails_here_is_reported_when_the_encoder_loads(tiny_gemma_dir, tiny_ltx_23, monkeypatch):
     """build() compiles right away, so a torch.compile that cannot work on this machine (no C++
     compiler, a broken Triton: here a backend that raises) is a one-line ValueError naming the
     fix, not a traceback in the first encode."""
-    import ltx_mgpu.text.forward as forward
+    import ltx_mgpu.text.encoder as encoder_module  # where compile_prompt_encoder looks it up
 
-    real = forward.compile_text_tower
+    real = encoder_module.compile_text_tower
 
     def broken_backend(gm, example_inputs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(forward, "compile_text_tower",
+    monkeypatch.setattr(encoder_module, "compile_text_tower",
                         lambda tower, scope="model", **kw: real(tower, scope, backend=broken_backend))
-    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32", compile=True)
+    spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32", compile=True))
     with pytest.raises(ValueError, match=r"torch.compile could not compile Gemma's layers on cpu: .*no compiler "
                                          r"here.*\(turn compile off"):
         spec.build()
@@ -304,7 +307,7 @@ def test_an_encode_after_token_counts_reuses_its_tokens_and_gives_the_same_rows(
     """token_counts keeps its tokenization for the encode that follows (the pool's): sub-batches
     take their rows from it, trimmed to their own longest prompt, and the embeddings equal those
     of an encode that tokenizes each sub-batch itself, bit for bit."""
-    import ltx_mgpu.text.tokenizer as tokenizer
+    import ltx_mgpu.text.encoder as tokenizer  # where PromptEncoder looks tokenize up
 
     prompts = PROMPTS[:5]
     encoder._pretokenized = None
@@ -338,7 +341,7 @@ def test_cache_key_parts_are_memoised_until_a_source_file_changes(tiny_gemma_dir
     (and a change of content changes them); files modified within RACY_SECONDS are not memoised."""
     import shutil
 
-    import ltx_mgpu.text.gemma_sources as sources
+    import ltx_mgpu.text.cache.keys as sources  # where cache_key_parts looks source_identity up
 
     gemma, proj = tmp_path / "gemma", tmp_path / "proj.safetensors"
     shutil.copytree(tiny_gemma_dir, gemma)
@@ -346,27 +349,27 @@ def test_cache_key_parts_are_memoised_until_a_source_file_changes(tiny_gemma_dir
     calls = []  # one per computation of the parts
     real = sources.source_identity
     monkeypatch.setattr(sources, "source_identity", lambda *a: calls.append(a) or real(*a))
-    spec = TextEncoderSpec(gemma, proj, dtype="float32")
+    spec = LocalTextEncoder(TextEncoderConfig(gemma, proj, dtype="float32"))
 
-    first = spec.cache_key_parts()
-    assert spec.cache_key_parts() == first and len(calls) == 2  # fresh files: computed each time
+    first = cache_key_parts(spec.config)
+    assert cache_key_parts(spec.config) == first and len(calls) == 2  # fresh files: computed each time
     _age(gemma, proj, tmp_path)
-    first = spec.cache_key_parts()
-    assert [spec.cache_key_parts() for _ in range(3)] == [first] * 3 and len(calls) == 3  # memoised
-    assert TextEncoderSpec(gemma, proj, dtype="float32").cache_key_parts() == first and len(calls) == 3
+    first = cache_key_parts(spec.config)
+    assert [cache_key_parts(spec.config) for _ in range(3)] == [first] * 3 and len(calls) == 3  # memoised
+    assert cache_key_parts(TextEncoderConfig(gemma, proj, dtype="float32")) == first and len(calls) == 3
 
     (gemma / "notes.txt").write_text("a file beside the weights")  # the directory changed: recomputed, same key
     _age(gemma)
-    assert spec.cache_key_parts() == first and len(calls) == 4
+    assert cache_key_parts(spec.config) == first and len(calls) == 4
     config = gemma / "config.json"
     config.write_text(config.read_text() + " ")
     _age(gemma)
-    changed = spec.cache_key_parts()
+    changed = cache_key_parts(spec.config)
     assert changed.gemma_identity != first.gemma_identity and len(calls) == 5
     proj.write_bytes(proj.read_bytes())  # same bytes, new mtime: re-checked, same identity
     _age(proj, tmp_path)
-    assert spec.cache_key_parts() == changed and len(calls) == 6
-    assert TextEncoderSpec(gemma, proj, dtype="bfloat16").cache_key_parts().dtype == "bfloat16"  # its own entry
+    assert cache_key_parts(spec.config) == changed and len(calls) == 6
+    assert cache_key_parts(TextEncoderConfig(gemma, proj, dtype="bfloat16")).dtype == "bfloat16"  # its own entry
 
 
 def test_a_tokenizer_copied_into_a_comfy_files_stem_directory_recomputes_the_parts(tiny_gemma_dir,
@@ -380,7 +383,7 @@ def test_a_tokenizer_copied_into_a_comfy_files_stem_directory_recomputes_the_par
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ltx_mgpu.text.gemma_sources import gemma_identity
+    from ltx_mgpu.text.gemma.sources import gemma_identity
 
     d = tmp_path / "te"
     d.mkdir()
@@ -392,16 +395,16 @@ def test_a_tokenizer_copied_into_a_comfy_files_stem_directory_recomputes_the_par
     proj = tmp_path / "proj.safetensors"
     shutil.copy(tiny_ltx_23, proj)
     _age(tmp_path)
-    spec = TextEncoderSpec(d / "gemma.safetensors", proj, dtype="float32")
-    before = spec.cache_key_parts()
+    spec = LocalTextEncoder(TextEncoderConfig(d / "gemma.safetensors", proj, dtype="float32"))
+    before = cache_key_parts(spec.config)
     shutil.copy(tiny_gemma_dir / "tokenizer.model", d / "gemma")  # only d/gemma's mtime changes
-    assert spec.cache_key_parts().gemma_identity == gemma_identity(d / "gemma.safetensors") != before.gemma_identity
+    assert cache_key_parts(spec.config).gemma_identity == gemma_identity(d / "gemma.safetensors") != before.gemma_identity
 
 
 def test_a_file_added_in_an_empty_subdirectory_of_an_nf4_artifact_recomputes_the_parts(tiny_ltx_23, tmp_path):
     import shutil
 
-    from ltx_mgpu.text.gemma_sources import NF4_MANIFEST, gemma_identity
+    from ltx_mgpu.text.gemma.sources import NF4_MANIFEST, gemma_identity
 
     art = tmp_path / "art"
     (art / "notes" / "deeper").mkdir(parents=True)
@@ -410,10 +413,10 @@ def test_a_file_added_in_an_empty_subdirectory_of_an_nf4_artifact_recomputes_the
     proj = tmp_path / "proj.safetensors"
     shutil.copy(tiny_ltx_23, proj)
     _age(tmp_path)
-    spec = TextEncoderSpec(art, proj, dtype="float32")
-    before = spec.cache_key_parts()
+    spec = LocalTextEncoder(TextEncoderConfig(art, proj, dtype="float32"))
+    before = cache_key_parts(spec.config)
     (art / "notes" / "deeper" / "readme.txt").write_text("added")  # only deeper's mtime changes
-    assert spec.cache_key_parts().gemma_identity == gemma_identity(art) != before.gemma_identity
+    assert cache_key_parts(spec.config).gemma_identity == gemma_identity(art) != before.gemma_identity
 
 
 def test_a_snapshot_swapped_while_its_parts_are_computed_is_not_memoised(tiny_gemma_dir, tiny_ltx_23, tmp_path,
@@ -423,8 +426,8 @@ def test_a_snapshot_swapped_while_its_parts_are_computed_is_not_memoised(tiny_ge
     new directory's stats (found by review: the signature was taken after computing)."""
     import shutil
 
-    import ltx_mgpu.text.gemma_sources as sources
-    from ltx_mgpu.text.gemma_sources import gemma_identity
+    import ltx_mgpu.text.cache.keys as sources  # where cache_key_parts looks source_identity up
+    from ltx_mgpu.text.gemma.sources import gemma_identity
 
     models = tmp_path / "models"
     models.mkdir()
@@ -444,7 +447,7 @@ def test_a_snapshot_swapped_while_its_parts_are_computed_is_not_memoised(tiny_ge
         return value
 
     monkeypatch.setattr(sources, "source_identity", swapping)
-    spec = TextEncoderSpec(gemma, proj, dtype="float32")
-    old = spec.cache_key_parts()
+    spec = LocalTextEncoder(TextEncoderConfig(gemma, proj, dtype="float32"))
+    old = cache_key_parts(spec.config)
     monkeypatch.setattr(sources, "source_identity", real)
-    assert spec.cache_key_parts().gemma_identity == gemma_identity(gemma) != old.gemma_identity
+    assert cache_key_parts(spec.config).gemma_identity == gemma_identity(gemma) != old.gemma_identity

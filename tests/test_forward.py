@@ -1,4 +1,4 @@
-"""The tower forward of ``ltx_mgpu.text.forward``: trimmed padding, the causal-skip attention
+"""The tower forward of ``ltx_mgpu.text.gemma.forward``: trimmed padding, the causal-skip attention
 implementation and the host embedding table give the same results as the plain computation."""
 
 from __future__ import annotations
@@ -10,8 +10,17 @@ from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
 from ltx_mgpu.assets.gemma270m import gemma_270m_available, gemma_270m_dir
 from ltx_mgpu.text.encoder import PromptEncoder
 from ltx_mgpu.text.features import load_projection
-from ltx_mgpu.text.forward import ATTENTION, HostEmbedding, offload_embeddings, register_attention, run_tower
-from ltx_mgpu.text.gemma import GemmaTextTower, copy_sharing_weights, load_gemma_text_tower, tokenize
+from ltx_mgpu.text.gemma.forward import (
+    ATTENTION,
+    HostEmbedding,
+    copy_sharing_weights,
+    offload_embeddings,
+    register_attention,
+    run_tower,
+)
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.tokenizer import tokenize
+from ltx_mgpu.text.tower import GemmaTextTower
 
 PROMPTS = ["a cat", "A red fox running through fresh snow at dawn, cinematic, slow motion, 35 mm film.", "x",
            "two words"]

@@ -15,11 +15,11 @@ import torch
 from gemma_support import PROMPTS, assert_identical, hidden
 from safetensors.torch import load_file, save_file
 
-from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
-from ltx_mgpu.text.gemma import compile_text_tower, encode_hidden_states, load_gemma_text_tower
-from ltx_mgpu.text.gemma_sources import GemmaFormatError, detect_gemma_format
-from ltx_mgpu.text.tokenizer import tokenize
-
+from ltx_mgpu.assets.gemma import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
+from ltx_mgpu.text.gemma.forward import compile_text_tower, encode_hidden_states
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.sources import GemmaFormatError, detect_gemma_format
+from ltx_mgpu.text.gemma.tokenizer import tokenize
 
 # --------------------------------------------------------------------------- formats
 
@@ -30,7 +30,7 @@ def test_detect_formats(gemma, tmp_path):
     (tmp_path / "nf4").mkdir()
     (tmp_path / "nf4" / "ltx_mgpu_nf4.json").write_text("{}")
     assert detect_gemma_format(tmp_path / "nf4") == "nf4_artifact"
-    from ltx_mgpu.text.nf4_artifact import NF4ArtifactError
+    from ltx_mgpu.text.nf4.artifact import NF4ArtifactError
 
     with pytest.raises(NF4ArtifactError, match="not an ltx_mgpu NF4 manifest"):
         load_gemma_text_tower(tmp_path / "nf4")

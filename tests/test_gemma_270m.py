@@ -20,7 +20,9 @@ def gemma_270m(tmp_path_factory):
 
 
 def test_real_gemma_270m_loads_through_snapshot_path(gemma_270m):
-    from ltx_mgpu.text.gemma import encode_hidden_states, load_gemma_text_tower, tokenize
+    from ltx_mgpu.text.gemma.forward import encode_hidden_states
+    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+    from ltx_mgpu.text.gemma.tokenizer import tokenize
 
     tower = load_gemma_text_tower(gemma_270m, dtype=torch.bfloat16)
     assert tower.format == "hf_snapshot"

@@ -17,11 +17,11 @@ from pool_support import cleanup, short_dir
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ltx_mgpu.cli import main
-from ltx_mgpu.client import PoolClient
-from ltx_mgpu.decode import AudioGeometry, Mp4Writer, audio_geometry, inspect_vae_source, num_audio_latents
-from ltx_mgpu.generate import GenerateCancelled, generate
-from ltx_mgpu.generate_request import GenerateRequest, empty_av_latent
+from ltx_mgpu.cli.decode import AudioGeometry, Mp4Writer, audio_geometry, inspect_vae_source, num_audio_latents
+from ltx_mgpu.cli.main import main
+from ltx_mgpu.cli.pipeline import GenerateCancelled, generate
+from ltx_mgpu.cli.request import GenerateRequest, empty_av_latent
+from ltx_mgpu.client.pool_client import PoolClient
 
 FRAMES, HEIGHT, WIDTH, STEPS = 17, 64, 96, 2
 PROMPT = "A red fox running through fresh snow at dawn"
@@ -179,12 +179,8 @@ def test_mp4_writer_round_trips_frames_and_an_audio_track(tmp_path):
 
 
 def test_gemma_270m_variant_differs_from_the_tiny_checkpoint_only_in_its_text_side(tmp_path):
-    from ltx_mgpu.assets import (
-        GEMMA_270M_HIDDEN,
-        GEMMA_270M_HIDDEN_STATES,
-        tiny_ltx_checkpoint,
-        tiny_ltx_checkpoint_gemma270m,
-    )
+    from ltx_mgpu.assets import tiny_ltx_checkpoint, tiny_ltx_checkpoint_gemma270m
+    from ltx_mgpu.assets.gemma270m import GEMMA_270M_HIDDEN, GEMMA_270M_HIDDEN_STATES
     from ltx_mgpu.text.features import load_projection
 
     tiny = load_file(tiny_ltx_checkpoint("2.3", tmp_path))
@@ -207,7 +203,7 @@ def test_bench_reads_ratios_from_the_scripts_results():
     import json
     from pathlib import Path
 
-    from ltx_mgpu.bench_cli import format_table, nf4_rows, socket_rows, sp_rows, text_rows
+    from ltx_mgpu.cli.bench import format_table, nf4_rows, socket_rows, sp_rows, text_rows
 
     table = ("pool: 2 rank(s) on cpu\nmeasure                                  value  goal\n"
              "round trip: status (median)            0.41 ms  <= 5 ms\n"
@@ -256,7 +252,7 @@ def test_a_checkpoint_that_is_not_safetensors_is_named_before_any_pool_starts(tm
 def test_a_second_ctrl_c_aborts_with_one_line_not_a_traceback(monkeypatch, capsys):
     """KeyboardInterrupt out of a command (generate's second Ctrl-C) ends the CLI with "aborted"
     and status 130 (found by a newcomer: it printed a 40-line traceback)."""
-    import ltx_mgpu.pool.commands as commands
+    import ltx_mgpu.cli.pool as commands
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -273,8 +269,8 @@ def test_ctrl_c_while_gemma_is_being_prepared_sends_no_pool_job(tmp_path, monkey
     the run there (found by a newcomer: the encode job was still sent afterwards)."""
     import dataclasses
 
-    import ltx_mgpu.generate as gen
-    from ltx_mgpu.client import PoolClient as Client
+    import ltx_mgpu.cli.pipeline as gen
+    from ltx_mgpu.client.pool_client import PoolClient as Client
 
     stop = []
     real = gen.resolve_models
@@ -301,8 +297,8 @@ def test_ctrl_c_while_gemma_is_being_prepared_sends_no_pool_job(tmp_path, monkey
 
 def test_out_in_a_missing_directory_is_accepted_and_made_when_written(tmp_path):
     """generate, like encode, makes a missing output directory (checked up front: not a file)."""
+    from ltx_mgpu.cli.request import GenerateRequest, validate_request
     from ltx_mgpu.files import make_parent
-    from ltx_mgpu.generate_request import GenerateRequest, validate_request
 
     out = tmp_path / "renders" / "today" / "fox.mp4"
     req = GenerateRequest(prompt="x", out=str(out))
@@ -315,11 +311,11 @@ def test_out_in_a_missing_directory_is_accepted_and_made_when_written(tmp_path):
 def test_directory_settings_that_name_a_file_are_refused_with_the_setting_named(tmp_path, monkeypatch, capsys):
     """A cache, home or runtime directory given as a regular file: one line naming the setting,
     before any work (a newcomer got NotADirectoryError tracebacks)."""
+    from ltx_mgpu.client.spec import runtime_base
     from ltx_mgpu.files import check_directory_setting
     from ltx_mgpu.identity import home_dir
-    from ltx_mgpu.pool.runtime import runtime_base
-    from ltx_mgpu.text.cache import EmbeddingCache
-    from ltx_mgpu.text.cache_keys import default_cache_dir
+    from ltx_mgpu.text.cache.keys import default_cache_dir
+    from ltx_mgpu.text.cache.store import EmbeddingCache
 
     afile = tmp_path / "afile"
     afile.write_text("")

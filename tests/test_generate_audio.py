@@ -1,8 +1,8 @@
 """The audio-decode path of ``python -m ltx_mgpu generate``, end to end, on the embedded tiny
-LTX-2.3 checkpoint (its tiny audio VAE + 24 kHz vocoder, :mod:`ltx_mgpu.assets.ltx_audio`).
+LTX-2.3 checkpoint (its tiny audio VAE + 24 kHz vocoder, :mod:`ltx_mgpu.assets.audio`).
 
 ltx-core's audio VAE imports torchaudio, which the dev venv must not have; these tests run where it
-is installed, e.g. ComfyUI's environment of the README's "Testing against a real ComfyUI":
+is installed, e.g. ComfyUI's environment of "Testing against a real ComfyUI" in docs/testing.md:
 ``~/comfy-venv/bin/python -m pytest tests/test_generate_audio.py``.
 """
 
@@ -20,7 +20,7 @@ import torch
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchaudio") is None,
     reason="torchaudio is not installed: ltx-core's audio VAE (ltx_core.model.audio_vae) imports it; "
-    "run with a Python that has torchaudio (README: 'Testing against a real ComfyUI' sets one up)",
+    "run with a Python that has torchaudio (docs/testing.md: 'Testing against a real ComfyUI' sets one up)",
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def test_audio_shapes_match_ltx_core_configurators():
     """The hand-derived key -> shape table equals ltx-core's own modules built from the config."""
     from ltx_core.model.audio_vae import AudioDecoderConfigurator, VocoderConfigurator
 
-    from ltx_mgpu.assets.ltx_audio import TINY_AUDIO_OUTPUT_RATE, tiny_audio_config, tiny_audio_shapes
+    from ltx_mgpu.assets.audio import TINY_AUDIO_OUTPUT_RATE, tiny_audio_config, tiny_audio_shapes
 
     config = tiny_audio_config()
     with torch.device("meta"):

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
-from ltx_mgpu.text import graphs
 from ltx_mgpu.text.encoder import PromptEncoder
 from ltx_mgpu.text.features import load_projection
-from ltx_mgpu.text.forward import run_tower
-from ltx_mgpu.text.gemma import GemmaTextTower, copy_sharing_weights, load_gemma_text_tower, tokenize
+from ltx_mgpu.text.gemma import graphs
+from ltx_mgpu.text.gemma.forward import copy_sharing_weights, run_tower
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.tokenizer import tokenize
+from ltx_mgpu.text.tower import GemmaTextTower
 
 # the tiny Gemma's sliding window is 16 tokens: every prompt here fits in it
 PROMPTS = ["a cat", "a red fox", "x", "two words"]
@@ -132,7 +134,7 @@ def test_which_towers_are_graphed(tower, monkeypatch, caplog):
         monkeypatch.setenv(graphs.ENV, value)
         assert graphs.graphs_enabled() is on
     monkeypatch.setenv(graphs.ENV, "bogus")
-    with caplog.at_level("WARNING", logger="ltx_mgpu.text.graphs"):
+    with caplog.at_level("WARNING", logger="ltx_mgpu.text.gemma.graphs"):
         assert graphs.graphs_enabled() is True
     assert "'bogus' is not understood: CUDA graphs stay on (use 0 to turn them off" in caplog.text
 

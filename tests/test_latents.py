@@ -12,11 +12,11 @@ from ltx_core.types import AudioLatentShape, VideoLatentShape
 from ltx_mgpu.denoise.latents import (
     DEFAULT_FRAME_RATE,
     LatentFormatError,
-    NestedTensorLike,
     frame_rate_from_conditioning,
     latent_to_tokens,
     tokens_to_latent,
 )
+from ltx_mgpu.nested import NestedTensorLike
 
 
 def _video(b=2, f=3, h=4, w=5, seed=0, dtype=torch.float32):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ltx_mgpu.cli import main
-from ltx_mgpu.client import PoolClient
-from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.sampler import sample
-from ltx_mgpu.remote_denoise import remote_load_transformer, remote_sample
-from ltx_mgpu.remote_text import PoolTextEncoder
-from ltx_mgpu.text.spec import TextEncoderSpec
 from pool_support import cleanup, short_dir
 from text_pool_support import PROMPTS, check, encode
+
+from ltx_mgpu.cli.main import main
+from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample
+from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.denoise.model import load_ltx_model
+from ltx_mgpu.denoise.sampler import sample
+from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.spec import LocalTextEncoder
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -51,9 +51,9 @@ def test_each_placement_on_two_gpus_gives_the_in_process_embeddings(gpu_pool, ti
     """float32 compute for bf16 weights (one prompt at a time in-process: fp32 results do not
     depend on the batch), bf16 compute for NF4 in the pool's own sub-batches ([0, 1], [2])."""
     dtype = "float32" if weights == "bf16" else "bfloat16"
-    encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], weights=weights, placement=placement, dtype=dtype)
+    encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], weights=weights, placement=placement, dtype=dtype)
     result, tensors = encode(gpu_pool, encoder, PROMPTS[:3], batch_size=2)
-    spec = TextEncoderSpec(tiny_gemma_dir, checkpoints["2.3"], weights, device="cuda:0", dtype=dtype)
+    spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], weights, dtype=dtype), "cuda:0")
     if weights == "bf16":
         ref = [spec.build().encode([p])[0] for p in PROMPTS[:3]]
     else:
@@ -71,7 +71,7 @@ def _sp_inputs():
                                                    "frame_rate": 24.0}]]
     neg = [[torch.randn(1, 5, 48, generator=g), {"pooled_output": None, "unprocessed_ltxav_embeds": True,
                                                   "frame_rate": 24.0}]]
-    from ltx_mgpu.denoise.latents import NestedTensorLike
+    from ltx_mgpu.nested import NestedTensorLike
 
     latent = {"samples": NestedTensorLike([torch.randn(1, 128, 3, 4, 6, generator=g),
                                            torch.randn(1, 8, 7, 16, generator=g)]), "type": "audio"}
@@ -82,7 +82,7 @@ def test_sequence_parallel_sampling_on_two_gpus_equals_the_in_process_sampler(gp
     loaded = remote_load_transformer(gpu_pool, str(tiny_ltx_23), dtype="fp32")
     assert loaded["world_size"] == 2
     cond, neg, latent = _sp_inputs()
-    got = remote_sample(gpu_pool, cond, neg, latent, cfg=3.0, seed=5, steps=3, timeout=300)
+    got = remote_sample(gpu_pool, SampleRequest(cond, neg, latent, cfg=3.0, seed=5, steps=3), timeout=300)
     ref = sample(load_ltx_model(tiny_ltx_23, dtype=torch.float32), cond, neg, latent, cfg=3.0, seed=5, steps=3)
     for x, y, start in zip(got["samples"].tensors, ref["samples"].tensors, latent["samples"].tensors):
         assert x.shape == y.shape

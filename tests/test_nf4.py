@@ -1,4 +1,4 @@
-"""NF4 Gemma 3 (ltx_mgpu.text.nf4) artifacts: the round trip (quantize -> load equals the
+"""NF4 Gemma 3 (ltx_mgpu.text.nf4.quantize) artifacts: the round trip (quantize -> load equals the
 on-the-fly path, byte for byte), contents and manifest, damage detection, and size."""
 
 from __future__ import annotations
@@ -14,19 +14,13 @@ import torch
 from nf4_support import PROMPTS, hidden
 from safetensors.torch import load_file, save_file
 
-from ltx_mgpu.text.gemma import load_gemma_text_tower
-from ltx_mgpu.text.gemma_sources import GemmaFormatError, detect_gemma_format, gemma_identity
-from ltx_mgpu.text.nf4 import (
-    PROJECTIONS,
-    NF4ArtifactError,
-    NonFiniteHiddenStatesError,
-    load_nf4,
-    load_nf4_on_the_fly,
-    nf4_linears,
-    quantize_nf4,
-)
-from ltx_mgpu.text.nf4_artifact import NF4_MANIFEST, artifact_bytes, read_manifest
-from ltx_mgpu.text.tokenizer import tokenize
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.sources import NF4_MANIFEST, GemmaFormatError, detect_gemma_format, gemma_identity
+from ltx_mgpu.text.gemma.tokenizer import tokenize
+from ltx_mgpu.text.nf4.artifact import PROJECTIONS, NF4ArtifactError, artifact_bytes, read_manifest
+from ltx_mgpu.text.nf4.load import NonFiniteHiddenStatesError, load_nf4, load_nf4_on_the_fly
+from ltx_mgpu.text.nf4.model import nf4_linears
+from ltx_mgpu.text.nf4.quantize import quantize_nf4
 
 
 def _quant_tensors(tower) -> dict[str, torch.Tensor]:
@@ -74,7 +68,7 @@ def test_quantize_load_equals_on_the_fly(tiny_gemma_dir, artifact, nf4_tower, tm
 
 
 def test_in_memory_model_quantizes_to_the_same_bytes(bf16_tower, tiny_gemma_dir, artifact, tmp_path):
-    from ltx_mgpu.text.nf4 import quantize_nf4_model
+    from ltx_mgpu.text.nf4.quantize import quantize_nf4_model
 
     out = quantize_nf4_model(bf16_tower.model, tmp_path / "mem", tiny_gemma_dir, name="tiny")
     assert read_manifest(out)["source"] == {"format": "in_memory", "name": "tiny", "identity": None}
@@ -181,9 +175,9 @@ def test_half_written_artifact_is_never_picked_up(artifact, tmp_path):
 
 
 def test_failed_quantization_leaves_nothing(tiny_gemma_dir, tmp_path):
-    from ltx_mgpu.text.nf4_artifact import write_artifact
-    from ltx_mgpu.text.nf4_model import skeleton
-    from ltx_mgpu.text.nf4_source import iter_source, open_source
+    from ltx_mgpu.text.nf4.artifact import write_artifact
+    from ltx_mgpu.text.nf4.model import skeleton
+    from ltx_mgpu.text.nf4.source import iter_source, open_source
 
     src = open_source(tiny_gemma_dir)
     _, expected = skeleton(src.config)
@@ -222,7 +216,7 @@ def test_artifact_size_matches_parameter_counts(tiny_gemma_dir, tmp_path):
     ~40 %, so this uses a 256-wide 2-layer model (text-only layout, tied lm_head not stored)."""
     from transformers import Gemma3ForCausalLM
 
-    from ltx_mgpu.text.gemma_sources import gemma3_text_config
+    from ltx_mgpu.text.gemma.sources import gemma3_text_config
 
     cfg = gemma3_text_config(vocab=1024, hidden=256, intermediate=1024, layers=2, heads=4, kv_heads=2, head_dim=64,
                              tie_word_embeddings=True)

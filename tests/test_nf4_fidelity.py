@@ -1,4 +1,4 @@
-"""NF4 Gemma 3 (ltx_mgpu.text.nf4) numerics: fidelity against bf16 (the tiny model, and the real
+"""NF4 Gemma 3 (ltx_mgpu.text.nf4.quantize) numerics: fidelity against bf16 (the tiny model, and the real
 Gemma 3 270M when installed) and the dequantization methods, independent of bitsandbytes' CPU
 kernel path.
 
@@ -20,9 +20,11 @@ import pytest
 import torch
 from nf4_support import hidden
 
-from ltx_mgpu.text.gemma import encode_hidden_states, load_gemma_text_tower
-from ltx_mgpu.text.nf4 import nf4_linears, save_nf4
-from ltx_mgpu.text.tokenizer import tokenize
+from ltx_mgpu.text.gemma.forward import encode_hidden_states
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.tokenizer import tokenize
+from ltx_mgpu.text.nf4.model import nf4_linears
+from ltx_mgpu.text.nf4.quantize import save_nf4
 
 #: Random tiny weights are poor NF4 references (no outlier structure, 6 small layers): the mean
 #: per-token cosine NF4 vs bf16 falls from 0.973 (layer 1) to 0.874 (final, post-norm) on the
@@ -64,14 +66,16 @@ def test_generic_cpu_path_equals_dequantized_bf16_model(artifact, nf4_tower, tin
 def test_fast_dequant_variants_match(nf4_tower):
     import bitsandbytes.functional as bf
 
-    from ltx_mgpu.text.nf4_dequant import FastDequant, dequantize_nf4
+    from benchmarks.nf4_lut import dequantize_nf4_lut, lut_fill
+    from ltx_mgpu.text.nf4.dequant import FastDequant
 
     for m in nf4_linears(nf4_tower.model).values():
-        assert torch.equal(dequantize_nf4(m.weight, method="lut"), bf.dequantize_4bit(m.weight.data, m.weight.quant_state))
+        assert torch.equal(dequantize_nf4_lut(m.weight), bf.dequantize_4bit(m.weight.data, m.weight.quant_state))
     ref, _ = hidden(nf4_tower)
     for method in ("bnb", "lut"):
         for scope in ("layer", "linear"):
-            fast = FastDequant(nf4_tower.model, method, scope)
+            fill = lut_fill(compiled=False) if method == "lut" else None
+            fast = FastDequant(nf4_tower.model, "bnb", scope, fill=fill)
             try:
                 out, _ = hidden(nf4_tower)
             finally:
@@ -82,7 +86,7 @@ def test_fast_dequant_variants_match(nf4_tower):
 
 def test_triton_unit_dequant_refuses_bad_input_before_any_launch(nf4_tower):
     """Checked on any machine (the launch itself needs CUDA: tests/test_cuda.py)."""
-    from ltx_mgpu.text.nf4_triton import UnitDequant
+    from ltx_mgpu.text.nf4.kernel import UnitDequant
 
     w = next(iter(nf4_linears(nf4_tower.model).values())).weight
     out = torch.empty(w.quant_state.shape, dtype=torch.bfloat16).view(-1)

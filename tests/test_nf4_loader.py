@@ -1,4 +1,4 @@
-"""NF4 Gemma 3 (ltx_mgpu.text.nf4) through the loaders: dispatch on the source and bad
+"""NF4 Gemma 3 (ltx_mgpu.text.nf4.quantize) through the loaders: dispatch on the source and bad
 arguments, an embedding cache that never mixes NF4 and bf16, and the CLI's quantize-nf4 then
 encode."""
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 from nf4_support import LONG
 
-from ltx_mgpu.text.gemma import load_gemma_text_tower
-from ltx_mgpu.text.gemma_sources import GemmaFormatError
-from ltx_mgpu.text.nf4 import load_nf4, quantize_nf4, save_nf4
-
+from ltx_mgpu.text.cache.keys import cache_key_parts, weights_mode
+from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.sources import GemmaFormatError
+from ltx_mgpu.text.nf4.load import load_nf4
+from ltx_mgpu.text.nf4.quantize import quantize_nf4, save_nf4
 
 # --------------------------------------------------------------------------- loader dispatch, cache, CLI
 
@@ -41,16 +43,17 @@ def test_dispatch_and_bad_arguments(tiny_gemma_dir, artifact, tmp_path):
 
 
 def test_cache_never_mixes_nf4_and_bf16(tiny_gemma_dir, artifact, tiny_ltx_23, tmp_path):
-    from ltx_mgpu.text.cache import EmbeddingCache, cache_key
-    from ltx_mgpu.text.spec import TextEncoderSpec, encode_prompts
+    from ltx_mgpu.text.cache.keys import cache_key
+    from ltx_mgpu.text.cache.store import EmbeddingCache
+    from ltx_mgpu.text.spec import LocalTextEncoder, encode_prompts
 
     specs = {
-        "bf16": TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, weights="bf16"),
-        "nf4": TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, weights="nf4"),
-        "artifact": TextEncoderSpec(artifact, tiny_ltx_23),  # weights="bf16" asked, NF4 loaded
-        "artifact-nf4": TextEncoderSpec(artifact, tiny_ltx_23, weights="nf4"),
+        "bf16": LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, weights="bf16")),
+        "nf4": LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, weights="nf4")),
+        "artifact": LocalTextEncoder(TextEncoderConfig(artifact, tiny_ltx_23)),  # weights="bf16" asked, NF4 loaded
+        "artifact-nf4": LocalTextEncoder(TextEncoderConfig(artifact, tiny_ltx_23, weights="nf4")),
     }
-    parts = {k: s.cache_key_parts() for k, s in specs.items()}
+    parts = {k: cache_key_parts(s.config) for k, s in specs.items()}
     assert [parts[k].weights_mode for k in specs] == ["bf16", "nf4", "nf4", "nf4"]
     keys = {k: cache_key("the cat", p) for k, p in parts.items()}
     assert len({keys["bf16"], keys["nf4"], keys["artifact"]}) == 3 and keys["artifact"] == keys["artifact-nf4"]
@@ -61,8 +64,8 @@ def test_cache_never_mixes_nf4_and_bf16(tiny_gemma_dir, artifact, tiny_ltx_23, t
     for name in ("bf16", "nf4", "artifact"):
         got[name], report = encode_prompts(specs[name], prompts, cache=cache)
         assert (report.hits, report.encoded) == (0, 2), name  # never served another mode's entry
-        assert specs[name].build().tower.weights == specs[name].weights_mode
-    again, report = encode_prompts(TextEncoderSpec(artifact, tiny_ltx_23), prompts, cache=cache)
+        assert specs[name].build().tower.weights == weights_mode(specs[name].config)
+    again, report = encode_prompts(LocalTextEncoder(TextEncoderConfig(artifact, tiny_ltx_23)), prompts, cache=cache)
     assert report.hits == 2 and all(torch.equal(a.tensor, b.tensor) for a, b in zip(again, got["artifact"]))
     for a, b, c in zip(got["nf4"], got["artifact"], got["bf16"]):
         assert torch.equal(a.tensor, b.tensor)  # same NF4 bytes -> same embedding
@@ -70,7 +73,7 @@ def test_cache_never_mixes_nf4_and_bf16(tiny_gemma_dir, artifact, tiny_ltx_23, t
 
 
 def test_cli_quantize_then_encode(tiny_gemma_dir, tiny_ltx_23, tmp_path, capsys):
-    from ltx_mgpu.cli import main
+    from ltx_mgpu.cli.main import main
     from ltx_mgpu.text.embedding_files import load_embeddings
 
     out = tmp_path / "cli-nf4"

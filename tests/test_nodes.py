@@ -63,7 +63,7 @@ def test_every_node_declares_a_valid_contract():
 
 
 def test_sampler_names_match_the_pool():
-    from ltx_mgpu.denoise.sampler import SAMPLERS
+    from ltx_mgpu.choices import SAMPLERS
 
     assert tuple(denoise_nodes.SAMPLERS) == tuple(SAMPLERS)
 

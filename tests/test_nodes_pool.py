@@ -19,6 +19,8 @@ import pytest
 import torch
 from nodes_support import av_latent, bridge, node, routes
 
+from ltx_mgpu.text.spec import LocalTextEncoder
+
 PROMPTS = ("a red fox running through snow at dawn", "blurry, low quality")
 pytestmark = pytest.mark.slow
 
@@ -82,7 +84,7 @@ def conds(text_encoder):
 
 
 def test_gemma_loader_rejects_a_file_that_is_not_gemma(pool):
-    from ltx_mgpu.text.gemma_sources import GemmaFormatError
+    from ltx_mgpu.text.gemma.sources import GemmaFormatError
 
     with pytest.raises(GemmaFormatError, match="Supported Gemma 3 formats"):
         node("LTXMGPU_GemmaLoader").load(pool, str(Path(os.environ["LTX_MGPU_MODELS_DIR"]) / "loras" / "style.safetensors"),
@@ -90,7 +92,7 @@ def test_gemma_loader_rejects_a_file_that_is_not_gemma(pool):
 
 
 def test_prompt_encode_gives_comfyui_ltx2_conditioning_and_hits_the_cache(text_encoder, conds, progress):
-    reference = text_encoder.encoder.text_spec().build().encode(list(PROMPTS), batch_size=8)
+    reference = LocalTextEncoder(text_encoder.config).build().encode(list(PROMPTS), batch_size=8)
     for cond, ref in zip(conds, reference):
         assert isinstance(cond, list) and len(cond) == 1
         tensor, options = cond[0]
@@ -104,13 +106,13 @@ def test_prompt_encode_gives_comfyui_ltx2_conditioning_and_hits_the_cache(text_e
 
 
 def test_sp_sampler_returns_the_pool_latent_in_comfyui_form(pool, model, conds, progress):
-    from ltx_mgpu.remote_denoise import remote_sample
+    from ltx_mgpu.client.denoise import SampleRequest, remote_sample
 
     pos, neg = conds
     latent = av_latent()
     with torch.inference_mode():
         (out,) = node("LTXMGPU_SPSampler").sample(model, pos, neg, latent, 3, 2.0, 5, "euler", unique_id="9")
-    ref = remote_sample(pool.client, pos, neg, latent, steps=3, cfg=2.0, seed=5)
+    ref = remote_sample(pool.client, SampleRequest(pos, neg, latent, steps=3, cfg=2.0, seed=5))
     assert type(out["samples"]) is bridge.nested_tensor_type() and type(out["noise_mask"]) is bridge.nested_tensor_type()
     assert [p.shape for p in parts(out)] == [p.shape for p in parts(latent)]
     assert all(torch.equal(a, b) for a, b in zip(parts(out), parts(ref)))
@@ -120,13 +122,13 @@ def test_sp_sampler_returns_the_pool_latent_in_comfyui_form(pool, model, conds, 
 
 
 def test_sp_sampler_takes_comfyui_sigmas_and_plain_video_latents(model, conds):
-    from ltx_mgpu.remote_denoise import remote_sample
+    from ltx_mgpu.client.denoise import SampleRequest, remote_sample
 
     sigmas = torch.tensor([1.0, 0.725, 0.421875, 0.0])
     latent = {"samples": torch.randn(1, 128, 2, 2, 3, generator=torch.Generator().manual_seed(3))}
     with torch.inference_mode():
         (out,) = node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], latent, 99, 1.0, 7, "euler", sigmas=sigmas)
-    ref = remote_sample(model.pool.client, conds[0], None, latent, sigmas=sigmas, seed=7)
+    ref = remote_sample(model.pool.client, SampleRequest(conds[0], None, latent, sigmas=sigmas, seed=7))
     assert isinstance(out["samples"], torch.Tensor) and torch.equal(out["samples"], ref["samples"])
 
 
@@ -155,7 +157,7 @@ def test_stop_mid_sampling_raises_comfyui_interrupt_and_the_pool_keeps_serving(p
 
 
 def test_bad_latent_is_a_clear_node_error_and_the_pool_keeps_serving(model, conds):
-    from ltx_mgpu.client import BadInputError
+    from ltx_mgpu.client.errors import BadInputError
 
     with pytest.raises(BadInputError, match="LTX-2 video latent is"):
         node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], {"samples": torch.zeros(1, 4, 8, 8)}, 2, 1.0, 0,

@@ -1,4 +1,4 @@
-"""The in-place safetensors codec (ltx_mgpu.payload): strict header checks, parity with the
+"""The in-place safetensors codec (ltx_mgpu.wire.payload): strict header checks, parity with the
 safetensors library in both directions, zero-copy views and their lifetime."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ltx_mgpu import protocol
-from ltx_mgpu.payload import DTYPES, PayloadError, parse_payload, payload_layout, tensors_to_payload
+from ltx_mgpu import wire
+from ltx_mgpu.wire.payload import DTYPES, PayloadError, parse_payload, payload_layout, tensors_to_payload
 
 
 def _blob(header: dict, data: bytes = b"", raw: bytes | None = None) -> bytes:
@@ -90,9 +90,9 @@ def test_received_frame_tensors_share_one_buffer_and_are_writable():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     want = {"big": torch.randn(1000), "small": torch.arange(10)}
     with a, b:
-        sender = threading.Thread(target=protocol.send_frame, args=(a, {"x": 1}, protocol.tensors_to_payload(want)))
+        sender = threading.Thread(target=wire.send_frame, args=(a, {"x": 1}, wire.tensors_to_payload(want)))
         sender.start()
-        _, got = protocol.recv_frame(b)
+        _, got = wire.recv_frame(b)
         sender.join()
     _same(got, want)
     assert got["big"].untyped_storage().data_ptr() == got["small"].untyped_storage().data_ptr()
@@ -141,8 +141,8 @@ _F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 def test_invalid_blobs_are_rejected_naming_the_rule(blob, match):
     with pytest.raises(PayloadError, match=match):
         parse_payload(bytearray(blob))
-    with pytest.raises(protocol.ProtocolError, match="not a valid safetensors blob"):
-        protocol.payload_to_tensors(blob)
+    with pytest.raises(wire.ProtocolError, match="not a valid safetensors blob"):
+        wire.payload_to_tensors(blob)
 
 
 _codes = st.sampled_from(["F32", "U8", "BF16", "I64", "BOOL", "F8_E4M3", "F4", "Q"])

@@ -15,12 +15,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from ltx_mgpu import protocol, shm
-from ltx_mgpu.client import BadInputError, JobCancelledError, PoolClient
-from ltx_mgpu.pool import engines, launch
-from ltx_mgpu.shm_receive import ArenaReceiver
 from pool_support import raw_connect, raw_hello, read_answer
+
+from ltx_mgpu import wire
+from ltx_mgpu.client import launch
+from ltx_mgpu.client.errors import BadInputError, JobCancelledError
+from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.pool import engines, runtime
+from ltx_mgpu.wire import arena
+from ltx_mgpu.wire.receiver import ArenaReceiver
 
 pytestmark = pytest.mark.slow
 
@@ -69,20 +72,20 @@ def test_a_job_result_carries_its_timeline_in_the_clients_clock(client):
 
 def test_runtime_files_are_private(client, pool_dir):
     assert stat.S_IMODE(os.stat(pool_dir).st_mode) == 0o700
-    for name in (launch.SOCKET_NAME, launch.TOKEN_NAME, launch.INFO_NAME, launch.LOG_NAME):
+    for name in (runtime.SOCKET_NAME, runtime.TOKEN_NAME, runtime.INFO_NAME, runtime.LOG_NAME):
         assert stat.S_IMODE(os.stat(pool_dir / name).st_mode) == 0o600, name
-    assert stat.S_ISSOCK(os.stat(pool_dir / launch.SOCKET_NAME).st_mode)
-    assert len(launch.read_token(pool_dir)) == 64
+    assert stat.S_ISSOCK(os.stat(pool_dir / runtime.SOCKET_NAME).st_mode)
+    assert len(runtime.read_token(pool_dir)) == 64
 
 
 def test_wrong_token_is_rejected_and_connection_closed(client, pool_dir):
     with raw_connect(pool_dir) as s:
-        protocol.send_frame(s, protocol.make_request("hello", "h", {"token": "0" * 64}))
+        wire.send_frame(s, wire.make_request("hello", "h", {"token": "0" * 64}))
         answer = read_answer(s)
         assert answer["event"] == "error" and answer["kind"] == "bad_input" and "wrong token" in answer["message"]
         assert read_answer(s) is None
     with raw_connect(pool_dir) as s:  # anything before hello is refused too
-        protocol.send_frame(s, protocol.make_request("status", "s"))
+        wire.send_frame(s, wire.make_request("status", "s"))
         answer = read_answer(s)
         assert answer["event"] == "error" and "first request must be 'hello'" in answer["message"]
         assert read_answer(s) is None
@@ -92,28 +95,28 @@ def test_wrong_token_is_rejected_and_connection_closed(client, pool_dir):
 def test_unknown_type_closes_connection_but_schema_error_does_not(client, pool_dir):
     with raw_connect(pool_dir) as s:
         raw_hello(s, pool_dir)
-        protocol.send_frame(s, {"type": "selftest", "id": "p1", "params": {"steps": "three"}})
+        wire.send_frame(s, {"type": "selftest", "id": "p1", "params": {"steps": "three"}})
         answer = read_answer(s)
         assert answer["event"] == "error" and answer["id"] == "p1" and "selftest.steps must be int" in answer["message"]
-        protocol.send_frame(s, protocol.make_request("status", "st"))
+        wire.send_frame(s, wire.make_request("status", "st"))
         assert read_answer(s)["event"] == "result"  # still open
-        protocol.send_frame(s, {"type": "bogus", "id": "b1", "params": {}})
+        wire.send_frame(s, {"type": "bogus", "id": "b1", "params": {}})
         answer = read_answer(s)
         assert answer["event"] == "error" and "unknown request type 'bogus'" in answer["message"]
         assert read_answer(s) is None
     _serving(client)
 
 
-def _prefix(hlen, plen, magic=protocol.MAGIC, version=protocol.PROTOCOL_VERSION):
+def _prefix(hlen, plen, magic=wire.MAGIC, version=wire.PROTOCOL_VERSION):
     return struct.pack("!4sHHIQ", magic, version, 0, hlen, plen)
 
 
 _hostile = st.one_of(
     st.binary(max_size=300),
     st.builds(lambda h, rest: _prefix(len(h), 0) + h + rest, st.binary(max_size=100), st.binary(max_size=20)),
-    st.builds(lambda n, m: _prefix(n, m), st.integers(protocol.MAX_HEADER_BYTES + 1, 2**32 - 1), st.integers(0, 2**64 - 1)),
-    st.builds(lambda m: _prefix(2, m) + b"{}", st.integers(protocol.DEFAULT_MAX_PAYLOAD_BYTES + 1, 2**64 - 1)),
-    st.builds(lambda cut: protocol.encode_header({"type": "selftest", "id": "t", "params": {"steps": 1}})[:cut],
+    st.builds(lambda n, m: _prefix(n, m), st.integers(wire.MAX_HEADER_BYTES + 1, 2**32 - 1), st.integers(0, 2**64 - 1)),
+    st.builds(lambda m: _prefix(2, m) + b"{}", st.integers(wire.DEFAULT_MAX_PAYLOAD_BYTES + 1, 2**64 - 1)),
+    st.builds(lambda cut: wire.encode_header({"type": "selftest", "id": "t", "params": {"steps": 1}})[:cut],
               st.integers(0, 40)).map(lambda h: _prefix(60, 0) + h),
     st.builds(lambda v: _prefix(2, 0, version=v) + b"{}", st.integers(0, 65535).filter(lambda v: v != 1)),
 )
@@ -148,8 +151,8 @@ def test_malformed_messages_are_answered_with_an_error(client, pool_dir, mtype, 
     header = {"type": mtype, "id": rid, "params": params, **({"junk": 1} if extra else {})}
     with raw_connect(pool_dir) as s:
         raw_hello(s, pool_dir)
-        protocol.send_frame(s, header)
-        answer = protocol.parse_event(read_answer(s))  # always a well-formed event, never silence
+        wire.send_frame(s, header)
+        answer = wire.parse_event(read_answer(s))  # always a well-formed event, never silence
         well_formed = (mtype in ("status", "hello", "cancel") and rid == "ok-id" and not extra)
         assert answer["event"] == ("error" if not well_formed else answer["event"])
         if answer["event"] == "error":
@@ -169,13 +172,13 @@ def test_bad_input_on_every_rank_keeps_the_pool_serving(client):
 
 
 def test_job_type_without_engine_module_is_bad_input():
-    schema = protocol.register_request(protocol.MessageSchema("x_missing_engine", ()))
+    schema = wire.register_request(wire.MessageSchema("x_missing_engine", ()))
     engines.ENGINE_MODULES["x_missing_engine"] = "ltx_mgpu.no_such_engine_module"
     try:
         with pytest.raises(engines.BadInput, match="not available in this build"):
             engines.resolve_engine("x_missing_engine")
     finally:
-        protocol.REQUESTS.pop(schema.name)
+        wire.REQUESTS.pop(schema.name)
         engines.ENGINE_MODULES.pop(schema.name)
 
 
@@ -302,7 +305,7 @@ def _pattern(n: int) -> torch.Tensor:
 
 
 def test_large_results_come_through_the_shared_arena_and_small_ones_through_the_socket(client):
-    assert client.pool["features"] == [shm.FEATURE, shm.FEATURE_OWN] and client.shm_stats["enabled"]
+    assert client.pool["features"] == [arena.FEATURE, arena.FEATURE_OWN] and client.shm_stats["enabled"]
     before = client.shm_stats["frames"]
     n = 3 << 20
     for _ in range(3):
@@ -319,7 +322,7 @@ def test_large_results_come_through_the_shared_arena_and_small_ones_through_the_
 def test_large_results_are_handed_over_once_the_pool_has_a_spare_and_stay_the_clients(client):
     """A result of at least OWN_MIN_BYTES goes into a spare the pool made in the background
     after the previous one, and the client's tensor is a view of that memory (no copy)."""
-    n = shm.OWN_MIN_BYTES + (1 << 20)
+    n = arena.OWN_MIN_BYTES + (1 << 20)
     before = client.shm_stats["owned"]
     kept = []
     for _ in range(50):
@@ -345,10 +348,10 @@ def test_a_client_without_shm_gets_the_same_results_over_the_socket(client, base
     finally:
         plain.close()
     with raw_connect(client.dir) as s:  # a client that never asks: plain frames, as before the feature
-        assert raw_hello(s, client.dir)["features"] == [shm.FEATURE, shm.FEATURE_OWN]
-        protocol.send_frame(s, protocol.make_request("selftest", "big", {"steps": 0, "result_bytes": 3 << 20}))
+        assert raw_hello(s, client.dir)["features"] == [arena.FEATURE, arena.FEATURE_OWN]
+        wire.send_frame(s, wire.make_request("selftest", "big", {"steps": 0, "result_bytes": 3 << 20}))
         s.settimeout(30)
-        frames = [protocol.recv_frame(s) for _ in range(2)]
+        frames = [wire.recv_frame(s) for _ in range(2)]
         assert [h["event"] for h, _ in frames] == ["accepted", "result"]
         assert torch.equal(frames[1][1]["blob"], _pattern(3 << 20))
     client.request("unload", {"names": ["selftest.blob"]}, timeout=30)
@@ -358,10 +361,10 @@ def test_features_are_enabled_per_connection_and_unknown_ones_ignored(client):
     with raw_connect(client.dir) as s:
         raw_hello(s, client.dir)
         receiver = ArenaReceiver()
-        assert launch.enable_features(s, ["warp-drive", shm.FEATURE], receiver) == [shm.FEATURE]
-        protocol.send_frame(s, protocol.make_request("selftest", "big", {"steps": 0, "result_bytes": 2 << 20}))
+        assert launch.enable_features(s, ["warp-drive", arena.FEATURE], receiver) == [arena.FEATURE]
+        wire.send_frame(s, wire.make_request("selftest", "big", {"steps": 0, "result_bytes": 2 << 20}))
         s.settimeout(30)
-        _, tensors = [protocol.recv_frame(s, shm=receiver) for _ in range(2)][1]
+        _, tensors = [wire.recv_frame(s, shm=receiver) for _ in range(2)][1]
         assert torch.equal(tensors["blob"], _pattern(2 << 20)) and receiver.frames == 1
         receiver.drop()
     with raw_connect(client.dir) as s:
@@ -373,10 +376,10 @@ def test_features_are_enabled_per_connection_and_unknown_ones_ignored(client):
 def test_a_client_sending_shared_memory_frames_is_refused_and_closed(client):
     with raw_connect(client.dir) as s:
         raw_hello(s, client.dir)
-        launch.enable_features(s, [shm.FEATURE], ArenaReceiver())  # the pool -> client direction only
-        raw = protocol.encode_header({"type": "selftest", "id": "x", "params": {"steps": 0},
+        launch.enable_features(s, [arena.FEATURE], ArenaReceiver())  # the pool -> client direction only
+        raw = wire.encode_header({"type": "selftest", "id": "x", "params": {"steps": 0},
                                       "shm": {"arena": 1, "seq": 1, "offset": 64, "size": 100}})
-        s.sendall(struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, protocol.FLAG_SHM, len(raw), 0)
+        s.sendall(struct.pack("!4sHHIQ", wire.MAGIC, wire.PROTOCOL_VERSION, wire.FLAG_SHM, len(raw), 0)
                   + raw)
         answer = read_answer(s)
         assert answer["event"] == "error" and "flags 0x1 are not accepted here" in answer["message"]
@@ -400,7 +403,7 @@ def test_an_engine_result_that_is_not_a_dict_is_bad_input_and_the_pool_keeps_ser
             self.sent.append(header)
 
     server, conn = Server(tmp_path / "s.sock", "token", dict, list), Conn()
-    job = Job(protocol.Request("selftest", "a" * 32, {"steps": 0}, {}), conn)
+    job = Job(wire.Request("selftest", "a" * 32, {"steps": 0}, {}), conn)
     server.finish(job, result, None)
     assert conn.sent[-1]["event"] == "error" and conn.sent[-1]["kind"] == "bad_input" and job.done
     assert "cannot be sent" in conn.sent[-1]["message"]
@@ -435,35 +438,38 @@ def test_a_cancelled_model_load_is_waited_for_and_returns_while_a_stepped_job_is
     killed after its own timeout."""
     import threading
 
-    from ltx_mgpu import client_jobs
+    from ltx_mgpu.client import jobs
 
-    class FakeClient:
+    class FakeClient:  # a jobs.JobOwner
         def __init__(self):
             self.sent, self.killed = [], []
 
-        def _send(self, mtype, params, track=True, ensure=True):
-            self.sent.append(mtype)
+        def send_cancel(self, job_id):
+            self.sent.append("cancel")
 
-        def _kill(self, reason):
+        def kill(self, reason):
             self.killed.append(reason)
 
-        def _forget(self, rid):
+        def forget(self, rid):
             pass
 
-        def _with_log(self, message):
+        def mark_dead(self, reason, fatal=False):
+            pass
+
+        def with_log(self, message):
             return message
 
-    assert client_jobs.cancel_timeout_for("load_transformer") >= 600 <= client_jobs.cancel_timeout_for(
-        "load_text_encoder") and client_jobs.cancel_timeout_for("sample") == 15.0
-    monkeypatch.setattr(client_jobs, "CANCEL_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(client_jobs, "LOAD_CANCEL_TIMEOUT_S", 30.0)
+    assert jobs.cancel_timeout_for("load_transformer") >= 600 <= jobs.cancel_timeout_for(
+        "load_text_encoder") and jobs.cancel_timeout_for("sample") == 15.0
+    monkeypatch.setattr(jobs, "CANCEL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(jobs, "LOAD_CANCEL_TIMEOUT_S", 30.0)
     fake = FakeClient()
-    load = client_jobs.Job(fake, "a" * 32, "load_transformer")
-    threading.Timer(0.6, lambda: load._q.put(({"event": "result", "id": load.id, "result": {"ok": 1}}, {}))).start()
+    load = jobs.Job(fake, "a" * 32, "load_transformer")
+    threading.Timer(0.6, lambda: load.deliver({"event": "result", "id": load.id, "result": {"ok": 1}}, {})).start()
     assert load.wait(should_cancel=lambda: True, poll_interval=0.02) == ({"ok": 1}, {})
     assert fake.sent == ["cancel"] and fake.killed == []  # 0.6 s after the cancel: still waited for
-    stepped = client_jobs.Job(fake, "b" * 32, "sample")
-    with pytest.raises(client_jobs.PoolFatalError, match="did not stop"):
+    stepped = jobs.Job(fake, "b" * 32, "sample")
+    with pytest.raises(jobs.PoolFatalError, match="did not stop"):
         stepped.wait(should_cancel=lambda: True, poll_interval=0.02)
     assert len(fake.killed) == 1 and "sample job" in fake.killed[0]
 

@@ -15,10 +15,13 @@ import time
 
 import pytest
 import torch
-
-from ltx_mgpu.client import PoolClient, PoolFatalError
-from ltx_mgpu.pool import launch
 from pool_support import ENV, cleanup, pool_pids, running, short_dir, wait_all_gone
+
+from ltx_mgpu.client import launch
+from ltx_mgpu.client.errors import PoolFatalError
+from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.client.spec import resolve_spec
+from ltx_mgpu.pool import runtime
 
 pytestmark = pytest.mark.slow
 REPO = launch.repo_root()
@@ -40,7 +43,7 @@ def test_cli_detached_pool_is_attached_not_duplicated_and_stays_until_stopped(ba
     common = ["--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(base)]
     out = _cli("start", "--detach", *common)
     assert out.returncode == 0, out.stderr
-    info = launch.PoolInfo.read(base / "cpu-2")
+    info = runtime.PoolInfo.read(base / "cpu-2")
     assert f"started pool pid {info.pid}" in out.stdout and info.lifetime == "detached"
     assert info.alive()  # the CLI has exited; the detached pool stays
 
@@ -62,7 +65,7 @@ def test_cli_detached_pool_is_attached_not_duplicated_and_stays_until_stopped(ba
     stop = _cli("stop", *common)
     assert stop.returncode == 0 and f"stopped pool pid {info.pid}" in stop.stdout
     assert wait_all_gone(pids) == []
-    assert not (base / "cpu-2" / launch.SOCKET_NAME).exists() and launch.PoolInfo.read(base / "cpu-2") is None
+    assert not (base / "cpu-2" / runtime.SOCKET_NAME).exists() and runtime.PoolInfo.read(base / "cpu-2") is None
     assert _cli("status", *common).returncode == 1
 
 
@@ -111,7 +114,7 @@ def test_unexpected_exception_is_fatal_and_the_pool_exits_cleanly(base, fail_ran
         with pytest.raises(PoolFatalError, match=f"injected failure on rank {fail_rank} at step 1"):
             client.request("selftest", {"steps": 5, "fail_rank": fail_rank, "fail_step": 1}, timeout=30)
         assert wait_all_gone(old) == []
-        assert not (client.dir / launch.SOCKET_NAME).exists() and launch.PoolInfo.read(client.dir) is None
+        assert not (client.dir / runtime.SOCKET_NAME).exists() and runtime.PoolInfo.read(client.dir) is None
         assert client.request("selftest", {"steps": 1}, timeout=60)[0]["allreduce_ok"]
         assert client.pid != old[0][0]
     finally:
@@ -119,13 +122,13 @@ def test_unexpected_exception_is_fatal_and_the_pool_exits_cleanly(base, fail_ran
 
 
 def test_busy_rendezvous_port_and_stale_files_do_not_stop_a_start(base):
-    d = launch.ensure_private_dir(base / "cpu-2")
+    d = runtime.ensure_private_dir(base / "cpu-2")
     stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(d / launch.SOCKET_NAME))  # a socket file nobody listens on
+    stale.bind(str(d / runtime.SOCKET_NAME))  # a socket file nobody listens on
     stale.close()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    launch.PoolInfo(pid=dead.pid, create_time=0.0, gpus=[], nproc=2, device="cpu", version="0", protocol=1,
+    runtime.PoolInfo(pid=dead.pid, create_time=0.0, gpus=[], nproc=2, device="cpu", version="0", protocol=1,
                     start_time=0.0, lifetime="detached", owner_pid=None, master_port=1, instance="stale",
                     dir=str(d)).write()
     busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -136,9 +139,9 @@ def test_busy_rendezvous_port_and_stale_files_do_not_stop_a_start(base):
         client = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, master_port=port, startup_timeout=120)
         try:
             assert client.request("selftest", {"steps": 1}, timeout=30)[0]["allreduce_ok"]
-            log = (d / launch.LOG_NAME).read_text()
+            log = (d / runtime.LOG_NAME).read_text()
             assert f"attempt 1, master port {port}" in log and launch.is_port_conflict(log) and "attempt 2" in log
-            assert launch.PoolInfo.read(d).master_port != port
+            assert runtime.PoolInfo.read(d).master_port != port
         finally:
             client.shutdown()
     finally:
@@ -146,7 +149,7 @@ def test_busy_rendezvous_port_and_stale_files_do_not_stop_a_start(base):
 
 
 def test_with_owner_pool_exits_when_its_owner_dies(base):
-    script = ("import json, sys\nfrom ltx_mgpu.client import PoolClient\n"
+    script = ("import json, sys\nfrom ltx_mgpu.client.pool_client import PoolClient\n"
               "c = PoolClient.connect(gpus='cpu', nproc=2, runtime_dir=sys.argv[1], startup_timeout=120)\n"
               "print(json.dumps(c.pool), flush=True)\nsys.stdin.read()\n")
     owner = subprocess.Popen([sys.executable, "-c", script, str(base)], cwd=REPO, env=ENV, stdin=subprocess.PIPE,
@@ -159,7 +162,7 @@ def test_with_owner_pool_exits_when_its_owner_dies(base):
         owner.kill()
         owner.wait()
         assert wait_all_gone(pids) == []
-        assert launch.PoolInfo.read(base / "cpu-2") is None
+        assert runtime.PoolInfo.read(base / "cpu-2") is None
     finally:
         owner.kill()
         owner.wait()
@@ -216,7 +219,7 @@ def test_worker_threads_default_to_physical_cores_per_rank_and_keep_the_callers_
     import psutil
 
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 32 if logical else 16)
-    spec = launch.resolve_spec("cpu", nproc=2)
+    spec = resolve_spec("cpu", nproc=2)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     assert launch.worker_env(spec, env)["OMP_NUM_THREADS"] == "8"
     assert launch.worker_env(spec, {**env, "OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
@@ -229,7 +232,7 @@ def test_a_bare_gpus_count_means_ranks_in_every_command(monkeypatch):
     0..N-1, or N CPU ranks without a GPU), so the same --gpus attaches to the same pool; indices
     need a comma. Found by a newcomer: pool start --gpus 2 meant GPU 2 while generate --gpus 2
     meant two ranks."""
-    from ltx_mgpu.pool.commands import cli_gpus
+    from ltx_mgpu.cli.pool import cli_gpus
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli_gpus("2", None) == ("cpu", 2) and cli_gpus("2", 2) == ("cpu", 2)

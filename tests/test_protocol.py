@@ -12,12 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pool_support import assert_same_tensors, socket_pair
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ltx_mgpu import protocol
-from ltx_mgpu.protocol import Limits, ProtocolError, SchemaError
-from pool_support import assert_same_tensors, socket_pair
+from ltx_mgpu import wire
+from ltx_mgpu.wire.frames import Limits, ProtocolError
+from ltx_mgpu.wire.messages import SchemaError
 
 
 def _send_async(sock, data: bytes, close: bool = True):
@@ -37,10 +38,10 @@ def _send_async(sock, data: bytes, close: bool = True):
 def _roundtrip(header, tensors=None, limits=None):
     a, b = socket_pair()
     with a, b:
-        payload = protocol.tensors_to_payload(tensors)
-        t = threading.Thread(target=protocol.send_frame, args=(a, header, payload, limits), daemon=True)
+        payload = wire.tensors_to_payload(tensors)
+        t = threading.Thread(target=wire.send_frame, args=(a, header, payload, limits), daemon=True)
         t.start()
-        out = protocol.recv_frame(b, limits)
+        out = wire.recv_frame(b, limits)
         t.join()
     return out
 
@@ -64,24 +65,24 @@ def test_frame_roundtrip_with_tensors_of_every_kind():
 
 def test_payload_is_standard_safetensors():
     tensors = {"b": torch.randn(5, 3), "a": torch.arange(7, dtype=torch.int32), "c": torch.randn(2).bfloat16()}
-    ours = protocol.tensors_to_payload(tensors).tobytes()
+    ours = wire.tensors_to_payload(tensors).tobytes()
     assert_same_tensors(st_load(ours), tensors)  # the library parses what we write...
-    assert_same_tensors(protocol.payload_to_tensors(st_save(tensors)), tensors)  # ...and we parse what it writes
+    assert_same_tensors(wire.payload_to_tensors(st_save(tensors)), tensors)  # ...and we parse what it writes
     hlen = struct.unpack("<Q", ours[:8])[0]
     assert (8 + hlen) % 8 == 0 and json.loads(ours[8:8 + hlen])["a"]["dtype"] == "I32"
 
 
 def test_no_tensors_means_no_payload():
-    assert protocol.tensors_to_payload(None) is None and protocol.tensors_to_payload({}) is None
+    assert wire.tensors_to_payload(None) is None and wire.tensors_to_payload({}) is None
     header, tensors = _roundtrip({"event": "result", "id": "r", "result": {}})
     assert tensors == {}
 
 
 def test_tensor_helper_errors_name_the_problem():
     with pytest.raises(TypeError, match="not a torch.Tensor"):
-        protocol.tensors_to_payload({"x": [1, 2]})
+        wire.tensors_to_payload({"x": [1, 2]})
     with pytest.raises(TypeError, match="names must be non-empty strings"):
-        protocol.tensors_to_payload({1: torch.zeros(1)})
+        wire.tensors_to_payload({1: torch.zeros(1)})
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False, allow_infinity=False)
@@ -101,7 +102,7 @@ def test_roundtrip_property(header, shapes, dtype):
     assert_same_tensors(got, tensors)
 
 
-def _prefix(header_len, payload_len, magic=protocol.MAGIC, version=protocol.PROTOCOL_VERSION, flags=0):
+def _prefix(header_len, payload_len, magic=wire.MAGIC, version=wire.PROTOCOL_VERSION, flags=0):
     return struct.pack("!4sHHIQ", magic, version, flags, header_len, payload_len)
 
 
@@ -111,7 +112,7 @@ def _recv_error(data: bytes, limits=None) -> str:
         _send_async(a, data)
         b.settimeout(10)
         with pytest.raises(ProtocolError) as e:
-            protocol.recv_frame(b, limits)
+            wire.recv_frame(b, limits)
     return str(e.value)
 
 
@@ -119,7 +120,7 @@ def _recv_error(data: bytes, limits=None) -> str:
     (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
     (_prefix(2, 0, version=99) + b"{}", "protocol version 99"),
     (_prefix(2, 0, flags=1) + b"{}", "flags"),
-    (_prefix(protocol.MAX_HEADER_BYTES + 1, 0), "over the 1048576-byte limit"),
+    (_prefix(wire.MAX_HEADER_BYTES + 1, 0), "over the 1048576-byte limit"),
     (_prefix(10, 0) + b"{}", "truncated"),
     (_prefix(2, 100) + b"{}" + b"x" * 10, "truncated"),
     (_prefix(3, 0) + b"[1]", "JSON object"),
@@ -137,15 +138,15 @@ def test_payload_limit_is_enforced_before_reading():
     assert "over the 1000-byte limit" in msg
     a, b = socket_pair()
     with a, b, pytest.raises(ProtocolError, match="payload is"):
-        protocol.send_frame(a, {"x": 1}, protocol.tensors_to_payload({"t": torch.zeros(1000)}),
+        wire.send_frame(a, {"x": 1}, wire.tensors_to_payload({"t": torch.zeros(1000)}),
                             Limits(max_payload_bytes=100))
 
 
 def test_clean_eof_is_connection_closed():
     a, b = socket_pair()
     a.close()
-    with b, pytest.raises(protocol.ConnectionClosed):
-        protocol.recv_frame(b)
+    with b, pytest.raises(wire.ConnectionClosed):
+        wire.recv_frame(b)
 
 
 @settings(max_examples=60, deadline=None)
@@ -156,7 +157,7 @@ def test_garbage_never_escapes_as_other_errors(data):
         _send_async(a, data)
         b.settimeout(10)
         try:
-            protocol.recv_frame(b)
+            wire.recv_frame(b)
         except ProtocolError:
             pass
 
@@ -164,16 +165,16 @@ def test_garbage_never_escapes_as_other_errors(data):
 # --------------------------------------------------------------------------- schemas
 
 def test_requests_validate_envelope_and_params():
-    req = protocol.parse_request({"type": "selftest", "id": "a-1", "params": {"steps": 2, "step_seconds": 0.5}})
+    req = wire.parse_request({"type": "selftest", "id": "a-1", "params": {"steps": 2, "step_seconds": 0.5}})
     assert req.type == "selftest" and req.params["steps"] == 2 and req.schema.job
     with pytest.raises(ProtocolError, match="unknown request type 'bogus'"):
-        protocol.parse_request({"type": "bogus", "id": "x"})
+        wire.parse_request({"type": "bogus", "id": "x"})
     with pytest.raises(ProtocolError, match="request id"):
-        protocol.parse_request({"type": "status", "id": "has space"})
+        wire.parse_request({"type": "status", "id": "has space"})
     with pytest.raises(ProtocolError, match="unknown top-level keys"):
-        protocol.parse_request({"type": "status", "id": "x", "extra": 1})
+        wire.parse_request({"type": "status", "id": "x", "extra": 1})
     with pytest.raises(ProtocolError, match="takes no tensors"):
-        protocol.parse_request({"type": "status", "id": "x"}, {"t": torch.zeros(1)})
+        wire.parse_request({"type": "status", "id": "x"}, {"t": torch.zeros(1)})
 
 
 @pytest.mark.parametrize("mtype, params, match", [
@@ -188,18 +189,18 @@ def test_requests_validate_envelope_and_params():
 ])
 def test_schema_errors_are_schema_errors(mtype, params, match):
     with pytest.raises(SchemaError, match=match) as e:
-        protocol.parse_request({"type": mtype, "id": "rid", "params": params})
+        wire.parse_request({"type": mtype, "id": "rid", "params": params})
     assert e.value.request_id == "rid"
 
 
 def test_text_job_params_are_declared_and_unknown_ones_refused_at_receipt():
     load = {"source": "/g", "projection": "/p", "weights": "nf4", "placement": "single", "dtype": "bfloat16",
             "max_memory": {"0": "70GiB"}, "token_budget": 1024, "truncate": False, "key": "text:abc"}
-    assert protocol.parse_request({"type": "load_text_encoder", "id": "l", "params": load}).params == load
-    protocol.parse_request({"type": "load_text_encoder", "id": "l", "params": {"source": "/g", "key": None,
+    assert wire.parse_request({"type": "load_text_encoder", "id": "l", "params": load}).params == load
+    wire.parse_request({"type": "load_text_encoder", "id": "l", "params": {"source": "/g", "key": None,
                                                                                 "max_memory": None}})
     encode = {"prompts": ["a"], "batch_size": 2, "expect": "text:abc", "keep": False, "verify": True}
-    assert protocol.parse_request({"type": "encode", "id": "e", "params": encode}).params == encode
+    assert wire.parse_request({"type": "encode", "id": "e", "params": encode}).params == encode
     for mtype, params, match in [
         ("encode", {"prompts": ["a"], "max_tokens": 1024}, r"unknown field\(s\) \['max_tokens'\]"),
         ("load_text_encoder", {"source": "/g", "colour": "red"}, r"unknown field\(s\) \['colour'\]"),
@@ -210,34 +211,34 @@ def test_text_job_params_are_declared_and_unknown_ones_refused_at_receipt():
         ("encode", {"prompts": [], "expect": 3}, "expect must be str or null"),
     ]:
         with pytest.raises(SchemaError, match=match):
-            protocol.parse_request({"type": mtype, "id": "x", "params": params})
+            wire.parse_request({"type": mtype, "id": "x", "params": params})
 
 
 def test_events_validate():
-    ev = protocol.make_event("progress", "j1", phase="denoise", step=3, total=30)
-    assert protocol.parse_event(ev) == ev
+    ev = wire.make_event("progress", "j1", phase="denoise", step=3, total=30)
+    assert wire.parse_event(ev) == ev
     with pytest.raises(ProtocolError, match="must be one of"):
-        protocol.make_event("error", "j1", kind="oops", message="m")
+        wire.make_event("error", "j1", kind="oops", message="m")
     with pytest.raises(ProtocolError, match="unknown event"):
-        protocol.parse_event({"event": "nope", "id": "x"})
+        wire.parse_event({"event": "nope", "id": "x"})
     with pytest.raises(ProtocolError, match="missing"):
-        protocol.parse_event({"event": "progress", "id": "x", "phase": "a", "step": 1})
+        wire.parse_event({"event": "progress", "id": "x", "phase": "a", "step": 1})
 
 
 def test_register_request_adds_a_job_type():
-    schema = protocol.register_request(protocol.MessageSchema(
-        "sample_test_only", (protocol.F("steps", ("int",)),), tensors=True))
+    schema = wire.register_request(wire.MessageSchema(
+        "sample_test_only", (wire.F("steps", ("int",)),), tensors=True))
     try:
-        assert "sample_test_only" in protocol.job_types()
-        protocol.parse_request({"type": "sample_test_only", "id": "s", "params": {"steps": 3}},
+        assert "sample_test_only" in wire.job_types()
+        wire.parse_request({"type": "sample_test_only", "id": "s", "params": {"steps": 3}},
                                {"latent": torch.zeros(2)})
     finally:
-        protocol.REQUESTS.pop(schema.name)
+        wire.REQUESTS.pop(schema.name)
 
 
 # --------------------------------------------------------------------------- shared-memory frames
 # (the arena itself: tests/test_shm.py)
 
 def test_shm_frames_on_a_connection_without_the_feature_are_refused():
-    msg = _recv_error(_prefix(2, 0, flags=protocol.FLAG_SHM) + b"{}")
+    msg = _recv_error(_prefix(2, 0, flags=wire.FLAG_SHM) + b"{}")
     assert "only to clients that enabled 'shm'" in msg

@@ -23,9 +23,9 @@ from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 
 from ltx_mgpu.denoise.conditioning import ConditioningError, text_contexts
-from ltx_mgpu.denoise.latents import NestedTensorLike
 from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.denoise.sampler import SamplingCancelled, comfy_noise, ltx2_sigmas, sample
+from ltx_mgpu.nested import NestedTensorLike
 
 F32 = torch.float32
 SIGMAS = torch.tensor([1.0, 0.725, 0.421875, 0.0])  # 3 steps (ManualSigmas-style)

@@ -15,16 +15,14 @@ from safetensors.torch import load_file
 from sp_harness import AUDIO_HEADS, VIDEO_HEADS, build_tiny_model, reference, run_case, run_ranks
 
 from ltx_mgpu.denoise.sequence_parallel import (
-    SequenceParallelConfigError,
     SequenceParallelTransformer,
     UlyssesSelfAttention,
     UlyssesVideoToAudioAttention,
     _ShardState,
-    check_sequence_parallel_config,
     install_attention_wrappers,
     remove_attention_wrappers,
-    valid_world_sizes,
 )
+from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, check_sequence_parallel_config, valid_world_sizes
 
 TOL = 1e-5
 

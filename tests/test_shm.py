@@ -1,4 +1,4 @@
-"""The shared-memory arena and hand-over (``ltx_mgpu.shm``, ``shm_send``, ``shm_receive``) between a
+"""The shared-memory arena and hand-over (``ltx_mgpu.wire.arena``, ``sender``, ``receiver``) between a
 sender and a receiver on a socket pair: round trips, reuse, acknowledgement, hand-over of spares,
 and every malformed frame refused naming its rule without leaking a descriptor."""
 
@@ -14,12 +14,14 @@ import time
 
 import pytest
 import torch
-
-from ltx_mgpu import protocol, shm, shm_send
-from ltx_mgpu.protocol import ProtocolError
-from ltx_mgpu.shm_receive import ArenaReceiver
-from ltx_mgpu.shm_send import ArenaSender
 from pool_support import assert_same_tensors, socket_pair
+
+from ltx_mgpu import wire
+from ltx_mgpu.wire import arena
+from ltx_mgpu.wire import sender as arena_sender
+from ltx_mgpu.wire.frames import ProtocolError
+from ltx_mgpu.wire.receiver import ArenaReceiver
+from ltx_mgpu.wire.sender import ArenaSender
 
 
 def _fd_count() -> int:
@@ -28,15 +30,15 @@ def _fd_count() -> int:
 
 def _arena_pair(min_bytes=1 << 16, take=None):
     a, b = socket_pair()
-    return a, b, ArenaSender(shm.Budget(), min_bytes=min_bytes), ArenaReceiver(take)
+    return a, b, ArenaSender(arena.Budget(), min_bytes=min_bytes), ArenaReceiver(take)
 
 
 def _send_then_recv(a, b, sender, receiver, tensors, header=None):
-    t = threading.Thread(target=protocol.send_frame, args=(a, header or {"event": "x"},
-                                                           protocol.tensors_to_payload(tensors)),
+    t = threading.Thread(target=wire.send_frame, args=(a, header or {"event": "x"},
+                                                           wire.tensors_to_payload(tensors)),
                          kwargs={"shm": sender}, daemon=True)
     t.start()
-    out = protocol.recv_frame(b, shm=receiver)
+    out = wire.recv_frame(b, shm=receiver)
     t.join()
     return out
 
@@ -90,15 +92,15 @@ def test_an_unacknowledged_arena_is_not_overwritten_the_socket_carries_the_next_
     a, b, sender, receiver = _arena_pair()
     with a, b:
         first, second = {"t": torch.full((200, 200), 1.0)}, {"t": torch.full((200, 200), 2.0)}
-        protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload(first), shm=sender)
-        protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload(second), shm=sender)
+        wire.send_frame(a, {"event": "x"}, wire.tensors_to_payload(first), shm=sender)
+        wire.send_frame(a, {"event": "x"}, wire.tensors_to_payload(second), shm=sender)
         assert sender.frames == 1  # the receiver has not read the first one yet
-        assert_same_tensors(protocol.recv_frame(b, shm=receiver)[1], first)
-        assert_same_tensors(protocol.recv_frame(b, shm=receiver)[1], second)
+        assert_same_tensors(wire.recv_frame(b, shm=receiver)[1], first)
+        assert_same_tensors(wire.recv_frame(b, shm=receiver)[1], second)
         assert sender.idle(now=time.monotonic() + sender.idle_seconds)  # acknowledged and idle
-        protocol.send_frame(a, {}, flags=protocol.FLAG_SHM_DROP)
-        protocol.send_frame(a, {"event": "x"}, None)
-        assert protocol.recv_frame(b, shm=receiver) == ({"event": "x"}, {})  # the notice is consumed
+        wire.send_frame(a, {}, flags=wire.FLAG_SHM_DROP)
+        wire.send_frame(a, {"event": "x"}, None)
+        assert wire.recv_frame(b, shm=receiver) == ({"event": "x"}, {})  # the notice is consumed
         assert receiver.arena is None
         sender.close()
 
@@ -107,13 +109,13 @@ def _assert_refused(a, b, receiver, flags: int, header: dict, fds: list[int], ma
     """Send a hand-made frame (``flags``, ``header``, no payload, ``fds`` attached and then
     closed on this side) on ``a`` and check that ``receiver`` refuses it on ``b`` naming ``match``."""
     raw = json.dumps(header).encode()
-    shm.send_with_fds(a, struct.pack("!4sHHIQ", protocol.MAGIC, protocol.PROTOCOL_VERSION, flags, len(raw), 0) + raw,
+    arena.send_with_fds(a, struct.pack("!4sHHIQ", wire.MAGIC, wire.PROTOCOL_VERSION, flags, len(raw), 0) + raw,
                       fds)
     for f in fds:
         os.close(f)
     b.settimeout(10)
     with pytest.raises(ProtocolError, match=re.escape(match)):
-        protocol.recv_frame(b, shm=receiver)
+        wire.recv_frame(b, shm=receiver)
 
 
 def _memfd(size=1 << 20, seal=True) -> int:
@@ -129,25 +131,25 @@ def _ref(arena=1, seq=99, offset=64, size=100):
 
 
 @pytest.mark.parametrize("flags, header, fd, match", [
-    (protocol.FLAG_SHM, {"event": "x"}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": {**_ref(), "name": "../../etc/passwd"}}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(seq=True)}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=-64)}, None, "shm reference must be"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(arena=7)}, None, "refers to arena 7, but this connection maps 1"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=1 << 30)}, None, "not a payload range"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(offset=0)}, None, "not a payload range"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(seq=1)}, None, "sequence number 1 is not after"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref(size=1000)}, None, "not a valid safetensors blob"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, None, "0 file descriptor"),
-    (protocol.FLAG_SHM, {"event": "x", "shm": _ref()}, "memfd", "1 file descriptor(s) came with a frame of flags 0x1"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "file", "not a memfd"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "pipe", "not a regular"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "unsealed", "not sealed"),
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "five", "too many file"),
+    (wire.FLAG_SHM, {"event": "x"}, None, "shm reference must be"),
+    (wire.FLAG_SHM, {"event": "x", "shm": {**_ref(), "name": "../../etc/passwd"}}, None, "shm reference must be"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref(seq=True)}, None, "shm reference must be"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref(offset=-64)}, None, "shm reference must be"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref(arena=7)}, None, "refers to arena 7, but this connection maps 1"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref(offset=1 << 30)}, None, "not a payload range"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref(offset=0)}, None, "not a payload range"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref(seq=1)}, None, "sequence number 1 is not after"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref(size=1000)}, None, "not a valid safetensors blob"),
+    (wire.FLAG_SHM | wire.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, None, "0 file descriptor"),
+    (wire.FLAG_SHM, {"event": "x", "shm": _ref()}, "memfd", "1 file descriptor(s) came with a frame of flags 0x1"),
+    (wire.FLAG_SHM | wire.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "file", "not a memfd"),
+    (wire.FLAG_SHM | wire.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "pipe", "not a regular"),
+    (wire.FLAG_SHM | wire.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "unsealed", "not sealed"),
+    (wire.FLAG_SHM | wire.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "five", "too many file"),
     # sparse and far larger than any payload: refused before it is mapped (and populated)
-    (protocol.FLAG_SHM | protocol.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "huge", "more than a"),
-    (protocol.FLAG_SHM_DROP, {"event": "x"}, None, "drop notice must have an empty header"),
-    (protocol.FLAG_SHM_DROP | protocol.FLAG_SHM, {}, None, "not a valid combination"),
+    (wire.FLAG_SHM | wire.FLAG_SHM_FD, {"event": "x", "shm": _ref(arena=2)}, "huge", "more than a"),
+    (wire.FLAG_SHM_DROP, {"event": "x"}, None, "drop notice must have an empty header"),
+    (wire.FLAG_SHM_DROP | wire.FLAG_SHM, {}, None, "not a valid combination"),
     (0x8, {"event": "x"}, None, "unknown frame flags 0x8"),
 ])
 def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tmp_path, flags, header, fd, match):
@@ -181,7 +183,7 @@ def test_broken_shm_frames_are_refused_naming_the_rule_and_leak_no_descriptor(tm
 
 def _own_pair(take=None, own_min_bytes=1 << 18):
     a, b = socket_pair()
-    sender = ArenaSender(shm.Budget(), min_bytes=1 << 16, own=True, own_min_bytes=own_min_bytes)
+    sender = ArenaSender(arena.Budget(), min_bytes=1 << 16, own=True, own_min_bytes=own_min_bytes)
     return a, b, sender, ArenaReceiver(take)
 
 
@@ -227,12 +229,12 @@ def test_the_next_spare_is_made_after_the_frame_is_sent_not_before(monkeypatch):
     starts = []
     real = sender._make_spare_soon
     monkeypatch.setattr(sender, "_make_spare_soon", lambda need: starts.append(need) or real(need))
-    payload = protocol.tensors_to_payload({"x": torch.randn(512, 512)})
+    payload = wire.tensors_to_payload({"x": torch.randn(512, 512)})
     with a, b:
         placed = sender.place(payload)
         assert placed is not None and starts == []  # placed: nothing started yet
         sender.sent()
-        assert starts == [shm.HEADER_BYTES + payload.nbytes]
+        assert starts == [arena.HEADER_BYTES + payload.nbytes]
         sender.sent()  # once per placed frame
         assert len(starts) == 1
         _spare_made(sender)
@@ -263,11 +265,11 @@ def test_handed_over_frames_need_no_acknowledgement_and_receive_applies():
         calls.clear()
         for k in (1, 2):  # same size: the spare fits; neither is read before both are out
             _spare_made(sender)
-            protocol.send_frame(a, {"event": "x"}, protocol.tensors_to_payload({"bf": (x * k).bfloat16(), "f": x * k}),
+            wire.send_frame(a, {"event": "x"}, wire.tensors_to_payload({"bf": (x * k).bfloat16(), "f": x * k}),
                                 shm=sender)
         assert sender.handed == 2
-        _, one = protocol.recv_frame(b, shm=receiver)
-        _, two = protocol.recv_frame(b, shm=receiver)
+        _, one = wire.recv_frame(b, shm=receiver)
+        _, two = wire.recv_frame(b, shm=receiver)
         assert torch.equal(one["bf"], x.bfloat16().float()) and torch.equal(one["f"], x)
         assert torch.equal(two["bf"], (x * 2).bfloat16().float()) and torch.equal(two["f"], x * 2)
         assert calls == ["bf", "f", "bf", "f"] and receiver.owned == 2
@@ -326,7 +328,7 @@ def test_broken_hand_overs_are_refused_naming_the_rule_and_leak_no_descriptor(re
     with a, b:
         before = _fd_count()
         sent = [_memfd(size=fd_size) for _ in range(fds)]
-        flags = protocol.FLAG_SHM | (protocol.FLAG_SHM_FD if fds else 0)
+        flags = wire.FLAG_SHM | (wire.FLAG_SHM_FD if fds else 0)
         _assert_refused(a, b, receiver, flags, {"event": "x", "shm": ref}, sent, match)
         assert _fd_count() <= before
 
@@ -337,8 +339,8 @@ def test_a_frame_whose_header_breaks_the_limits_after_placement_leaves_the_arena
         _send_then_recv(a, b, sender, receiver, {"t": torch.randn(200, 200)})
         seq = sender.seq
         with pytest.raises(ProtocolError, match="header"):
-            protocol.send_frame(a, {"event": "x", "pad": "x" * 300}, protocol.tensors_to_payload({"t": torch.ones(200, 200)}),
-                                limits=protocol.Limits(max_header_bytes=256), shm=sender)
+            wire.send_frame(a, {"event": "x", "pad": "x" * 300}, wire.tensors_to_payload({"t": torch.ones(200, 200)}),
+                                limits=wire.Limits(max_header_bytes=256), shm=sender)
         assert sender.seq == seq and sender.frames == 1  # undone: the acknowledged arena is reused next
         _, got = _send_then_recv(a, b, sender, receiver, {"t": torch.full((200, 200), 3.0)})
         assert torch.equal(got["t"], torch.full((200, 200), 3.0)) and receiver.frames == 2 and receiver.arenas == 1
@@ -350,14 +352,14 @@ def test_a_spare_being_made_counts_as_held_so_the_idle_check_drops_it_when_it_la
     a, b, sender, receiver = _own_pair()
     with a, b:
         gate = threading.Event()
-        make = shm_send._make_arena
+        make = arena_sender._make_arena
 
         def slow(size):  # the spare's allocation only (the connection's arena uses the same function)
             if threading.current_thread().name == "shm-spare":
                 gate.wait(10)
             return make(size)
 
-        shm_send._make_arena = slow
+        arena_sender._make_arena = slow
         try:
             _send_then_recv(a, b, sender, receiver, {"x": torch.randn(512, 512)})
             sender.drop()  # idle drop while the spare is still being made
@@ -368,14 +370,14 @@ def test_a_spare_being_made_counts_as_held_so_the_idle_check_drops_it_when_it_la
             sender.drop()
             assert not sender.holding() and sender.budget.used == 0
         finally:
-            shm_send._make_arena = make
+            arena_sender._make_arena = make
         sender.close()
         receiver.drop()
 
 
 def _reserved_views(sender, specs):
     """What ``JobContext.result_buffers`` makes: the payload's tensors as views of a reservation."""
-    from ltx_mgpu.payload import payload_layout
+    from ltx_mgpu.wire.payload import payload_layout
 
     _, spans = payload_layout(specs)
     region = sender.reserve(max(end for _, end in spans.values()))
@@ -425,7 +427,7 @@ def test_a_reservation_needs_the_feature_a_large_payload_and_a_fitting_spare():
         _spare_made(sender)
         assert sender.reserve(1 << 10) is None  # under own_min_bytes
         assert sender.reserve(8 << 20) is None  # the 1 MiB spare cannot hold it
-        plain = ArenaSender(shm.Budget(), min_bytes=1 << 16)  # no hand-over feature
+        plain = ArenaSender(arena.Budget(), min_bytes=1 << 16)  # no hand-over feature
         assert plain.reserve(1 << 20) is None
         sender.close()
         receiver.drop()

@@ -4,22 +4,26 @@ in-process embeddings and leaves them on every rank; the cache is read before th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from ltx_mgpu.client import PoolClient, PoolError
-from ltx_mgpu.pool import launch
-from ltx_mgpu.remote_text import PoolTextEncoder, encode_prompts
-from ltx_mgpu.text.cache import EmbeddingCache
-from ltx_mgpu.text.spec import TextEncoderSpec
-from ltx_mgpu.text.embedding_files import load_embeddings
-from ltx_mgpu.text.spec import encode_prompts as encode_in_process
 from pool_support import cleanup, pool_pids, short_dir, wait_all_gone
 from text_pool_support import PROMPTS, check, encode, reference
+
+from ltx_mgpu.client import launch
+from ltx_mgpu.client.errors import PoolError
+from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.client.spec import resolve_spec
+from ltx_mgpu.client.text import encode_prompts, pool_key
+from ltx_mgpu.text.cache.store import EmbeddingCache
+from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.embedding_files import load_embeddings
+from ltx_mgpu.text.spec import LocalTextEncoder
+from ltx_mgpu.text.spec import encode_prompts as encode_in_process
 
 pytestmark = pytest.mark.slow
 REPO = launch.repo_root()
@@ -54,7 +58,7 @@ def pool2(base):
 
 @pytest.mark.parametrize("placement", ["single", "accelerate", "batch_parallel"])
 def test_each_placement_gives_the_in_process_embeddings_on_every_rank(pool2, tiny_gemma_dir, checkpoints, placement):
-    encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], placement=placement, dtype="float32")
+    encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], placement=placement, dtype="float32")
     seen = []
     result, tensors = encode(pool2, encoder, PROMPTS[:3], on_progress=lambda *p: seen.append(p))
     check(result, tensors, reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:3]), 2)
@@ -64,20 +68,20 @@ def test_each_placement_gives_the_in_process_embeddings_on_every_rank(pool2, tin
     assert [s for s in seen if s[0] == "encode"] == [("encode", k, rounds) for k in range(1, rounds + 1)]
     status = pool2.status()
     te = status["ranks"][0]["models"]["text_encoder"]
-    assert te["key"] == encoder.key() and te["placement"] == placement and te["holds_model"]
+    assert te["key"] == pool_key(encoder) and te["placement"] == placement and te["holds_model"]
     assert status["ranks"][0]["models"]["text_embeddings"]["count"] == 3
     if placement == "accelerate":  # one CPU device: every layer on it, behind Accelerate's hooks
-        again = pool2.request("load_text_encoder", encoder.load_params(encoder.key()), timeout=60)[0]
+        again = pool2.request("load_text_encoder", encoder.to_params(pool_key(encoder)), timeout=60)[0]
         assert again.pop("timeline").keys() == {"received", "started", "finished"}
         assert again == {
-            "key": encoder.key(), "placement": "accelerate", "weights": "bf16", "version": "2.3", "width": 48,
+            "key": pool_key(encoder), "placement": "accelerate", "weights": "bf16", "version": "2.3", "width": 48,
             "holders": [0], "reused": True, "seconds": 0.0, "layers": {"cpu": list(range(6))}}
 
 
 @pytest.mark.parametrize("placement", ["single", "accelerate", "batch_parallel"])
 def test_nf4_works_with_every_placement(pool2, tiny_gemma_dir, checkpoints, placement):
     # bf16 compute: the same sub-batches as in-process ([0, 1], [2] for every placement here)
-    encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], weights="nf4", placement=placement)
+    encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], weights="nf4", placement=placement)
     result, tensors = encode(pool2, encoder, PROMPTS[:3], batch_size=2)
     check(result, tensors, reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:3], "nf4", "bfloat16", 2), 2)
     assert pool2.status()["ranks"][0]["models"]["text_encoder"]["weights"] == "nf4"
@@ -88,27 +92,27 @@ def test_nf4_works_with_every_placement(pool2, tiny_gemma_dir, checkpoints, plac
 
 def test_fully_cached_request_makes_no_pool_call(tiny_gemma_dir, tiny_ltx_23, tmp_path):
     cache = EmbeddingCache(tmp_path / "cache")
-    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32")
+    spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
     cached, _ = encode_in_process(spec, PROMPTS[:3], cache=cache)
     nowhere = short_dir()
     try:  # no pool runs there and this client may not start one: any request raises PoolError
-        client = PoolClient(launch.resolve_spec("cpu", 2, "with-owner", nowhere), start=False)
-        encoder = PoolTextEncoder.from_spec(spec, placement="batch_parallel")
-        got, report = client.encode_prompts(encoder, PROMPTS[:3] + PROMPTS[:1], cache=cache)
+        client = PoolClient(resolve_spec("cpu", 2, "with-owner", nowhere), start=False)
+        encoder = dataclasses.replace(spec.config, placement="batch_parallel")
+        got, report = encode_prompts(client, encoder, PROMPTS[:3] + PROMPTS[:1], cache=cache)
         assert (report.hits, report.misses, report.encoded) == (3, 0, 0)
         assert [torch.equal(g.tensor, c.tensor) for g, c in zip(got, cached + cached[:1])] == [True] * 4
         assert list(nowhere.iterdir()) == []  # nothing was started or even created
         with pytest.raises(PoolError, match="no pool runs"):  # one miss: the pool would be contacted
-            client.encode_prompts(encoder, PROMPTS[:4], cache=cache)
+            encode_prompts(client, encoder, PROMPTS[:4], cache=cache)
     finally:
         cleanup(nowhere)
 
 
 def test_only_the_misses_go_to_the_pool(pool2, tiny_gemma_dir, tiny_ltx_23, tmp_path):
     cache = EmbeddingCache(tmp_path / "cache")
-    spec = TextEncoderSpec(tiny_gemma_dir, tiny_ltx_23, dtype="float32")
+    spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
     encode_in_process(spec, PROMPTS[:1], cache=cache)
-    encoder = PoolTextEncoder.from_spec(spec, placement="single")
+    encoder = dataclasses.replace(spec.config, placement="single")
     got, report = encode_prompts(pool2, encoder, PROMPTS[:3], cache=cache, batch_size=2)
     assert (report.hits, report.encoded) == (1, 2)
     for g, ref in zip(got, reference(tiny_gemma_dir, tiny_ltx_23, PROMPTS[:3])):
@@ -119,25 +123,25 @@ def test_only_the_misses_go_to_the_pool(pool2, tiny_gemma_dir, tiny_ltx_23, tmp_
 
 
 def test_a_text_encoder_swapped_by_another_client_is_reloaded(pool2, base, tiny_gemma_dir, checkpoints):
-    mine = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
-    theirs = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
+    mine = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
+    theirs = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
     other = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, start=False)
     swaps = []
 
     def on_progress(phase, step, total):  # while our load finishes, another client queues its own
         if phase == "load_text_encoder" and step == total and not swaps:
-            swaps.append(other.submit("load_text_encoder", theirs.load_params(theirs.key())))
+            swaps.append(other.submit("load_text_encoder", theirs.to_params(pool_key(theirs))))
             assert next(swaps[0].events(timeout=30))["event"] == "accepted"  # queued before our encode
 
     try:
         got, report = encode_prompts(pool2, mine, PROMPTS[:2], on_progress=on_progress)
-        assert swaps and swaps[0].wait(timeout=60)[0]["key"] == theirs.key()  # it ran before our encode
+        assert swaps and swaps[0].wait(timeout=60)[0]["key"] == pool_key(theirs)  # it ran before our encode
     finally:
         other.close()
     assert report.encoded == 2
     for g, ref in zip(got, reference(tiny_gemma_dir, checkpoints["2.0"], PROMPTS[:2])):
         torch.testing.assert_close(g.tensor, ref.tensor, rtol=1e-5, atol=1e-5)
-    assert pool2.status()["ranks"][0]["models"]["text_encoder"]["key"] == mine.key()
+    assert pool2.status()["ranks"][0]["models"]["text_encoder"]["key"] == pool_key(mine)
 
 
 # --------------------------------------------------------------------------- CLI

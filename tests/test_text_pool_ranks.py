@@ -9,17 +9,18 @@ import shutil
 
 import pytest
 import torch
+from pool_support import raw_connect, raw_hello, read_answer
 from safetensors.torch import save_file
+from text_pool_support import PROMPTS, check, encode, reference
 
-from ltx_mgpu import protocol
-from ltx_mgpu.client import BadInputError, PoolClient
+from ltx_mgpu import wire
+from ltx_mgpu.client.errors import BadInputError
+from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.pool.engines import BadInput
 from ltx_mgpu.pool.text_jobs import parse_load_request
-from ltx_mgpu.remote_text import PoolTextEncoder
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text import sharding
-from pool_support import raw_connect, raw_hello, read_answer
-from text_pool_support import PROMPTS, check, encode, reference
+from ltx_mgpu.text.config import TextEncoderConfig
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +36,14 @@ def pool4(base):
 
 
 def test_batch_parallel_with_more_ranks_than_prompts(pool4, tiny_gemma_dir, checkpoints):
-    encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], placement="batch_parallel", dtype="float32")
+    encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], placement="batch_parallel", dtype="float32")
     result, tensors = encode(pool4, encoder, PROMPTS[:2])
     assert result["owners"] == [0, 1]  # ranks 2 and 3 encode nothing but still receive both
     check(result, tensors, reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:2]), 4)
 
 
 def test_batch_parallel_uneven_split_keeps_prompt_order(pool4, tiny_gemma_dir, checkpoints):
-    encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.0"], placement="batch_parallel", dtype="float32")
+    encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.0"], placement="batch_parallel", dtype="float32")
     result, tensors = encode(pool4, encoder, PROMPTS, batch_size=1)
     assert result["owners"] == [0, 0, 1, 1, 2, 2, 3]  # 7 over 4: the remainder to the first ranks
     check(result, tensors, reference(tiny_gemma_dir, checkpoints["2.0"], PROMPTS), 4)
@@ -54,8 +55,8 @@ def test_batch_parallel_uneven_split_keeps_prompt_order(pool4, tiny_gemma_dir, c
 
 def test_bad_input_is_rejected_on_every_rank_and_the_pool_keeps_serving(pool4, tiny_gemma_dir, checkpoints, tmp_path):
     pid = pool4.pid
-    good = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], placement="batch_parallel", dtype="float32")
-    params = good.load_params("k")
+    good = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], placement="batch_parallel", dtype="float32")
+    params = good.to_params("k")
     wrong = tmp_path / "wrong_projection.safetensors"  # LTX-2.0 layout for a Gemma with 4 hidden states
     save_file({"text_embedding_projection.aggregate_embed.weight": torch.zeros(32, 4 * 64)}, str(wrong))
     cases = [
@@ -76,7 +77,7 @@ def test_bad_input_is_rejected_on_every_rank_and_the_pool_keeps_serving(pool4, t
     # a placement the schema does not know is refused by the pool even from a client that skips the check
     with raw_connect(pool4.dir) as s:
         raw_hello(s, pool4.dir)
-        protocol.send_frame(s, {"type": "load_text_encoder", "id": "p1", "params": {**params, "placement": "ring"}})
+        wire.send_frame(s, {"type": "load_text_encoder", "id": "p1", "params": {**params, "placement": "ring"}})
         answer = read_answer(s)
         assert answer["event"] == "error" and answer["kind"] == "bad_input" and "placement" in answer["message"]
 
@@ -89,7 +90,7 @@ def test_bad_input_is_rejected_on_every_rank_and_the_pool_keeps_serving(pool4, t
         pool4.request("load_text_encoder", {**params, "source": str(damaged)}, timeout=60)
 
     # found by one rank only (prompt 1 is rank 1's; too long with truncate off): agreed, bad_input everywhere
-    strict = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], placement="batch_parallel", dtype="float32",
+    strict = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], placement="batch_parallel", dtype="float32",
                              token_budget=8, truncate=False)
     with pytest.raises(BadInputError, match=r"PromptTooLongError.*\(on rank 1\)"):
         encode(pool4, strict, ["a", PROMPTS[2], "b", "c"], batch_size=1)
@@ -105,7 +106,7 @@ def test_bad_input_is_rejected_on_every_rank_and_the_pool_keeps_serving(pool4, t
 
 
 def test_load_request_checks_run_from_headers(tiny_gemma_dir, tiny_ltx_23):
-    params = PoolTextEncoder(tiny_gemma_dir, tiny_ltx_23, placement="accelerate").load_params("k")
+    params = TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, placement="accelerate").to_params("k")
     req = parse_load_request({**params, "max_memory": {"0": "1GiB", "1": 2048}}, world_size=2, device_type="cuda")
     assert req.max_memory == {0: 1 << 30, 1: 2048} and req.version == "2.3" and req.width == 48
     with pytest.raises(BadInput, match="every device of the pool a budget"):
@@ -127,7 +128,7 @@ def test_accelerate_split_gives_every_device_layers_and_balances_bytes(tiny_gemm
             assert max(loads) <= (48 * layer + 2000) / n + 2000, (layer, n, counts)  # within one embedding of even
     assert sharding.plan_layer_split([1] * 6, 0, 0, [1, 2]) == [2, 4]  # in proportion to the budgets
 
-    from ltx_mgpu.text.gemma import load_gemma_text_tower
+    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 
     model = load_gemma_text_tower(tiny_gemma_dir, dtype=torch.float32).model
     devices = [f"cuda:{i}" for i in range(4)]

@@ -7,12 +7,13 @@ import time
 
 import pytest
 import torch
-
-from ltx_mgpu.client import PoolClient
-from ltx_mgpu.remote_text import PoolTextEncoder, embeddings_from_result, encode_prompts, upcast
-from ltx_mgpu.text.spec import TextEncoderSpec
 from pool_support import cleanup, pool_pids, running, short_dir
 from text_pool_support import PROMPTS, encode, reference
+
+from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.client.text import embeddings_from_result, encode_prompts, pool_key, upcast
+from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.spec import LocalTextEncoder
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ def test_encode_results_come_through_the_arena_and_bf16_on_the_wire_is_exact(tin
     try:
         client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
         plain = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, start=False, shm=False)
-        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
+        encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
         ref = reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:3], batch_size=2)
         got, _ = encode_prompts(client, encoder, PROMPTS[:3], batch_size=2)  # receive=upcast, from the arena
         assert client.shm_stats["frames"] >= 1
@@ -66,12 +67,12 @@ def test_a_one_rank_pool_writes_the_rows_into_the_memory_it_hands_over(tiny_gemm
     rt = short_dir()
     try:
         client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
-        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
+        encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
         # prompts at the token budget: a spare is handed over only when it fits within 2x (shm.fits)
         prompts = [(p + " ") * 100 for p in PROMPTS[:3]]
         ref = reference(tiny_gemma_dir, checkpoints["2.0"], prompts, batch_size=2)
         assert sum(r.tensor.numel() * 4 for r in ref) > 1 << 19
-        key = encoder.key()
+        key = pool_key(encoder)
         encode(client, encoder, prompts)  # loads; its result is the first large payload
         seen = []
         for _ in range(20):  # the spare is made in the background after each large result
@@ -98,21 +99,21 @@ def test_a_one_rank_pool_writes_the_rows_into_the_memory_it_hands_over(tiny_gemm
 
 
 def test_a_compiled_text_encoder_in_the_pool_gives_the_eager_embeddings(tiny_gemma_dir, checkpoints):
-    """PoolTextEncoder(compile=True): the pool's Gemma runs its layers through torch.compile
+    """TextEncoderConfig(compile=True): the pool's Gemma runs its layers through torch.compile
     (Inductor on a CPU rank here); the embeddings equal the in-process eager ones to float32
     rounding, the status says so, and the client refuses compile with accelerate up front."""
     rt = short_dir()
     try:
         client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
-        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32", compile=True)
-        assert encoder.key() != PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32").key()
+        encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], dtype="float32", compile=True)
+        assert pool_key(encoder) != pool_key(TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], dtype="float32"))
         ref = reference(tiny_gemma_dir, checkpoints["2.3"], PROMPTS[:3], batch_size=2)
         got, _ = encode_prompts(client, encoder, PROMPTS[:3], batch_size=2)
         for g, r in zip(got, ref):
             torch.testing.assert_close(g.tensor, r.tensor, rtol=1e-4, atol=1e-4)
         assert client.status()["ranks"][0]["models"]["text_encoder"]["compile"] is True
         with pytest.raises(ValueError, match="compile runs with placement"):
-            PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], placement="accelerate", compile=True)
+            TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], placement="accelerate", compile=True)
         client.shutdown()
     finally:
         cleanup(rt)
@@ -123,7 +124,7 @@ def test_a_compiler_that_fails_in_the_pool_is_bad_input_and_the_pool_keeps_servi
     """A pool whose torch.compile cannot work (no C++ compiler for Inductor's CPU backend here)
     answers a compile=True load with bad_input naming the fix, at load, and serves on: the same
     encoder without compile loads and encodes."""
-    from ltx_mgpu.client import BadInputError
+    from ltx_mgpu.client.errors import BadInputError
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # read by the pool started below
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled before
@@ -131,10 +132,10 @@ def test_a_compiler_that_fails_in_the_pool_is_bad_input_and_the_pool_keeps_servi
     try:
         client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
         pids = pool_pids(client)
-        broken = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32", compile=True)
+        broken = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], dtype="float32", compile=True)
         with pytest.raises(BadInputError, match="torch.compile could not compile Gemma's layers.*turn compile off"):
             encode_prompts(client, broken, PROMPTS[:2], batch_size=2)
-        plain = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
+        plain = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], dtype="float32")
         got, _ = encode_prompts(client, plain, PROMPTS[:2], batch_size=2)
         assert len(got) == 2 and running(pids) == [p for p, _ in pids]
         client.shutdown()
@@ -157,7 +158,7 @@ def test_a_reservation_taken_away_mid_job_leaves_the_pool_serving(tiny_gemma_dir
     try:
         client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=rt, startup_timeout=120)
         pids = pool_pids(client)
-        encoder = PoolTextEncoder(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
+        encoder = TextEncoderConfig(tiny_gemma_dir, checkpoints["2.0"], dtype="float32")
         prompts = [(p + " ") * 100 for p in PROMPTS] * 6  # 42 prompts at the token budget
         result, _ = encode(client, encoder, prompts, batch_size=64, verify=False)  # a spare is made after it
         time.sleep(0.3)
@@ -166,7 +167,7 @@ def test_a_reservation_taken_away_mid_job_leaves_the_pool_serving(tiny_gemma_dir
             if how == "client gone" and step == 2:
                 client._sock.shutdown(2)
 
-        params = {"prompts": prompts, "expect": encoder.key(), "keep": False}
+        params = {"prompts": prompts, "expect": pool_key(encoder), "keep": False}
         try:
             client.request("encode", {**params, "batch_size": 1 if how == "client gone" else 6},
                            on_progress=on_progress, timeout=120)
@@ -188,9 +189,9 @@ def test_bf16_pool_on_one_gpu_sends_float32_and_gives_the_in_process_embeddings_
     rt = short_dir()
     try:
         client = PoolClient.connect(gpus=[0], runtime_dir=rt, startup_timeout=300)
-        spec = TextEncoderSpec(tiny_gemma_dir, checkpoints["2.3"], device="cuda:0", dtype="bfloat16")
+        spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, checkpoints["2.3"], dtype="bfloat16"), "cuda:0")
         ref = spec.build().encode(PROMPTS[:3], batch_size=2)
-        encoder = PoolTextEncoder.from_spec(spec)
+        encoder = spec.config
         result, tensors = encode(client, encoder, PROMPTS[:3], verify=False)
         # world size 1: float32 straight from the encoder (nothing is broadcast in bf16)
         assert result["wire_dtype"] == "float32" and all(t.dtype == torch.float32 for t in tensors.values())

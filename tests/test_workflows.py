@@ -16,10 +16,10 @@ import json
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from nodes_support import load_pack
 
 REPO = Path(__file__).resolve().parent.parent

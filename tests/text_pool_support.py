@@ -7,8 +7,9 @@ import hashlib
 
 import torch
 
-from ltx_mgpu.remote_text import embeddings_from_result
-from ltx_mgpu.text.spec import TextEncoderSpec
+from ltx_mgpu.client.text import embeddings_from_result, pool_key
+from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.spec import LocalTextEncoder
 
 PROMPTS = [
     "a red fox running through snow at dawn",
@@ -25,11 +26,11 @@ _REFERENCE: dict = {}
 
 
 def reference(gemma, ckpt, prompts, weights="bf16", dtype="float32", batch_size=None):
-    """In-process embeddings (``TextEncoderSpec.build().encode``): one prompt at a time, or in
+    """In-process embeddings (``LocalTextEncoder.build().encode``): one prompt at a time, or in
     sub-batches of ``batch_size`` (bf16 results depend on the batch's padding, fp32 ones agree)."""
     spec = _REFERENCE.get((gemma, ckpt, weights, dtype))
     if spec is None:
-        spec = _REFERENCE[(gemma, ckpt, weights, dtype)] = TextEncoderSpec(gemma, ckpt, weights, dtype=dtype)
+        spec = _REFERENCE[(gemma, ckpt, weights, dtype)] = LocalTextEncoder(TextEncoderConfig(gemma, ckpt, weights, dtype=dtype))
     if batch_size:
         return spec.build().encode(prompts, batch_size=batch_size)
     return [spec.build().encode([p])[0] for p in prompts]
@@ -37,9 +38,9 @@ def reference(gemma, ckpt, prompts, weights="bf16", dtype="float32", batch_size=
 
 def encode(client, encoder, prompts, batch_size=2, verify=True, on_progress=None):
     """Load (if needed) and encode through the pool without the cache; returns (result, tensors)."""
-    from ltx_mgpu.remote_text import ensure_text_encoder
+    from ltx_mgpu.client.text import ensure_text_encoder
 
-    key = encoder.key()
+    key = pool_key(encoder)
     ensure_text_encoder(client, encoder, key, timeout=120)
     return client.request("encode", {"prompts": prompts, "batch_size": batch_size, "expect": key, "verify": verify},
                           on_progress=on_progress, timeout=120)

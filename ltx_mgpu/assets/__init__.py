@@ -23,73 +23,26 @@ quality.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
-from ltx_mgpu.identity import home_dir
-
-#: Bump when any generator changes its output, so stale caches are not reused.
-ASSETS_VERSION = 2
-#: The default seed of every generator.
-DEFAULT_SEED = 0
-
-#: Tiny Gemma 3 text dimensions (multiples of 64/32 so bitsandbytes' packed CPU NF4 path
-#: accepts every projection; see bitsandbytes' ``functional._convert_weight_packed_for_cpu``).
-TINY_GEMMA_HIDDEN = 64
-TINY_GEMMA_LAYERS = 6
-#: Number of hidden states the feature extractor consumes: embeddings + every layer.
-TINY_GEMMA_HIDDEN_STATES = TINY_GEMMA_LAYERS + 1
-#: The real Gemma 3 270M's text dimensions (its ``config.json``: hidden_size 640,
-#: num_hidden_layers 18 -> 19 hidden states), which ``tiny_ltx_checkpoint_gemma270m`` is sized for.
-GEMMA_270M_HIDDEN = 640
-GEMMA_270M_HIDDEN_STATES = 19
-
-
-def assets_dir(root: str | os.PathLike | None = None) -> Path:
-    """Where the embedded models live: ``root`` or ``<ltx_mgpu home>/assets/v<N>``."""
-    if root is not None:
-        return Path(root)
-    return home_dir() / "assets" / f"v{ASSETS_VERSION}"
-
-
-def _ensure(target: Path, build: Callable[[Path], None]) -> Path:
-    """Build ``target`` (a file or directory) atomically if it is missing.
-
-    ``build`` writes into a temporary sibling path; it is renamed into place only when
-    complete, so an interrupted build never leaves something that looks valid.
-    """
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp_root = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        tmp = tmp_root / target.name
-        build(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not target.exists():  # a concurrent builder won the race: keep theirs
-                raise
-    finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
-    return target
+from ltx_mgpu.assets.gemma270m import GEMMA_270M_HIDDEN, GEMMA_270M_HIDDEN_STATES, gemma_270m_available, gemma_270m_dir
+from ltx_mgpu.assets.store import DEFAULT_SEED, assets_dir, ensure
 
 
 def tiny_gemma_dir(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
     """The tiny Gemma 3 Hugging Face snapshot directory (built on first use)."""
-    from ltx_mgpu.assets.gemma import build_tiny_gemma_snapshot
+    from ltx_mgpu.assets.gemma import build_tiny_gemma_snapshot  # deferred: loads torch and ltx-core
 
-    return _ensure(assets_dir(root) / f"tiny-gemma3-seed{seed}", lambda p: build_tiny_gemma_snapshot(p, seed=seed))
+    return ensure(assets_dir(root) / f"tiny-gemma3-seed{seed}", lambda p: build_tiny_gemma_snapshot(p, seed=seed))
 
 
 def tiny_gemma_comfy_file(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
     """The tiny Gemma 3 as a ComfyUI single-file text encoder (built on first use)."""
-    from ltx_mgpu.assets.gemma import build_tiny_gemma_comfy_file
+    from ltx_mgpu.assets.gemma import build_tiny_gemma_comfy_file  # deferred: loads torch and ltx-core
 
     snapshot = tiny_gemma_dir(root, seed)
-    return _ensure(
+    return ensure(
         assets_dir(root) / f"tiny-gemma3-seed{seed}-comfy.safetensors",
         lambda p: build_tiny_gemma_comfy_file(snapshot, p),
     )
@@ -99,11 +52,11 @@ def tiny_ltx_checkpoint(
     version: Literal["2.0", "2.3"] = "2.3", root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED
 ) -> Path:
     """A tiny LTX-2 monolith checkpoint in the 2.0 or 2.3 layout (built on first use)."""
-    from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint
+    from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint  # deferred: loads torch and ltx-core
 
     if version not in ("2.0", "2.3"):
         raise ValueError(f"version must be '2.0' or '2.3', got {version!r}")
-    return _ensure(
+    return ensure(
         assets_dir(root) / f"tiny-ltx-{version}-seed{seed}.safetensors",
         lambda p: build_tiny_ltx_checkpoint(p, version=version, seed=seed),
     )
@@ -124,11 +77,11 @@ def tiny_ltx_checkpoint_gemma270m(
     Raises:
         ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``.
     """
-    from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint
+    from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint  # deferred: loads torch and ltx-core
 
     if version not in ("2.0", "2.3"):
         raise ValueError(f"version must be '2.0' or '2.3', got {version!r}")
-    return _ensure(
+    return ensure(
         assets_dir(root) / f"tiny-ltx-{version}-gemma270m-seed{seed}.safetensors",
         lambda p: build_tiny_ltx_checkpoint(p, version=version, seed=seed, gemma_hidden=GEMMA_270M_HIDDEN,
                                             gemma_hidden_states=GEMMA_270M_HIDDEN_STATES),
@@ -164,8 +117,6 @@ def embedded_default(choice: str = "auto", version: Literal["2.0", "2.3"] = "2.3
         ValueError: an unknown choice, or ``"gemma-270m"`` with version 2.0.
         ModuleNotFoundError: ``"gemma-270m"`` without its package.
     """
-    from ltx_mgpu.assets.gemma270m import gemma_270m_available, gemma_270m_dir
-
     if choice not in EMBEDDED_GEMMA:
         raise ValueError(f"embedded Gemma must be one of {list(EMBEDDED_GEMMA)}, got {choice!r}")
     if choice == "gemma-270m" and version != "2.3":

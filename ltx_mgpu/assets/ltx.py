@@ -38,9 +38,9 @@ The two layouts differ the way the real checkpoints do (ltx-core 1.0.0's
 
 2.3 only: ``audio_vae.{decoder,per_channel_statistics}.*`` + ``vocoder.*`` (and ``config``
 ``"audio_vae"`` / ``"vocoder"``), a tiny ltx-core audio VAE decoder and 24 kHz vocoder built
-without torchaudio (:mod:`ltx_mgpu.assets.ltx_audio`). 2.0 has none; neither has an audio encoder.
+without torchaudio (:mod:`ltx_mgpu.assets.audio`). 2.0 has none; neither has an audio encoder.
 
-The geometry and the ``config`` metadata are :mod:`ltx_mgpu.assets.ltx_config`'s; this module
+The geometry and the ``config`` metadata are :mod:`ltx_mgpu.assets.geometry`'s; this module
 makes the weights and writes the file.
 
 Weights are random: every tensor is drawn from its own ``torch.Generator`` seeded from
@@ -52,7 +52,6 @@ RMS-norm gains ``1 + N(0, 0.1^2)``, registers ``U(-1, 1)`` (ltx-core's own regis
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -61,10 +60,20 @@ import torch
 from safetensors.torch import save as save_to_bytes
 from torch import nn
 
-from ltx_mgpu.assets import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
-from ltx_mgpu.assets.ltx_audio import tiny_audio_state_dict
-from ltx_mgpu.assets.ltx_config import (_MODEL_VERSIONS, TINY_AUDIO_HEAD_DIM, TINY_AUDIO_HEADS, TINY_VIDEO_HEAD_DIM,
-                                        TINY_VIDEO_HEADS, Version, _check_gemma, _check_version, tiny_ltx_config)
+from ltx_mgpu.assets.audio import tiny_audio_state_dict
+from ltx_mgpu.assets.gemma import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
+from ltx_mgpu.assets.geometry import (
+    MODEL_VERSIONS,
+    TINY_AUDIO_HEAD_DIM,
+    TINY_AUDIO_HEADS,
+    TINY_VIDEO_HEAD_DIM,
+    TINY_VIDEO_HEADS,
+    Version,
+    check_gemma,
+    check_version,
+    tiny_ltx_config,
+)
+from ltx_mgpu.assets.weights import init_tensor
 from ltx_mgpu.files import write_atomically
 
 
@@ -84,8 +93,8 @@ def tiny_feature_extractor(
     """
     from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV1, FeatureExtractorV2
 
-    version = _check_version(version)
-    _check_gemma(gemma_hidden, gemma_hidden_states)
+    version = check_version(version)
+    check_gemma(gemma_hidden, gemma_hidden_states)
     feature_in = gemma_hidden * gemma_hidden_states
     if version == "2.0":
         return FeatureExtractorV1(nn.Linear(feature_in, gemma_hidden, bias=False), is_av=True)
@@ -107,7 +116,7 @@ def tiny_embeddings_processor_ops(version: Version):
     from ltx_core.loader.module_ops import ModuleOps
     from ltx_core.text_encoders.gemma.embeddings_processor import EmbeddingsProcessor
 
-    version = _check_version(version)
+    version = check_version(version)
 
     def mutate(processor: nn.Module) -> nn.Module:
         with torch.device("meta"):
@@ -121,29 +130,6 @@ def tiny_embeddings_processor_ops(version: Version):
     )
 
 
-def _generator(seed: int, key: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
-def _init_tensor(key: str, shape: torch.Size, seed: int) -> torch.Tensor:
-    """A float32 tensor for checkpoint ``key``, a pure function of ``(seed, key, shape)``."""
-    g = _generator(seed, key)
-    leaf = key.rsplit(".", 1)[-1]
-    if leaf == "learnable_registers":
-        return torch.rand(shape, generator=g) * 2.0 - 1.0
-    if leaf == "std-of-means":
-        return 0.5 + torch.rand(shape, generator=g)
-    if leaf == "mean-of-means":
-        return 0.1 * torch.randn(shape, generator=g)
-    if len(shape) >= 2:
-        fan_in = max(1, shape.numel() // shape[0])
-        return torch.randn(shape, generator=g) / fan_in**0.5
-    if key.endswith("norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
-    return 0.05 * torch.randn(shape, generator=g)
-
-
 def _materialise(
     module: nn.Module, prefix: str, seed: int, dtype: torch.dtype, skip: str | None = None
 ) -> dict[str, torch.Tensor]:
@@ -154,7 +140,7 @@ def _materialise(
         if skip is not None and name.startswith(skip):
             continue
         key = prefix + name
-        out[key] = _init_tensor(key, t.shape, seed).to(dtype).contiguous()
+        out[key] = init_tensor(key, t.shape, seed).to(dtype).contiguous()
     return out
 
 
@@ -181,7 +167,7 @@ def tiny_ltx_state_dict(
     from ltx_core.model.video_vae import VideoDecoderConfigurator, VideoEncoderConfigurator
     from ltx_core.text_encoders.gemma.encoders.encoder_configurator import EmbeddingsProcessorConfigurator
 
-    version = _check_version(version)
+    version = check_version(version)
     config = tiny_ltx_config(version, gemma_hidden)
     with torch.device("meta"):
         transformer = LTXModelConfigurator.from_config(config)
@@ -226,12 +212,12 @@ def build_tiny_ltx_checkpoint(
         ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``; Gemma dims as :func:`tiny_feature_extractor`.
         OSError: the parent directory of ``out_path`` does not exist or is not writable.
     """
-    version = _check_version(version)
+    version = check_version(version)
     out_path = Path(out_path)
     sd = tiny_ltx_state_dict(version, seed, gemma_hidden, gemma_hidden_states)
     metadata = {
         "config": json.dumps(tiny_ltx_config(version, gemma_hidden), sort_keys=True),
-        "model_version": _MODEL_VERSIONS[version],
+        "model_version": MODEL_VERSIONS[version],
     }
     data = _sort_metadata(save_to_bytes(sd, metadata=metadata))
     write_atomically(out_path, data)

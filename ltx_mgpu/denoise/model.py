@@ -43,6 +43,9 @@ from ltx_mgpu.denoise.checkpoint import (
     inspect_checkpoint,
     load_loras,
 )
+from ltx_mgpu.denoise.conditioning import text_contexts
+from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
+from ltx_mgpu.denoise.sp_config import check_sequence_parallel_config
 from ltx_mgpu.files import write_atomically
 
 __all__ = [
@@ -98,14 +101,10 @@ class LTXDenoiser:
     def velocity_model(self, group=None):
         """The transformer behind ltx_mgpu's sequence-parallel wrapper (world size 1: plain
         path plus the ``max_tokens`` check). Every rank of ``group`` must call it."""
-        from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
-
         return SequenceParallelTransformer(self.transformer, group, self.max_tokens)
 
     def preprocess_text_embeds(self, context: torch.Tensor, unprocessed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """ComfyUI's ``preprocess_text_embeds``: see :func:`ltx_mgpu.denoise.conditioning.text_contexts`."""
-        from ltx_mgpu.denoise.conditioning import text_contexts
-
         return text_contexts(self, context, unprocessed)
 
 
@@ -227,8 +226,6 @@ def check_world_size(info: CheckpointInfo, world_size: int) -> None:
         SequenceParallelConfigError: ``world_size`` does not divide the video or audio heads.
         CheckpointError: see :func:`meta_transformer`.
     """
-    from ltx_mgpu.denoise.sp_config import check_sequence_parallel_config
-
     check_sequence_parallel_config(meta_transformer(info), int(world_size))
 
 

@@ -47,15 +47,17 @@ import torch
 from ltx_core.components.schedulers import LTX2Scheduler
 from ltx_core.model.transformer.modality import Modality
 
+from ltx_mgpu.cancellation import Cancelled
+from ltx_mgpu.choices import SAMPLERS
 from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning, sampling_frame_rate
-from ltx_mgpu.denoise.latents import is_nested, latent_to_tokens, repeat_to_batch, tokens_to_latent
+from ltx_mgpu.denoise.latents import latent_to_tokens, repeat_to_batch, tokens_to_latent
+from ltx_mgpu.nested import is_nested
 
 __all__ = ["SAMPLERS", "SamplingCancelled", "comfy_noise", "ltx2_sigmas", "resolve_sigmas", "sample"]
 
-SAMPLERS = ("euler",)
 
 
-class SamplingCancelled(RuntimeError):
+class SamplingCancelled(RuntimeError, Cancelled):
     """``should_stop()`` returned True at a step boundary; ``step`` steps of ``total`` were done."""
 
     def __init__(self, step: int, total: int):

@@ -44,11 +44,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from ltx_core.model.transformer.attention import AttentionFunction, FlashAttention3
-from ltx_core.model.transformer.model import LTXModel
 from ltx_core.model.transformer.modality import Modality
+from ltx_core.model.transformer.model import LTXModel
 
-from ltx_mgpu.denoise.sp_config import (SequenceParallelConfigError, check_sequence_parallel_config,
-                                        check_token_budget, valid_world_sizes)
+from ltx_mgpu.denoise.sp_config import (
+    SequenceParallelConfigError,
+    check_sequence_parallel_config,
+    check_token_budget,
+    valid_world_sizes,
+)
 
 __all__ = [
     "SequenceParallelConfigError",

@@ -1,11 +1,11 @@
 """One client connection of rank 0's socket server (:mod:`ltx_mgpu.pool.server`): a reader
 thread (the ``hello`` handshake within ``HELLO_TIMEOUT`` seconds, then frames -> validated
-requests handed to :meth:`Server.handle`) and a writer thread (an outbound queue, so a slow
+requests handed to its :class:`ConnectionOwner`, the server) and a writer thread (an outbound queue, so a slow
 client never blocks the job loop; it also drops the connection's idle shared-memory arena and
 spare).
 
 The queue, the job loop's interface and the listening socket are :class:`ltx_mgpu.pool.server.Server`'s;
-the frames and messages are :mod:`ltx_mgpu.protocol`'s, the arena :mod:`ltx_mgpu.shm`'s.
+the frames and messages are :mod:`ltx_mgpu.wire`'s, the arena :mod:`ltx_mgpu.wire.arena`'s.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import queue
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from ltx_mgpu import protocol, shm
-from ltx_mgpu.shm_send import ArenaSender
-from ltx_mgpu.protocol import ConnectionClosed, ProtocolError, SchemaError
-
-if TYPE_CHECKING:
-    from ltx_mgpu.pool.server import Server
+from ltx_mgpu import wire
+from ltx_mgpu.wire import arena
+from ltx_mgpu.wire.arena import Budget
+from ltx_mgpu.wire.frames import ConnectionClosed, Limits, ProtocolError
+from ltx_mgpu.wire.messages import SchemaError
+from ltx_mgpu.wire.sender import ArenaSender
 
 # The server's logger, so that connection records keep the name they had before this module was split off.
 log = logging.getLogger("ltx_mgpu.pool.server")
@@ -33,12 +33,29 @@ log = logging.getLogger("ltx_mgpu.pool.server")
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 
 
+class ConnectionOwner(Protocol):
+    """What a :class:`Connection` needs of the server that accepted it."""
+
+    token: str
+    limits: Limits
+    shm_budget: Budget | None
+
+    def hello_answer(self) -> dict[str, Any]:
+        """The ``hello`` result: the pool's description and the features it offers."""
+
+    def handle(self, conn: Connection, req: wire.Request) -> None:
+        """An authenticated, validated request from ``conn``."""
+
+    def connection_closed(self, conn: Connection) -> None:
+        """``conn`` is gone: drop its queued jobs and events."""
+
+
 class Connection:
     """One client connection: a reader thread and a writer thread with an outbound queue."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, server: Server, sock: socket.socket):
+    def __init__(self, server: ConnectionOwner, sock: socket.socket):
         self.server, self.sock, self.cid = server, sock, next(self._ids)
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = threading.Event()
@@ -53,7 +70,7 @@ class Connection:
         self._reader.start()
 
     # ---- writing
-    def send(self, header: dict, payload: protocol.Payload | None = None) -> None:
+    def send(self, header: dict, payload: wire.Payload | None = None) -> None:
         """Queue an event; silently dropped once the connection is closed."""
         if not self.closed.is_set():
             self.out.put((header, payload))
@@ -67,11 +84,11 @@ class Connection:
 
     def enable(self, features: list[str]) -> list[str]:
         """Turn on the requested features this pool offers; returns those on for this connection."""
-        if shm.FEATURE in features and self.server.shm_budget is not None and self.shm is None:
-            self.shm = ArenaSender(self.server.shm_budget, own=shm.FEATURE_OWN in features)
+        if arena.FEATURE in features and self.server.shm_budget is not None and self.shm is None:
+            self.shm = ArenaSender(self.server.shm_budget, own=arena.FEATURE_OWN in features)
         if self.shm is None:
             return []
-        return [shm.FEATURE] + [shm.FEATURE_OWN] * self.shm.own
+        return [arena.FEATURE] + [arena.FEATURE_OWN] * self.shm.own
 
     def _next(self):
         """The next outbound item; meanwhile, shared memory idle for its time is dropped (the
@@ -85,7 +102,7 @@ class Connection:
             except queue.Empty:
                 if sender.idle():
                     if sender.arena is not None:
-                        protocol.send_frame(self.sock, {}, flags=protocol.FLAG_SHM_DROP)
+                        wire.send_frame(self.sock, {}, flags=wire.FLAG_SHM_DROP)
                     sender.drop()
 
     def _write_loop(self) -> None:
@@ -99,10 +116,10 @@ class Connection:
                 # mapped in the pool while the writer waits for the next event
                 item = None
                 try:
-                    protocol.send_frame(self.sock, header, payload, shm=self.shm)
+                    wire.send_frame(self.sock, header, payload, shm=self.shm)
                 except ProtocolError as e:  # an event broke the limits (checked before any byte went out)
                     log.error("connection %d: event not sent: %s", self.cid, e)
-                    protocol.send_frame(self.sock, protocol.make_event(
+                    wire.send_frame(self.sock, wire.make_event(
                         "error", header.get("id"), kind="bad_input", message=f"the answer could not be sent: {e}"))
                 finally:
                     payload = None
@@ -121,13 +138,13 @@ class Connection:
 
     # ---- reading
     def _error(self, rid: str | None, message: str, kind: str = "bad_input") -> None:
-        self.send(protocol.make_event("error", protocol.valid_id(rid), kind=kind, message=message))
+        self.send(wire.make_event("error", wire.valid_id(rid), kind=kind, message=message))
 
     def _read_loop(self) -> None:
         try:
             self.sock.settimeout(HELLO_TIMEOUT)
-            header, tensors = protocol.recv_frame(self.sock, protocol.PREAUTH_LIMITS)
-            req = protocol.parse_request(header, tensors)
+            header, tensors = wire.recv_frame(self.sock, wire.PREAUTH_LIMITS)
+            req = wire.parse_request(header, tensors)
             if req.type != "hello":
                 raise ProtocolError(f"the first request must be 'hello' with the pool's token, got {req.type!r}",
                                     req.id)
@@ -135,12 +152,12 @@ class Connection:
                 raise ProtocolError("wrong token: read it from the pool's runtime directory", req.id)
             self.authenticated = True
             self.peer_pid = req.params.get("pid")
-            self.send(protocol.make_event("result", req.id, result=self.server.hello_answer()))
+            self.send(wire.make_event("result", req.id, result=self.server.hello_answer()))
             self.sock.settimeout(None)
             while True:
-                header, tensors = protocol.recv_frame(self.sock, self.server.limits)
+                header, tensors = wire.recv_frame(self.sock, self.server.limits)
                 try:
-                    req = protocol.parse_request(header, tensors)
+                    req = wire.parse_request(header, tensors)
                 except SchemaError as e:
                     self._error(e.request_id, str(e))
                     continue

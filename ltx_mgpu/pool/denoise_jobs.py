@@ -8,7 +8,7 @@ over the data group and keeps it resident under a name. Loading the same files w
 options again keeps the resident model (``reused``).
 
 ``sample`` rebuilds the ComfyUI LATENT / CONDITIONING / SIGMAS from the request
-(:mod:`ltx_mgpu.remote_denoise`). The worker already hands every rank identical copies of the
+(:mod:`ltx_mgpu.wire.codec`). The worker already hands every rank identical copies of the
 request tensors (the job spec broadcast over the control group), so no rank re-broadcasts
 them. Every rank then runs :func:`ltx_mgpu.denoise.sampler.sample` with the same inputs and
 seed; the SP transformer exchanges activations over the data group. A progress event is sent
@@ -30,18 +30,15 @@ from pathlib import Path
 
 import torch
 
-from ltx_mgpu import remote_denoise
+from ltx_mgpu.choices import SAMPLERS
 from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, inspect_checkpoint
-from ltx_mgpu.denoise.latents import NestedTensorLike, is_nested
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
-from ltx_mgpu.denoise.sampler import SAMPLERS, sample
-from ltx_mgpu.denoise.sequence_parallel import (
-    SequenceParallelConfigError,
-    SequenceParallelTransformer,
-    check_token_budget,
-    valid_world_sizes,
-)
+from ltx_mgpu.denoise.sampler import sample
+from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
+from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, check_token_budget, valid_world_sizes
+from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, free_memory, register_engine
+from ltx_mgpu.wire import codec
 
 __all__ = ["DTYPES", "ResidentTransformer", "load_transformer", "sample_job"]
 
@@ -119,7 +116,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         work), a missing or foreign LoRA, ``max_tokens < 1``; after a control-group agreement:
         a ``name`` held by a non-transformer model, out of memory while loading (on any rank).
     """
-    name = params.get("name", remote_denoise.DEFAULT_MODEL)
+    name = params.get("name", codec.DEFAULT_MODEL)
     dtype_name = params.get("dtype", "bf16")
     max_tokens = int(params.get("max_tokens", 32768))
     attention_type = params.get("attention_type")
@@ -187,7 +184,7 @@ def _video_tokens(latent: dict) -> int:
 def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Denoise a ComfyUI LTX-2 LATENT on every rank with the resident SP transformer.
 
-    Params and tensors: :func:`ltx_mgpu.remote_denoise.sample_request` (``model``,
+    Params and tensors: :meth:`ltx_mgpu.client.denoise.SampleRequest.to_wire` (``model``,
     ``positive``, ``negative``, ``latent``, ``sigmas`` tensor or ``steps`` + ``scheduler``,
     ``cfg``, ``seed``, ``sampler``). Progress: phase ``"denoise"``, once per step.
 
@@ -199,7 +196,7 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
             that is not LTX-2's, bad sigmas, more video tokens than ``max_tokens``.
         JobCancelled: cancelled at a step boundary (on every rank together).
     """
-    name = params.get("model", remote_denoise.DEFAULT_MODEL)
+    name = params.get("model", codec.DEFAULT_MODEL)
     resident = ctx.models.get(name)
     if not isinstance(resident, ResidentTransformer):
         raise BadInput(f"no LTX-2 transformer named '{name}' is loaded in the pool; load one first "
@@ -216,9 +213,9 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
         raise BadInput(f"seed must be in 0..2**64-1 (ComfyUI's range), got {seed}")
     m = resident.denoiser
     try:
-        latent = remote_denoise.latent_from_request(params["latent"], tensors, NestedTensorLike)
-        positive = remote_denoise.conditioning_from_request(params["positive"], tensors, "positive")
-        negative = (remote_denoise.conditioning_from_request(params["negative"], tensors, "negative")
+        latent = codec.latent_from_request(params["latent"], tensors, NestedTensorLike)
+        positive = codec.conditioning_from_request(params["positive"], tensors, "positive")
+        negative = (codec.conditioning_from_request(params["negative"], tensors, "negative")
                     if params.get("negative") is not None else None)
         check_token_budget(_video_tokens(latent), m.max_tokens)
     except ValueError as e:
@@ -252,5 +249,5 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
         raise BadInput(str(e)) from None
     if not ctx.is_main:
         return {}, {}
-    spec, out_tensors = remote_denoise.latent_to_result(out)
+    spec, out_tensors = codec.latent_to_result(out)
     return {"latent": spec, "steps": done, "model": name}, out_tensors

@@ -39,7 +39,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ltx_mgpu import protocol, shm
+from ltx_mgpu import wire
+from ltx_mgpu.cancellation import Cancelled
+from ltx_mgpu.wire import arena
+from ltx_mgpu.wire.payload import payload_layout
 
 Handler = Callable[["JobContext", dict, dict], "tuple[dict, dict]"]
 
@@ -48,9 +51,9 @@ class BadInput(Exception):
     """The request is wrong; raise it identically on every rank before any collective."""
 
 
-class JobCancelled(BaseException):
-    """Raised by :meth:`JobContext.check_cancel` on every rank together. A ``BaseException`` so a
-    handler's ``except Exception`` does not swallow it."""
+class JobCancelled(Cancelled):
+    """Raised by :meth:`JobContext.check_cancel` on every rank together. Not an ``Exception`` (the
+    family's base is a ``BaseException``), so a handler's ``except Exception`` does not swallow it."""
 
 
 _ENGINES: dict[str, Handler] = {}
@@ -68,10 +71,10 @@ def register_engine(job_type: str, handler: Handler | None = None):
     """Register ``handler`` for ``job_type`` (usable as a decorator).
 
     Raises:
-        ValueError: ``job_type`` is not a job request type in ``ltx_mgpu.protocol.REQUESTS``
-            (add its schema with ``protocol.register_request`` first).
+        ValueError: ``job_type`` is not a job request type in ``ltx_mgpu.wire.REQUESTS``
+            (add its schema with ``wire.register_request`` first).
     """
-    schema = protocol.REQUESTS.get(job_type)
+    schema = wire.REQUESTS.get(job_type)
     if schema is None or not schema.job:
         raise ValueError(f"{job_type!r} is not a job request type; register its schema first")
 
@@ -217,7 +220,7 @@ class JobContext:
 
     def result_buffers(self, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> dict[str, torch.Tensor] | None:
         """CPU tensors, one per ``(name, dtype, shape)`` of ``specs``, that lie where this job's
-        result payload will be handed to the client in shared memory (``ltx_mgpu.shm_send``,
+        result payload will be handed to the client in shared memory (``ltx_mgpu.wire.sender``,
         ``ArenaSender.reserve``): a handler that fills them and returns them under those names
         (and no other tensors) has its result sent without a copy, unless the memory was
         taken back meanwhile (the connection closed or idled out, or a newer reservation):
@@ -229,12 +232,10 @@ class JobContext:
         The tensors are shared with the client once sent (it may write them): do not keep or
         read them past the job.
         """
-        from ltx_mgpu.payload import payload_layout
-
         if self._reserve_result is None or not specs:
             return None
         _, spans = payload_layout(specs)
-        if any((shm.HEADER_BYTES + spans[name][0]) % dtype.itemsize for name, dtype, _ in specs):
+        if any((arena.HEADER_BYTES + spans[name][0]) % dtype.itemsize for name, dtype, _ in specs):
             return None
         region = self._reserve_result(max(end for _, end in spans.values()))
         if region is None:

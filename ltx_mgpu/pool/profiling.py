@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 #: ``$LTX_MGPU_PROFILE_JOBS=N``: profile the pool's first N jobs on every rank (torch.profiler,
 #: CPU + CUDA activity) and write each as a Chrome trace, ``profile-<job type>-<job id>-rank<r>.json``
@@ -47,7 +48,6 @@ class JobProfiler:
             yield
             return
         self.done += 1
-        from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         prof = profile(activities=acts)

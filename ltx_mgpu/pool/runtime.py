@@ -1,9 +1,8 @@
-"""A pool's identity and private files: which GPUs, where its runtime directory is, what is in
-it, and process helpers that survive pid reuse.
+"""A pool's private files, which both the pool and its clients read: what its runtime directory
+holds, and process helpers that survive pid reuse. Which runtime directory a GPU set gets is
+:mod:`ltx_mgpu.client.spec`'s.
 
-One pool serves one GPU set. Its runtime directory (mode 0700) is ``<base>/<key>``: ``<base>``
-is ``runtime_dir`` / ``$LTX_MGPU_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/ltx_mgpu``, else
-``<ltx_mgpu home>/run``; ``<key>`` is ``gpu-0-1`` or ``cpu-2`` (CPU ranks). It holds:
+The runtime directory (mode 0700) holds:
 
 * ``pool.sock`` (0600): the AF_UNIX socket, bound by rank 0 once every rank is up;
 * ``token`` (0600): a fresh ``secrets.token_hex(32)`` per launch; ``hello`` must present it;
@@ -25,135 +24,12 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import psutil
 
-from ltx_mgpu.identity import home_dir
-
-LIFETIMES = ("with-owner", "detached")
 SOCKET_NAME, TOKEN_NAME, INFO_NAME, LOG_NAME, LOCK_NAME = "pool.sock", "token", "pool.json", "pool.log", "launch.lock"
-_UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL (Linux unix(7))
-
-
-class PoolError(RuntimeError):
-    """Base of every pool failure reported to clients."""
-
-
-class PoolStartError(PoolError):
-    """The pool did not start; the message ends with the tail of its log."""
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """Which pool: ``gpus`` are physical CUDA indices (``()`` = CPU ranks on gloo), ``nproc``
-    ranks (one per GPU on CUDA), ``lifetime`` and the pool's runtime directory ``dir``."""
-
-    gpus: tuple[int, ...]
-    nproc: int
-    lifetime: str
-    dir: Path
-
-    @property
-    def device(self) -> str:
-        return "cuda" if self.gpus else "cpu"
-
-    @property
-    def key(self) -> str:
-        return "gpu-" + "-".join(map(str, self.gpus)) if self.gpus else f"cpu-{self.nproc}"
-
-
-def runtime_base(runtime_dir: str | os.PathLike | None = None) -> Path:
-    """The base directory under which each GPU set gets its pool directory (see module doc).
-
-    Raises:
-        ValueError: ``runtime_dir`` or ``$LTX_MGPU_RUNTIME_DIR`` names a file (or a path under one).
-    """
-    from ltx_mgpu.files import check_directory_setting
-
-    if runtime_dir:
-        return check_directory_setting(runtime_dir, "runtime directory").absolute()
-    env = os.environ.get("LTX_MGPU_RUNTIME_DIR")
-    if env:
-        return check_directory_setting(env, "$LTX_MGPU_RUNTIME_DIR").absolute()
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
-        return Path(xdg) / "ltx_mgpu"
-    return home_dir() / "run"
-
-
-def _visible_cuda_ids() -> list[str] | None:
-    """The caller's CUDA_VISIBLE_DEVICES as a list (None when unset)."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is None:
-        return None
-    return [x.strip() for x in cvd.split(",") if x.strip() and x.strip() != "-1"]
-
-
-def parse_gpus(gpus: str | Sequence[int] | None) -> tuple[int, ...] | None:
-    """``None``/``"all"`` -> None (every visible GPU), ``"cpu"``/``""``/``[]`` -> () (CPU ranks),
-    ``"0,1"`` / ``[0, 1]`` -> (0, 1).
-
-    Raises:
-        ValueError: not a comma-separated list of distinct non-negative integers.
-    """
-    if gpus is None or (isinstance(gpus, str) and gpus.strip().lower() == "all"):
-        return None
-    if isinstance(gpus, str):
-        text = gpus.strip().lower()
-        if text in ("", "cpu", "none"):
-            return ()
-        try:
-            ids = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"gpus must be 'all', 'cpu' or a list like '0,1', got {gpus!r}") from None
-    else:
-        ids = [int(x) for x in gpus]
-    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-        raise ValueError(f"gpus must be distinct non-negative indices, got {list(ids)}")
-    return tuple(ids)
-
-
-def resolve_spec(gpus: str | Sequence[int] | None = None, nproc: int | None = None,
-                 lifetime: str = "with-owner", runtime_dir: str | os.PathLike | None = None) -> PoolSpec:
-    """Turn user choices into a :class:`PoolSpec`.
-
-    ``gpus`` are indices as the caller sees them (mapped through its ``CUDA_VISIBLE_DEVICES``);
-    ``None`` means every visible GPU, or CPU ranks when torch sees no GPU. ``nproc`` defaults
-    to the number of GPUs (1 on CPU) and must equal it on GPUs (one rank per GPU).
-
-    Raises:
-        ValueError: bad gpus / nproc / lifetime, or a GPU index the caller cannot see.
-    """
-    if lifetime not in LIFETIMES:
-        raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
-    ids = parse_gpus(gpus)
-    if ids is None:
-        import torch
-
-        ids = tuple(range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
-    visible = _visible_cuda_ids()
-    if ids and visible is not None:
-        if max(ids) >= len(visible):
-            raise ValueError(f"GPU {max(ids)} is not visible (CUDA_VISIBLE_DEVICES={','.join(visible)})")
-        if not all(v.isdigit() for v in visible):
-            raise ValueError("CUDA_VISIBLE_DEVICES holds UUIDs; give the pool GPU indices with it unset")
-        ids = tuple(int(visible[i]) for i in ids)
-    if ids:
-        nproc = len(ids) if nproc is None else int(nproc)
-        if nproc != len(ids):
-            raise ValueError(f"nproc={nproc} but {len(ids)} GPU(s) given: the pool runs one rank per GPU")
-    else:
-        nproc = 1 if nproc is None else int(nproc)
-        if nproc < 1:
-            raise ValueError(f"nproc must be >= 1, got {nproc}")
-    spec = PoolSpec(ids, nproc, lifetime, Path("."))
-    spec = PoolSpec(ids, nproc, lifetime, runtime_base(runtime_dir) / spec.key)
-    sock = spec.dir / SOCKET_NAME
-    if len(os.fsencode(sock)) > _UNIX_PATH_MAX:
-        raise ValueError(f"socket path {sock} is longer than {_UNIX_PATH_MAX} bytes; pass a shorter "
-                         "runtime_dir (--runtime-dir) or set $LTX_MGPU_RUNTIME_DIR")
-    return spec
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL (Linux unix(7))
 
 
 # --------------------------------------------------------------------------- files

@@ -5,12 +5,12 @@ writer (an outbound queue, so a slow client never blocks the job loop). The job 
 runs on rank 0's main thread (``ltx_mgpu.pool.worker``) and talks to this module through
 :meth:`Server.next_job`, the ``emit_*`` methods, :meth:`Server.finish` and :meth:`Server.fail`.
 
-Rules (see ``ltx_mgpu.protocol``): the first frame must be ``hello`` with the pool's token
+Rules (see ``ltx_mgpu.wire``): the first frame must be ``hello`` with the pool's token
 (within ``HELLO_TIMEOUT`` seconds, tiny, no tensors); a wrong token, a malformed, oversized,
 truncated or unknown frame gets an ``error`` event and the connection is closed, while the
 server keeps serving the others. ``status``, ``cancel``, ``features`` and ``shutdown`` are
 answered at once, even while a job runs. A connection that turned ``shm`` on (``features``)
-gets large payloads through a shared-memory arena of its own (``ltx_mgpu.shm``), dropped after
+gets large payloads through a shared-memory arena of its own (``ltx_mgpu.wire.arena``), dropped after
 ``LTX_MGPU_SHM_IDLE_SECONDS`` without use and when the connection closes. Jobs run one at a
 time in arrival order; cancelling a queued job removes it; cancelling the running one raises
 ``JobCancelled`` at its next step boundary. A client that disconnects has its queued jobs
@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ltx_mgpu import protocol, shm
+from ltx_mgpu import wire
 from ltx_mgpu.pool.connection import Connection
-from ltx_mgpu.protocol import ProtocolError
+from ltx_mgpu.wire import arena
+from ltx_mgpu.wire.frames import ProtocolError
 
 log = logging.getLogger("ltx_mgpu.pool.server")
 
@@ -50,7 +51,7 @@ class Job:
     ``clock`` holds the same moments (and ``finished``) in ``time.monotonic()`` seconds, which
     every process of the host reads alike (Linux ``CLOCK_MONOTONIC``): the result's ``timeline``."""
 
-    request: protocol.Request
+    request: wire.Request
     conn: "Connection"
     submitted: float = field(default_factory=time.time)
     started: float | None = None
@@ -77,11 +78,11 @@ class Server:
     """
 
     def __init__(self, socket_path: Path, token: str, describe: Callable[[], dict],
-                 status_fn: Callable[[], list], limits: protocol.Limits | None = None):
+                 status_fn: Callable[[], list], limits: wire.Limits | None = None):
         self.socket_path, self.token, self.describe, self.status_fn = Path(socket_path), token, describe, status_fn
-        self.limits = limits or protocol.Limits()
+        self.limits = limits or wire.Limits()
         #: Arena memory over all connections (None: shared memory is not available here).
-        self.shm_budget = shm.Budget() if shm.available() else None
+        self.shm_budget = arena.Budget() if arena.available() else None
         self._lock = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
         self._current: Job | None = None
@@ -146,25 +147,25 @@ class Server:
     # ---- requests (reader threads)
     def hello_answer(self) -> dict:
         """The pool description plus the optional ``features`` this pool offers."""
-        return {**self.describe(), "features": [shm.FEATURE, shm.FEATURE_OWN] if self.shm_budget is not None else []}
+        return {**self.describe(), "features": [arena.FEATURE, arena.FEATURE_OWN] if self.shm_budget is not None else []}
 
-    def handle(self, conn: Connection, req: protocol.Request) -> None:
+    def handle(self, conn: Connection, req: wire.Request) -> None:
         """Dispatch one validated request from ``conn``."""
         if req.type == "hello":
-            conn.send(protocol.make_event("result", req.id, result=self.hello_answer()))
+            conn.send(wire.make_event("result", req.id, result=self.hello_answer()))
         elif req.type == "features":
-            conn.send(protocol.make_event("result", req.id, result={"enabled": conn.enable(req.params["enable"])}))
+            conn.send(wire.make_event("result", req.id, result={"enabled": conn.enable(req.params["enable"])}))
         elif req.type == "status":
-            conn.send(protocol.make_event("result", req.id, result=self.status()))
+            conn.send(wire.make_event("result", req.id, result=self.status()))
         elif req.type == "cancel":
-            conn.send(protocol.make_event("result", req.id, result=self.cancel(req.params["job_id"])))
+            conn.send(wire.make_event("result", req.id, result=self.cancel(req.params["job_id"])))
         elif req.type == "shutdown":
-            conn.send(protocol.make_event("result", req.id, result={"stopping": True}))
+            conn.send(wire.make_event("result", req.id, result={"stopping": True}))
             self.request_stop(req.params.get("reason") or "shutdown requested")
         else:
             self._submit(conn, req)
 
-    def _submit(self, conn: Connection, req: protocol.Request) -> None:
+    def _submit(self, conn: Connection, req: wire.Request) -> None:
         with self._lock:
             if self.stopping:
                 conn._error(req.id, f"the pool is shutting down ({self.stopping})", kind="cancelled")
@@ -176,7 +177,7 @@ class Server:
             job = Job(req, conn)
             self._queue.append(job)
             position = len(self._queue) - 1 + (1 if self._current else 0)
-            conn.send(protocol.make_event("accepted", req.id, job=req.type, position=position))
+            conn.send(wire.make_event("accepted", req.id, job=req.type, position=position))
             self._lock.notify_all()
 
     def cancel(self, job_id: str) -> dict:
@@ -252,14 +253,14 @@ class Server:
 
     def emit_progress(self, job: Job, phase: str, step: int, total: int) -> None:
         job.progress = {"phase": phase, "step": int(step), "total": int(total)}
-        job.conn.send(protocol.make_event("progress", job.id, **job.progress))
+        job.conn.send(wire.make_event("progress", job.id, **job.progress))
 
     def emit_log(self, job: Job, level: str, message: str, rank: int = 0) -> None:
-        job.conn.send(protocol.make_event("log", job.id, level=level, message=message, rank=rank))
+        job.conn.send(wire.make_event("log", job.id, level=level, message=message, rank=rank))
 
     def reserve_result(self, job: Job, nbytes: int):
         """Shared memory for ``job``'s ``nbytes``-byte result payload, to be written in place
-        (``shm_send.ArenaSender.reserve``; ``JobContext.result_buffers``), or None."""
+        (``ltx_mgpu.wire.sender.ArenaSender.reserve``; ``JobContext.result_buffers``), or None."""
         sender = job.conn.shm
         return None if sender is None else sender.reserve(nbytes)
 
@@ -269,13 +270,13 @@ class Server:
         ``{"received", "started", "finished"}``, ``time.monotonic()`` seconds of
         the request's arrival, the job's start and its result's hand-off to the connection's
         writer (a client on the same host compares them with its own clock:
-        :attr:`ltx_mgpu.client_jobs.Job.clock`)."""
+        :attr:`ltx_mgpu.client.jobs.Job.clock`)."""
         job.clock["finished"] = time.monotonic()
         try:  # a result that is not a dict is the engine's bad answer (TypeError), not the pool's end
             result = {**result, "timeline": dict(job.clock)}
-            header = protocol.make_event("result", job.id, result=result)
-            protocol.encode_header(header, self.limits)
-            payload = protocol.tensors_to_payload(tensors)
+            header = wire.make_event("result", job.id, result=result)
+            wire.encode_header(header, self.limits)
+            payload = wire.tensors_to_payload(tensors)
             if payload is not None and payload.nbytes > self.limits.max_payload_bytes:
                 raise ProtocolError(f"{payload.nbytes} bytes of tensors exceed the "
                                     f"{self.limits.max_payload_bytes}-byte payload limit")
@@ -287,7 +288,7 @@ class Server:
 
     def fail(self, job: Job, kind: str, message: str, rank: int | None = None) -> None:
         """Send the job's terminal ``error`` and mark it done."""
-        job.conn.send(protocol.make_event("error", job.id, kind=kind, message=message,
+        job.conn.send(wire.make_event("error", job.id, kind=kind, message=message,
                                           progress=job.progress, rank=rank))
         self._done(job)
 

@@ -20,84 +20,58 @@ frees them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import convert_file_size_to_int
 
-from ltx_mgpu import protocol
+from ltx_mgpu import wire
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.text import placement as tp
-from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
-from ltx_mgpu.text.spec import COMPILE_NF4
-from ltx_mgpu.text.features import TOKEN_BUDGET
+from ltx_mgpu.text.config import COMPILE_NF4, MAX_KEY, TextEncoderConfig
+from ltx_mgpu.text.encoder import PromptEncoder
 from ltx_mgpu.text.sharding import describe_device_map
 
 TEXT_ENCODER = "text_encoder"
 EMBEDDINGS = "text_embeddings"
 #: The request fields, declared once in the protocol's schemas (unknown ones are refused at receipt).
-_LOAD_FIELDS = tuple(f.name for f in protocol.REQUESTS["load_text_encoder"].fields)
-_ENCODE_FIELDS = tuple(f.name for f in protocol.REQUESTS["encode"].fields)
-_MAX_KEY = 256
+_ENCODE_FIELDS = tuple(f.name for f in wire.REQUESTS["encode"].fields)
 
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """A validated ``load_text_encoder`` request (identical on every rank).
+    """A validated ``load_text_encoder`` request (identical on every rank): the text encoder's
+    config, what it loads (``weights_mode``: ``nf4`` for an NF4 artifact whatever
+    ``config.weights`` says), ``max_memory`` in bytes per device index (accelerate only), the
+    client's ``key`` for it (by default the JSON of the config) and the projection's LTX-2
+    ``version`` and output ``width``."""
 
-    ``weights_mode`` is what is loaded (``nf4`` for an NF4 artifact whatever ``weights``
-    says); ``max_memory`` maps device index -> bytes (accelerate only); ``key`` is the
-    client's name for this configuration (by default the JSON of the other fields)."""
-
-    source: str
-    projection: str
-    weights: str
+    config: TextEncoderConfig
     weights_mode: str
-    placement: str
-    dtype: str
-    token_budget: int
-    truncate: bool
-    compile: bool
     max_memory: dict[int, int] | None
     key: str
     version: str
     width: int
 
 
-def _path(params: dict, name: str, what: str) -> str:
-    value = params.get(name)
-    if not isinstance(value, str) or not value:
-        raise BadInput(f"load_text_encoder.{name} is required: {what}")
-    if not os.path.isabs(value):
-        raise BadInput(f"load_text_encoder.{name} must be an absolute path (the pool's working directory is not "
-                       f"yours), got {value!r}")
-    return value
-
-
-def _max_memory(value: Any, placement: str, devices: int) -> dict[int, int] | None:
+def _max_memory(value: Any, devices: int) -> dict[int, int] | None:
+    """A config's ``max_memory`` (device index -> bytes or ``"70GiB"``) in bytes, for every device."""
     if value is None:
         return None
-    if placement != "accelerate":
-        raise BadInput(f"max_memory applies to placement 'accelerate' only, not {placement!r}")
-    if not isinstance(value, dict):
-        raise BadInput(f"max_memory must be an object {{device index: bytes or '70GiB'}}, got {type(value).__name__}")
-    from accelerate.utils import convert_file_size_to_int
-
     out: dict[int, int] = {}
     for k, v in value.items():
-        if not (isinstance(k, str) and k.isdigit()):
-            raise BadInput(f"max_memory keys must be device indices like '0', got {k!r}")
         try:
             n = v if isinstance(v, int) and not isinstance(v, bool) else convert_file_size_to_int(v)
         except (ValueError, TypeError, AttributeError):
             n = -1
         if not isinstance(n, int) or n <= 0:
-            raise BadInput(f"max_memory[{k!r}] must be a positive byte count or a size like '70GiB', got {v!r}")
-        out[int(k)] = n
+            raise BadInput(f"max_memory[{str(k)!r}] must be a positive byte count or a size like '70GiB', got {v!r}")
+        out[k] = n
     if sorted(out) != list(range(devices)):
         raise BadInput(f"max_memory must give every device of the pool a budget: indices 0..{devices - 1}, got "
                        f"{sorted(out)}")
@@ -108,58 +82,31 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
     """Check a ``load_text_encoder`` request from headers only (no weights are read).
 
     Raises:
-        BadInput: unknown fields; a missing or relative path; a path that does not exist or
-            is not a supported Gemma 3 source / LTX-2 projection; weights, placement or dtype
-            not supported (NF4 computes in bf16); a projection that does not fit the Gemma; a
-            bad ``max_memory``, ``token_budget``, ``truncate``, ``compile`` or ``key``; ``compile``
-            with NF4 weights or placement ``accelerate``.
+        BadInput: whatever :meth:`TextEncoderConfig.from_params` refuses (unknown fields, a
+            missing or relative path, weights / placement / dtype / budget / flags, compile with
+            NF4 weights or placement ``accelerate``, a bad ``key``); a path that does not exist
+            or is not a supported Gemma 3 source / LTX-2 projection; a projection that does not
+            fit the Gemma; NF4 with a dtype other than bf16; a bad ``max_memory``.
     """
-    unknown = sorted(set(params) - set(_LOAD_FIELDS))
-    if unknown:
-        raise BadInput(f"load_text_encoder has unknown field(s) {unknown}; known: {sorted(_LOAD_FIELDS)}")
-    source = _path(params, "source", "a Gemma 3 HF snapshot directory, ComfyUI single file or NF4 artifact")
-    projection = _path(params, "projection", "an LTX-2 checkpoint or text projection file")
-    weights = params.get("weights", "bf16")
-    placement = params.get("placement", "single")
-    if weights not in ("bf16", "nf4"):
-        raise BadInput(f"weights must be 'bf16' or 'nf4', got {weights!r}")
-    if placement not in tp.PLACEMENTS:
-        raise BadInput(f"placement must be one of {list(tp.PLACEMENTS)}, got {placement!r}")
     try:
-        dtype = str(parse_dtype(params.get("dtype", "bfloat16"))).removeprefix("torch.")
-    except (ValueError, AttributeError) as e:
-        raise BadInput(f"load_text_encoder.dtype: {e}") from None
-    budget, truncate, key = params.get("token_budget", TOKEN_BUDGET), params.get("truncate", True), params.get("key")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise BadInput(f"token_budget must be a positive int (tokens), got {budget!r}")
-    if not isinstance(truncate, bool):
-        raise BadInput(f"truncate must be true or false, got {truncate!r}")
-    compile = params.get("compile", False)
-    if not isinstance(compile, bool):
-        raise BadInput(f"compile must be true or false, got {compile!r}")
-    if compile and placement == "accelerate":
-        raise BadInput(tp.COMPILE_ACCELERATE)
-    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY):
-        raise BadInput(f"key must be a string of 1..{_MAX_KEY} characters, got {key!r:.80}")
-    try:
-        gemma = tp.read_gemma_shape(source)
-        proj = tp.read_projection_shape(projection)
-        tp.check_pairing(gemma, proj, source, projection)
+        config, key = TextEncoderConfig.from_params(params)
+        gemma = tp.read_gemma_shape(config.gemma)
+        proj = tp.read_projection_shape(config.projection)
+        tp.check_pairing(gemma, proj, config.gemma, config.projection)
     except (OSError, ValueError) as e:  # FileNotFoundError, GemmaFormatError, ProjectionFormatError, pairing
         raise BadInput(str(e)) from None
-    weights_mode = "nf4" if gemma.format == "nf4_artifact" else weights
-    if weights_mode == "nf4" and dtype != "bfloat16":
-        raise BadInput(f"NF4 weights compute in bfloat16 (fp16 gives empty outputs for Gemma 3); got dtype {dtype!r}")
-    if weights_mode == "nf4" and compile:
+    weights_mode = "nf4" if gemma.format == "nf4_artifact" else config.weights
+    if weights_mode == "nf4" and config.dtype != "bfloat16":
+        raise BadInput(f"NF4 weights compute in bfloat16 (fp16 gives empty outputs for Gemma 3); got dtype "
+                       f"{config.dtype!r}")
+    if weights_mode == "nf4" and config.compile:
         raise BadInput(COMPILE_NF4)
     devices = world_size if device_type == "cuda" else 1
-    max_memory = _max_memory(params.get("max_memory"), placement, devices)
-    fields = dict(source=source, projection=projection, weights=weights, weights_mode=weights_mode,
-                  placement=placement, dtype=dtype, token_budget=budget, truncate=truncate, compile=compile,
-                  max_memory=max_memory)
+    max_memory = _max_memory(config.max_memory, devices)
     if key is None:
-        key = json.dumps(fields, sort_keys=True, default=str)[:_MAX_KEY]
-    return LoadRequest(**fields, key=key, version=proj.version, width=proj.out_features)
+        fields = {**dataclasses.asdict(config), "weights_mode": weights_mode, "max_memory": max_memory}
+        key = json.dumps(fields, sort_keys=True, default=str)[:MAX_KEY]
+    return LoadRequest(config, weights_mode, max_memory, key, proj.version, proj.out_features)
 
 
 @dataclass(eq=False)
@@ -175,9 +122,10 @@ class ResidentTextEncoder:
     def info(self) -> dict:
         """``status`` entry: key, placement, weights, whether this rank holds Gemma, and the
         bytes and devices of its weights (Gemma + projection)."""
-        info: dict[str, Any] = {"key": self.request.key, "placement": self.request.placement,
-                                "weights": self.request.weights_mode, "dtype": self.request.dtype,
-                                "compile": self.request.compile,
+        config = self.request.config
+        info: dict[str, Any] = {"key": self.request.key, "placement": config.placement,
+                                "weights": self.request.weights_mode, "dtype": config.dtype,
+                                "compile": config.compile,
                                 "version": self.request.version, "holds_model": self.encoder is not None,
                                 "bytes": 0, "devices": []}
         if self.encoder is not None:
@@ -210,8 +158,9 @@ def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
         BadInput: see :func:`parse_load_request`; a load that failed on any rank (agreed).
     """
     req = parse_load_request(params, ctx.world_size, ctx.device.type)
-    holders = tp.holder_ranks(req.placement, ctx.world_size)
-    summary = {"key": req.key, "placement": req.placement, "weights": req.weights_mode, "version": req.version,
+    config = req.config
+    holders = tp.holder_ranks(config.placement, ctx.world_size)
+    summary = {"key": req.key, "placement": config.placement, "weights": req.weights_mode, "version": req.version,
                "width": req.width, "holders": holders}
     current = ctx.models.get(TEXT_ENCODER)
     if current is not None and current.request == req:
@@ -225,28 +174,27 @@ def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
     encoder, device_map, error = None, None, None
     if ctx.rank in holders:
         shard = None
-        if req.placement == "accelerate":
+        if config.placement == "accelerate":
             shard = ([torch.device("cuda", i) for i in range(ctx.world_size)] if ctx.device.type == "cuda"
                      else [ctx.device])
         try:
-            encoder, device_map = tp.load_prompt_encoder(
-                req.source, req.projection, weights=req.weights, dtype=req.dtype, device=ctx.device, shard_over=shard,
-                max_memory=req.max_memory, token_budget=req.token_budget, truncate=req.truncate, compile=req.compile)
-            wire = tp.wire_dtype(ctx.device.type, req.dtype)
+            encoder, device_map = tp.load_prompt_encoder(config, device=ctx.device, shard_over=shard,
+                                                         max_memory=req.max_memory)
+            wire_dtype = tp.wire_dtype(ctx.device.type, config.dtype)
             loaded = getattr(encoder.tower, "weights", "bf16")
-            if encoder.projection.dtype != wire or loaded != req.weights_mode:
+            if encoder.projection.dtype != wire_dtype or loaded != req.weights_mode:
                 raise RuntimeError(f"loaded a {loaded} tower with a {encoder.projection.dtype} "
-                                   f"projection, expected {req.weights_mode} / {wire} (a bug in ltx_mgpu)")
+                                   f"projection, expected {req.weights_mode} / {wire_dtype} (a bug in ltx_mgpu)")
         except Exception as e:  # noqa: BLE001 - a local load failure leaves this rank consistent
             encoder = device_map = None
             error = failure_message(e, f"loading the text encoder on {ctx.device}")
             free_memory(ctx.device)
     ctx.agree(error)
-    state = ResidentTextEncoder(req, encoder, tp.wire_dtype(ctx.device.type, req.dtype), device_map)
+    state = ResidentTextEncoder(req, encoder, tp.wire_dtype(ctx.device.type, config.dtype), device_map)
     ctx.models.put(TEXT_ENCODER, state, info=state.info())
     seconds = time.perf_counter() - t0
     if encoder is not None:
-        ctx.log(f"loaded Gemma ({encoder.tower.format}, {req.weights_mode}, {req.placement}) and the "
+        ctx.log(f"loaded Gemma ({encoder.tower.format}, {req.weights_mode}, {config.placement}) and the "
                 f"LTX-{req.version} projection in {seconds:.1f} s on {state.info()['devices']}")
     ctx.progress("load_text_encoder", 1, 1)
     return {**summary, "reused": False, "seconds": seconds, "layers": describe_device_map(device_map)}, {}
@@ -336,13 +284,13 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     state, prompts, batch_size, keep, verify = _encode_params(ctx, params)
     req, count = state.request, len(prompts)
     ctx.models.pop(EMBEDDINGS)
-    owners = tp.prompt_owners(count, ctx.world_size, req.placement)
+    owners = tp.prompt_owners(count, ctx.world_size, req.config.placement)
     per_rank = [owners.count(r) for r in range(ctx.world_size)]
     rounds = max(1, max(math.ceil(n / batch_size) for n in per_rank))
     mine = [i for i in range(count) if owners[i] == ctx.rank]
     # At world size 1 nothing is broadcast: rank 0 encodes straight to float32, the client's
     # format (as the in-process encode does), so a result handed over in shared memory
-    # (``ltx_mgpu.shm``, ``shm_own``) is the client's tensor as it is, no upcast on either side.
+    # (``ltx_mgpu.wire.arena``, ``shm_own``) is the client's tensor as it is, no upcast on either side.
     # With more ranks the rows are broadcast in the wire dtype and sent in it.
     out_dtype = torch.float32 if ctx.world_size == 1 else state.wire
     local, error = {}, None
@@ -388,14 +336,14 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         return {}, {}
     # Rank 0 sends every prompt in ``out_dtype``: float32 at world size 1; else the wire dtype
     # (tp.wire_dtype: bf16 when the pool computes in bf16), of which the embeddings are float32
-    # upcasts, so the client's upcast (remote_text.embeddings_from_result) restores them bit for
+    # upcasts, so the client's upcast (ltx_mgpu.client.text.embeddings_from_result) restores them bit for
     # bit from half the bytes. Its own prompts come from the encoder already in that dtype (no
     # device->host copy back); the others come down in it.
     rows = [local[i].tensor if i in local else t.detach().to(device="cpu", dtype=out_dtype, copy=True)
             for i, t in enumerate(held.tensors)]
     del local
     result = {"count": count, "version": req.version, "dropped_tokens": [int(d) for d in held.dropped],
-              "num_tokens": [int(r.shape[0]) for r in rows], "owners": owners, "placement": req.placement,
+              "num_tokens": [int(r.shape[0]) for r in rows], "owners": owners, "placement": req.config.placement,
               "key": req.key, "wire_dtype": str(out_dtype).removeprefix("torch."), "broadcast_bytes": held.nbytes,
               "seconds": {"encode": t_encode, "broadcast": t_broadcast},
               "rows_in_place": dest is not None and dest.rows is not None}

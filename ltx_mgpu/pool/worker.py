@@ -7,8 +7,8 @@ as a safetensors blob. While idle, rank 0 broadcasts a TICK every ``$LTX_MGPU_TI
 (1 s), so idle ranks wait in a short gloo broadcast (never inside NCCL) and a dead rank is
 noticed within a tick. After each job every rank all-gathers its outcome (ok / bad_input /
 cancelled); ranks that disagree make the job fatal. A one-rank pool has nobody to tell or
-agree with and skips all of this (it cost 0.3-0.6 ms per request, with outliers of 10-20 ms,
-on the 2-core dev VM).
+agree with and skips all of this (a per-request cost, with occasional long outliers, that buys
+nothing there).
 
 Failure handling: an unexpected exception on rank 0, or SIGTERM/SIGINT (torchrun sends SIGTERM
 to every rank when one of them died; a thread of its own takes it, so this works while the main
@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 import ltx_mgpu
-from ltx_mgpu import protocol
-from ltx_mgpu.pool import launch
+from ltx_mgpu import wire
+from ltx_mgpu.choices import LIFETIMES
+from ltx_mgpu.pool import runtime
 from ltx_mgpu.pool.engines import BadInput, JobCancelled, JobContext, ModelStore, resolve_engine
 from ltx_mgpu.pool.profiling import JobProfiler
 from ltx_mgpu.pool.server import Job, Server
@@ -69,7 +70,7 @@ class Rank:
     models: ModelStore = field(default_factory=ModelStore)
     profiler: JobProfiler = field(default_factory=JobProfiler)
     peers: list = field(default_factory=list)  # [{"rank", "pid", "create_time"}] of every rank
-    info: launch.PoolInfo | None = None
+    info: runtime.PoolInfo | None = None
 
     @property
     def record_path(self) -> Path:
@@ -93,14 +94,14 @@ class Rank:
         return rec
 
     def write_record(self) -> None:
-        launch.write_private(self.record_path, json.dumps(self.record()).encode())
+        runtime.write_private(self.record_path, json.dumps(self.record()).encode())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ltx_mgpu.pool.worker")
     p.add_argument("--runtime-dir", required=True)
     p.add_argument("--device", choices=["cpu", "cuda"], required=True)
-    p.add_argument("--lifetime", choices=launch.LIFETIMES, default="detached")
+    p.add_argument("--lifetime", choices=LIFETIMES, default="detached")
     p.add_argument("--owner-pid", type=int)
     p.add_argument("--owner-create-time", type=float)
     return p.parse_args(argv)
@@ -129,7 +130,7 @@ def setup(args: argparse.Namespace) -> Rank:
     dist.all_reduce(probe, group=state.data)
     if int(probe.item()) != world:
         raise RuntimeError(f"start-up all-reduce on the data group gave {probe.item()}, expected {world}")
-    state.info = launch.PoolInfo.read(state.dir)
+    state.info = runtime.PoolInfo.read(state.dir)
     state.write_record()
     return state
 
@@ -154,7 +155,7 @@ def recv_control(state: Rank) -> tuple[int, dict | None, dict]:
     buf = torch.empty(nraw + nblob, dtype=torch.uint8)
     dist.broadcast(buf, src=0, group=state.control)
     data = bytes(buf.numpy())
-    return kind, json.loads(data[:nraw].decode()), protocol.payload_to_tensors(data[nraw:])
+    return kind, json.loads(data[:nraw].decode()), wire.payload_to_tensors(data[nraw:])
 
 
 # --------------------------------------------------------------------------- jobs
@@ -204,7 +205,7 @@ def _rank0_loop(state: Rank, server: Server) -> None:
             continue
         spec = {"id": job.id, "type": job.type, "params": job.request.params}
         if state.world_size > 1:  # the job's inputs go to the other ranks (a one-rank pool skips this)
-            payload = protocol.tensors_to_payload(job.request.tensors)
+            payload = wire.tensors_to_payload(job.request.tensors)
             send_control(state, _JOB, spec, payload.tobytes() if payload is not None else b"")
         code, message, result, out = run_job(state, spec, job.request.tensors, server, job)
         if code == _OK:
@@ -239,7 +240,7 @@ def _watchdog(state: Rank, server: Server | None) -> None:
             if server is not None:
                 _die_rank0(state, server, "torchrun exited; the pool cannot continue")
             os._exit(1)
-        if server is not None and owner and owner[0] and not launch.same_process(*owner):
+        if server is not None and owner and owner[0] and not runtime.same_process(*owner):
             server.request_stop(f"owner process {owner[0]} exited")
 
 
@@ -250,7 +251,7 @@ def _peer_report(state: Rank) -> str:
     for peer in state.peers[1:]:
         with contextlib.suppress(OSError):
             lines.append((state.dir / f"rank{peer['rank']}.error").read_text().strip())
-        if not launch.same_process(peer["pid"], peer["create_time"]):
+        if not runtime.same_process(peer["pid"], peer["create_time"]):
             lines.append(f"rank {peer['rank']} (pid {peer['pid']}) is gone (killed, crashed or out of memory?)")
     return "\n".join(lines)
 
@@ -268,12 +269,12 @@ def _die_rank0(state: Rank | None, server: Server | None, why: str) -> None:
     print(f"[rank 0] fatal: {why}", file=sys.stderr, flush=True)
     if state is not None:
         peers = _peer_report(state)
-        message = why + (f"\n{peers}" if peers else "") + f"\n(see {state.dir / launch.LOG_NAME})"
+        message = why + (f"\n{peers}" if peers else "") + f"\n(see {state.dir / runtime.LOG_NAME})"
         with contextlib.suppress(BaseException):
             if server is not None:
                 server.fail_all(message)
         with contextlib.suppress(BaseException):
-            launch.remove_pool_files(state.dir, state.info.instance if state.info else None)
+            runtime.remove_pool_files(state.dir, state.info.instance if state.info else None)
     sys.stderr.flush()
     os._exit(1)
 
@@ -305,7 +306,7 @@ def _watch_signals(holder: dict) -> None:
 def _die_other(state: Rank, exc: BaseException) -> None:
     text = f"rank {state.rank} failed: {type(exc).__name__}: {exc}"
     with contextlib.suppress(BaseException):
-        launch.write_private(state.dir / f"rank{state.rank}.error", text.encode())
+        runtime.write_private(state.dir / f"rank{state.rank}.error", text.encode())
     traceback.print_exception(exc, file=sys.stderr)
     sys.stderr.flush()
     os._exit(1)
@@ -321,17 +322,17 @@ def _create_time(pid: int) -> float | None:
 def describe(state: Rank) -> dict:
     """The pool description answered to ``hello`` (and inside ``status``)."""
     info = state.info
-    return {"version": ltx_mgpu.__version__, "protocol": protocol.PROTOCOL_VERSION,
+    return {"version": ltx_mgpu.__version__, "protocol": wire.PROTOCOL_VERSION,
             "world_size": state.world_size, "device": state.device.type, "gpus": info.gpus if info else [],
             "lifetime": state.args.lifetime, "owner_pid": state.args.owner_pid,
             "torchrun_pid": os.getppid(), "torchrun_create_time": _create_time(os.getppid()),
             "ranks": state.peers, "instance": info.instance if info else None,
             "start_time": info.start_time if info else None, "dir": str(state.dir),
-            "jobs": sorted(protocol.job_types())}
+            "jobs": sorted(wire.job_types())}
 
 
 def _status_records(state: Rank) -> list:
-    records = {r["rank"]: r for r in launch.rank_records(state.dir)}
+    records = {r["rank"]: r for r in runtime.rank_records(state.dir)}
     records[0] = state.record()
     return [records[r] for r in sorted(records)]
 
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     holder["state"] = state
-    server = Server(state.dir / launch.SOCKET_NAME, launch.read_token(state.dir), lambda: describe(state),
+    server = Server(state.dir / runtime.SOCKET_NAME, runtime.read_token(state.dir), lambda: describe(state),
                     lambda: _status_records(state))
     try:
         server.start()
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exception(e, file=sys.stderr)
         _die_rank0(state, server, f"rank 0 failed: {type(e).__name__}: {e}")
     server.close()
-    launch.remove_pool_files(state.dir, state.info.instance if state.info else None)
+    runtime.remove_pool_files(state.dir, state.info.instance if state.info else None)
     dist.destroy_process_group()
     print("[rank 0] ltx_mgpu pool stopped", flush=True)
     return 0

@@ -10,8 +10,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ltx_mgpu.files import umask_mode, write_atomically
-from ltx_mgpu.files import make_parent
+from safetensors import safe_open
+from safetensors.torch import save
+
+from ltx_mgpu.files import make_parent, umask_mode, write_atomically
 from ltx_mgpu.text.features import PromptEmbedding
 
 __all__ = ["save_embeddings", "load_embeddings"]
@@ -26,8 +28,6 @@ def save_embeddings(path: str | os.PathLike, prompts: Sequence[str], embeddings:
     Raises:
         OSError: the file cannot be written.
     """
-    from safetensors.torch import save
-
     path = make_parent(path)
     tensors = {f"prompt_{i}": e.tensor.contiguous() for i, e in enumerate(embeddings)}
     meta = {
@@ -45,8 +45,6 @@ def load_embeddings(path: str | os.PathLike) -> tuple[list[str], list[PromptEmbe
     Raises:
         OSError, KeyError (not such a file), safetensors' errors (a damaged file).
     """
-    from safetensors import safe_open
-
     with safe_open(os.fspath(path), framework="pt") as f:
         meta = f.metadata() or {}
         prompts = json.loads(meta["prompts"])

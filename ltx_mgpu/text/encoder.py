@@ -6,7 +6,9 @@ holds ``L x 1024 x D`` hidden states, 385 MB in bf16 for Gemma 3 12B). Batched a
 one-by-one results agree: padding is on the left, pad keys are masked, and the feature
 extractor's statistics use valid tokens only.
 
-What to encode with (``TextEncoderSpec``) and encoding through the cache
+:func:`compile_prompt_encoder` makes one whose tower's layers run through ``torch.compile``.
+What to encode with (:class:`~ltx_mgpu.text.config.TextEncoderConfig`, built in-process by
+:class:`~ltx_mgpu.text.spec.LocalTextEncoder`) and encoding through the cache
 (:func:`encode_prompts`) are in :mod:`ltx_mgpu.text.spec`.
 """
 
@@ -14,34 +16,31 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from ltx_mgpu.text.features import TOKEN_BUDGET, Projection, PromptEmbedding
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ltx_mgpu.text.gemma import GemmaTextTower
+from ltx_mgpu.text.config import TOKEN_BUDGET, canonical_dtype
+from ltx_mgpu.text.features import Projection, PromptEmbedding
+from ltx_mgpu.text.gemma import graphs
+from ltx_mgpu.text.gemma.forward import compile_text_tower, run_tower
+from ltx_mgpu.text.gemma.tokenizer import tokenize
+from ltx_mgpu.text.tower import GemmaTextTower
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16"``/``"bfloat16"``/``"fp32"``/``"float32"``/``"fp16"`` -> ``torch.dtype``.
+    """``"bf16"``/``"bfloat16"``/``"fp32"``/``"float32"``/``"fp16"``/``"float16"`` -> ``torch.dtype``
+    (the names of :data:`ltx_mgpu.text.config.DTYPE_ALIASES`).
 
     Raises:
         ValueError: an unknown name (the message lists the accepted ones).
     """
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+    return getattr(torch, canonical_dtype(name))
 
 
 #: ``out(j) -> tensor | None``: where row ``j`` goes (see :meth:`PromptEncoder.encode`).
@@ -63,16 +62,16 @@ class PromptEncoder:
     """Gemma 3 text tower + LTX-2 projection -> per-prompt embeddings.
 
     Args:
-        tower: the loaded Gemma 3 text tower (:func:`ltx_mgpu.text.gemma.load_gemma_text_tower`).
+        tower: the loaded Gemma 3 text tower (:func:`ltx_mgpu.text.gemma.loading.load_gemma_text_tower`).
         projection: the checkpoint's text projection (:func:`load_projection`), on the
             tower's device. Its ``num_layers`` must equal the tower's hidden-state count.
         token_budget: tokens per prompt including BOS (1024 for LTX-2).
         truncate: cut prompts over the budget with a warning giving the number of dropped
             tokens; ``False`` raises ``PromptTooLongError`` instead.
         trim: run each batch at the length of its longest prompt instead of the full budget
-            (``ltx_mgpu.text.forward.run_tower``; same outputs up to summation order).
+            (``ltx_mgpu.text.gemma.forward.run_tower``; same outputs up to summation order).
         cuda_graphs: replay batches of up to 1024 tokens as CUDA graphs
-            (``ltx_mgpu.text.graphs``: same outputs to rounding) when the tower runs on one CUDA
+            (``ltx_mgpu.text.gemma.graphs``: same outputs to rounding) when the tower runs on one CUDA
             device, uncompiled; None (default) means on unless ``LTX_MGPU_CUDA_GRAPHS=0``.
             Needs ``trim``.
 
@@ -99,8 +98,6 @@ class PromptEncoder:
         # layers, and the pinned staging buffer is reused
         self._lock = threading.Lock()
         self._pretokenized: tuple[dict[str, int], torch.Tensor, torch.Tensor, list[int]] | None = None
-        from ltx_mgpu.text import graphs
-
         if cuda_graphs is None:
             cuda_graphs = graphs.graphs_enabled()
         self.graphs = graphs.TowerGraphs(tower) if cuda_graphs and trim and graphs.ineligible(tower) is None else None
@@ -112,8 +109,6 @@ class PromptEncoder:
         Raises:
             ValueError: a non-string prompt; PromptTooLongError: as :meth:`encode`.
         """
-        from ltx_mgpu.text.tokenizer import tokenize
-
         self._check_prompts(prompts)
         if not prompts:
             return []
@@ -127,8 +122,6 @@ class PromptEncoder:
         covered these prompts: left padding makes a row of a larger batch the chunk's row with
         more pad columns in front, so keeping the last ``max(real tokens)`` columns gives exactly
         what tokenizing the chunk gives."""
-        from ltx_mgpu.text.tokenizer import tokenize
-
         pre = self._pretokenized
         if pre is not None and all(p in pre[0] for p in chunk):
             index, ids, mask, dropped = pre
@@ -193,7 +186,7 @@ class PromptEncoder:
                       out: RowAllocator | None = None) -> list[PromptEmbedding]:
         """Encode already-tokenised prompts (one Gemma forward).
 
-        The batch runs at the length of its longest prompt (``ltx_mgpu.text.forward.run_tower``;
+        The batch runs at the length of its longest prompt (``ltx_mgpu.text.gemma.forward.run_tower``;
         ``trim=False`` runs the full padded width), then the projection and the copy to
         the host are pipelined (:meth:`_project_rows`).
 
@@ -211,8 +204,6 @@ class PromptEncoder:
             ValueError: shapes differ, the padding is not on the left, or a tensor from ``out``
                 does not match its row.
         """
-        from ltx_mgpu.text.forward import run_tower
-
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
         with self._lock:
             states = self.graphs.run(input_ids, attention_mask) if self.graphs is not None else None
@@ -225,7 +216,7 @@ class PromptEncoder:
         return [PromptEmbedding(row, self.projection.version, int(d)) for row, d in zip(rows, dropped)]
 
     #: Tokens per projection GEMM when the projection and the host copy are pipelined: enough
-    #: rows that the 188160-wide GEMM stays efficient (M >= 1024 ran at ~800 TFLOPS on an H200).
+    #: rows that the 188160-wide GEMM stays efficient.
     PIPELINE_TOKENS = 1024
 
     def _project_rows(self, features: torch.Tensor, lengths: Sequence[int],
@@ -236,9 +227,9 @@ class PromptEncoder:
 
         On a GPU the batch is projected in groups of about :attr:`PIPELINE_TOKENS` tokens; each
         group's valid rows go to a reused pinned staging buffer in the projection's dtype
-        (a pageable device->host copy ran at 1.6 GB/s on an H200 host), and the host upcasts a
-        group to float32 while the GPU projects the next one (at 8x1024 tokens on an H200 the
-        upcast of the whole batch after the projection took 22 ms).
+        (a pageable device->host copy is much slower than a pinned one), and the host upcasts a
+        group to float32 while the GPU projects the next one (so the upcast overlaps the
+        projection instead of following it).
         """
         b, m = features.shape[:2]
         if features.device.type != "cuda":
@@ -270,3 +261,29 @@ class PromptEncoder:
             for v in views:
                 rows.append(_store(v, out_dtype, out, len(rows)))
         return rows
+
+
+def compile_prompt_encoder(encoder: PromptEncoder) -> PromptEncoder:
+    """A ``PromptEncoder`` like ``encoder`` with its tower's layers compiled
+    (:func:`compile_text_tower`, ``scope="layers"``) and warmed up on a one-prompt and a padded
+    two-prompt batch (what ``LocalTextEncoder`` builds for ``TextEncoderConfig(compile=True)``).
+
+    Raises:
+        ValueError: torch.compile failed here (no C++ compiler for the CPU backend, a broken
+            Triton...), with the compiler's first line and the fix (turn compile off).
+    """
+    import torch._dynamo.exc  # torch's compiler stack loads only when compile is asked for
+
+    compiled = PromptEncoder(compile_text_tower(encoder.tower, scope="layers"), encoder.projection,
+                             encoder.token_budget, encoder.truncate, encoder.trim, cuda_graphs=False)
+    t0 = time.perf_counter()
+    try:
+        compiled.encode(["a"])
+        compiled.encode(["a", "a photo of a cat"])
+    except torch._dynamo.exc.TorchDynamoException as e:
+        cause = getattr(e, "inner_exception", None) or e  # a backend's failure: its own error
+        first = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+        raise ValueError(f"torch.compile could not compile Gemma's layers on {encoder.tower.device}: {first} "
+                         "(turn compile off to encode without it)") from e
+    log.info("compiled Gemma's layers for one and two prompts in %.1f s", time.perf_counter() - t0)
+    return compiled

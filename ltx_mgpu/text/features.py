@@ -34,14 +34,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ltx_mgpu.files import safetensors_header
 from ltx_mgpu.identity import memoized_digest, tensors_digest
 
 ModelVersion = Literal["2.0", "2.3"]
 
-#: LTX-2's Gemma token budget: prompts are left-padded to (and truncated at) this many
-#: tokens, BOS included. Source: ltx-core ``LTXVGemmaTokenizer`` as used by ModelLedger
-#: (max_length=1024) and ComfyUI's connector register padding to ``max(1024, T)``.
-TOKEN_BUDGET = 1024
 
 #: Normalisation epsilons. Source: ComfyUI ``lt.py`` / ltx-core ``feature_extractor.py``.
 RANGE_EPS = 1e-6
@@ -248,9 +245,9 @@ def _build_features(hidden_states: tuple[torch.Tensor, ...], mask: torch.Tensor,
 def _features_fn(device: torch.device, version: str):
     """The feature builder for a device: on CUDA compiled once with ``torch.compile`` (dynamic
     shapes), which fuses each layer's upcast, statistics, normalisation and downcast into the
-    write of the concatenated buffer (measured on an H200 at 8x1024 tokens: the eager version
-    spends as long in these elementwise passes as in the 188160-wide projection GEMM). On
-    other devices, or when ``LTX_MGPU_NO_COMPILE=1``, the eager function."""
+    write of the concatenated buffer (eager, these memory-bound elementwise passes over every
+    layer's hidden states rival the 188160-wide projection GEMM). On other devices, or when
+    ``LTX_MGPU_NO_COMPILE=1``, the eager function."""
     fn = functools.partial(_build_features, version=version)
     if device.type == "cuda" and os.environ.get("LTX_MGPU_NO_COMPILE") != "1":
         return torch.compile(fn, dynamic=True)
@@ -391,6 +388,4 @@ def projection_identity(path: str | os.PathLike) -> str:
 
 def _header_keys(path: str) -> list[str]:
     """A projection source's tensor names; a damaged or foreign file is a ProjectionFormatError."""
-    from ltx_mgpu.files import safetensors_header
-
     return safetensors_header(path, ProjectionFormatError, "; give an LTX-2 checkpoint or projection file")[0]

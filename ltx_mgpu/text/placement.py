@@ -1,7 +1,7 @@
 """Where Gemma runs in a multi-process job, and how every rank ends up holding every embedding.
 
 Placements, orthogonal to the weights mode (``bf16`` / ``nf4``, passed through to
-:func:`ltx_mgpu.text.gemma.load_gemma_text_tower`):
+:func:`ltx_mgpu.text.gemma.loading.load_gemma_text_tower`):
 
 * ``single``: rank 0 holds Gemma and encodes every prompt.
 * ``accelerate``: rank 0 holds Gemma with its decoder layers spread over the given devices
@@ -37,27 +37,28 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
+from ltx_mgpu.choices import PLACEMENTS, check_choice
+from ltx_mgpu.text.cache.keys import weights_mode
+from ltx_mgpu.text.config import COMPILE_ACCELERATE, TextEncoderConfig
 from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
-from ltx_mgpu.text.spec import TextEncoderSpec
-from ltx_mgpu.text.features import TOKEN_BUDGET, PromptEmbedding
+from ltx_mgpu.text.features import ProjectionFormatError, PromptEmbedding, detect_projection_version, load_projection
+from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.gemma.sources import comfy_text_config, detect_gemma_format, gemma_source_files
+from ltx_mgpu.text.nf4.artifact import read_manifest
 from ltx_mgpu.text.sharding import dispatch_text_tower
+from ltx_mgpu.text.spec import LocalTextEncoder
 
 __all__ = [
-    "COMPILE_ACCELERATE", "PLACEMENTS", "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing",
+    "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing",
     "gather_digests", "holder_ranks", "load_prompt_encoder", "prompt_owners", "read_gemma_shape",
     "read_projection_shape", "replicate_embeddings", "split_contiguous", "wire_dtype",
 ]
 
-PLACEMENTS = ("single", "accelerate", "batch_parallel")
-#: Why ``compile`` and ``accelerate`` do not go together (one message for the client and the pool).
-COMPILE_ACCELERATE = ("compile runs with placement 'single' or 'batch_parallel': accelerate's hooks move tensors "
-                      "between GPUs inside the layers that would be compiled")
-
 
 def _check_placement(placement: str) -> None:
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+    check_choice(placement, PLACEMENTS, "placement")
 
 
 # --------------------------------------------------------------------------- who does what
@@ -133,15 +134,11 @@ def read_gemma_shape(path: str | os.PathLike) -> GemmaShape:
     Raises:
         FileNotFoundError, GemmaFormatError (a ValueError): as ``gemma_source_files``.
     """
-    from safetensors import safe_open
-
-    from ltx_mgpu.text.gemma_sources import comfy_text_config, detect_gemma_format, gemma_source_files
-
     p = Path(path)
     fmt = detect_gemma_format(p)
     gemma_source_files(p)  # raises when the tokenizer is missing
     if fmt == "hf_snapshot":
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # deferred: transformers takes seconds to import
 
         cfg = AutoConfig.from_pretrained(str(p))
         cfg = cfg.text_config if cfg.model_type == "gemma3" else cfg
@@ -151,9 +148,7 @@ def read_gemma_shape(path: str | os.PathLike) -> GemmaShape:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("model.")}
         cfg = comfy_text_config(meta, shapes, p)
     else:
-        from transformers import Gemma3TextConfig
-
-        from ltx_mgpu.text.nf4_artifact import read_manifest
+        from transformers import Gemma3TextConfig  # deferred: transformers takes seconds to import
 
         cfg = Gemma3TextConfig.from_dict(read_manifest(p)["config"])
     return GemmaShape(fmt, int(cfg.num_hidden_layers), int(cfg.hidden_size))
@@ -167,10 +162,6 @@ def read_projection_shape(path: str | os.PathLike) -> ProjectionShape:
         FileNotFoundError: no such file. ProjectionFormatError (a ValueError): not a
             ``.safetensors`` file, unreadable, or no ``text_embedding_projection`` in it.
     """
-    from safetensors import safe_open
-
-    from ltx_mgpu.text.features import ProjectionFormatError, detect_projection_version
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"projection source not found: {path}")
@@ -207,17 +198,17 @@ def check_pairing(gemma: GemmaShape, projection: ProjectionShape, gemma_path: st
             "checkpoint with its Gemma (Gemma 3 12B for LTX-2).")
 
 
-def load_prompt_encoder(gemma: str, projection: str, *, weights: str = "bf16", dtype: str = "bfloat16",
-                        device: torch.device | str = "cpu", shard_over: Sequence[torch.device | str] | None = None,
-                        max_memory: Mapping[int, int] | None = None, token_budget: int = TOKEN_BUDGET,
-                        truncate: bool = True, compile: bool = False) -> tuple[PromptEncoder, dict[str, str] | None]:
-    """Load Gemma + the LTX-2 projection for one rank of a placement.
+def load_prompt_encoder(config: TextEncoderConfig, *, device: torch.device | str = "cpu",
+                        shard_over: Sequence[torch.device | str] | None = None,
+                        max_memory: Mapping[int, int] | None = None) -> tuple[PromptEncoder, dict[str, str] | None]:
+    """Load Gemma + the LTX-2 projection of ``config`` for one rank of a placement.
 
     Without ``shard_over`` (``single``, ``batch_parallel``): exactly
-    ``TextEncoderSpec(...).build()`` on ``device``, the in-process path. With ``shard_over``
+    ``LocalTextEncoder(config, device).build()``, the in-process path. With ``shard_over``
     (``accelerate``): the tower is loaded whole on a staging device, spread by
-    :func:`dispatch_text_tower`, and the projection placed on the first device in the compute
-    dtype (float32 on CPU, as ``TextEncoderSpec.build``). The staging device is the CPU for bf16
+    :func:`dispatch_text_tower` under ``max_memory`` (bytes per device index), and the projection
+    placed on the first device in the compute dtype (float32 on CPU, as
+    ``LocalTextEncoder.build``). The staging device is the CPU for bf16
     weights (host memory: the whole model once, 24 GB for 12B; ``load_gemma_text_tower`` places
     a model on one device) and the first shard device for NF4 (7.6 GB for 12B: NF4 is quantized
     on the device type that runs it).
@@ -232,32 +223,26 @@ def load_prompt_encoder(gemma: str, projection: str, *, weights: str = "bf16", d
         torch.OutOfMemoryError).
     """
     if not shard_over:
-        spec = TextEncoderSpec(gemma=gemma, projection=projection, weights=weights, device=str(device), dtype=dtype,
-                               token_budget=token_budget, truncate=truncate, compile=compile)
-        return spec.build(), None
-    if compile:
+        return LocalTextEncoder(config, str(device)).build(), None
+    if config.compile:
         raise ValueError(COMPILE_ACCELERATE)
-    from ltx_mgpu.text.features import load_projection
-    from ltx_mgpu.text.gemma import load_gemma_text_tower
-    from ltx_mgpu.text.gemma_sources import detect_gemma_format
-
-    compute = parse_dtype(dtype)
-    nf4 = weights == "nf4" or detect_gemma_format(gemma) == "nf4_artifact"
+    compute = parse_dtype(config.dtype)
+    nf4 = weights_mode(config) == "nf4"
     stage = torch.device(shard_over[0]) if nf4 else torch.device("cpu")
-    tower = load_gemma_text_tower(gemma, device=stage, dtype=compute, weights=weights, host_embeddings=False,
-                                  layer_dequant=False)
+    tower = load_gemma_text_tower(config.gemma, device=stage, dtype=compute, weights=config.weights,
+                                  host_embeddings=False, layer_dequant=False)
     device_map = dispatch_text_tower(tower, shard_over, max_memory)
     first = torch.device(device_map["embed_tokens"])
-    proj = load_projection(projection, device=first, dtype=torch.float32 if first.type == "cpu" else compute,
+    proj = load_projection(config.projection, device=first, dtype=torch.float32 if first.type == "cpu" else compute,
                            num_layers=tower.num_hidden_states)
-    return PromptEncoder(tower, proj, token_budget, truncate), device_map
+    return PromptEncoder(tower, proj, config.token_budget, config.truncate), device_map
 
 
 # --------------------------------------------------------------------------- every rank gets every embedding
 
 def wire_dtype(device_type: str, dtype: str | torch.dtype) -> torch.dtype:
     """The dtype embeddings are broadcast in: the projection's compute dtype (float32 on CPU,
-    as ``TextEncoderSpec.build`` places it; the requested dtype on GPU). The encoder's float32
+    as ``LocalTextEncoder.build`` places it; the requested dtype on GPU). The encoder's float32
     outputs were upcast from it, so the round trip through it is exact."""
     return torch.float32 if device_type == "cpu" else parse_dtype(dtype)
 
@@ -305,8 +290,8 @@ def replicate_embeddings(local: Mapping[int, PromptEmbedding], owners: Sequence[
 
     Cost: one all-reduce of ``3 N`` int64 (shapes), then one broadcast per rank that owns any
     prompt, of ``sum T_i x width x itemsize(wire)`` bytes. At world size 1 nothing moves: the
-    encoder's float32 host tensors are held as they are (an H200 run spent 19 ms per 1024-token
-    prompt converting and copying them to the GPU for no reader).
+    encoder's float32 host tensors are held as they are (converting and copying them to the
+    GPU would cost time per prompt for no reader).
 
     Raises:
         ValueError: ``local`` does not match ``owners``; RuntimeError: a shape disagrees with

@@ -1,0 +1,44 @@
+"""The choices a user makes, declared once: every parser, schema, node and config takes them from here.
+
+A leaf module without dependencies (no torch), so ComfyUI's node definitions, the CLI's
+argument parser and the wire schemas can all import it cheaply. Each choice is checked where
+its one frozen config is built (:class:`ltx_mgpu.text.config.TextEncoderConfig` for the text
+encoder, the wire schemas for requests) with :func:`check_choice`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "LIFETIMES", "SAMPLERS", "check_choice", "spell"]
+
+#: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
+WEIGHTS = ("bf16", "nf4")
+#: Where Gemma runs in the pool: rank 0 alone, Accelerate-sharded over every rank, or a replica per
+#: rank with the prompts split among them.
+PLACEMENTS = ("single", "accelerate", "batch_parallel")
+#: Gemma's compute dtype, by torch's name (``float32`` for reference runs).
+TEXT_DTYPES = ("bfloat16", "float32", "float16")
+#: The LTX-2 transformer's compute dtype.
+TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32")
+#: How long a started pool lives: until the process that started it exits, or until stopped.
+LIFETIMES = ("with-owner", "detached")
+#: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.sampler``).
+SAMPLERS = ("euler",)
+
+
+def check_choice(value: Any, choices: Sequence[str], what: str) -> str:
+    """``value`` when it is one of ``choices``.
+
+    Raises:
+        ValueError: ``"<what> must be one of 'a', 'b' or 'c', got <value>"``.
+    """
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{what} must be one of {spell(choices)}, got {value!r}")
+    return value
+
+
+def spell(choices: Sequence[str]) -> str:
+    """``"'a', 'b' or 'c'"``: choices as a message names them."""
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]

@@ -1,0 +1,65 @@
+"""``python -m ltx_mgpu``: the engine's command line, one module per subcommand.
+
+Subcommands: ``make-assets`` (build the embedded tiny models; :mod:`ltx_mgpu.cli.assets`),
+``encode`` (prompts -> LTX-2 embeddings through the cache; :mod:`ltx_mgpu.cli.encode`),
+``quantize-nf4`` (a Gemma 3 source -> an NF4 artifact directory; :mod:`ltx_mgpu.cli.quantize`),
+``pool`` (start/stop/status of the sidecar pool, when available; :mod:`ltx_mgpu.cli.pool`),
+``generate`` (prompt -> MP4 through the pool; :mod:`ltx_mgpu.cli.generate`) and ``bench`` (the
+benchmarks this machine can run; :mod:`ltx_mgpu.cli.bench`). Every subcommand prints what it
+did and exits non-zero with a one-line message on bad input. The command modules import torch
+and the engine inside their functions, so ``--help`` and argument errors stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Sequence
+
+from ltx_mgpu.cli import assets, encode, quantize
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m ltx_mgpu`` parser with every subcommand this platform can run."""
+    parser = argparse.ArgumentParser(prog="python -m ltx_mgpu",
+                                     description="LTX-2 multi-GPU engine: prompt encoding with Gemma 3, the sidecar "
+                                                 "GPU pool, and video generation through it.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+    assets.register(sub)
+    encode.register(sub)
+    quantize.register(sub)
+    try:
+        from ltx_mgpu.cli import bench, generate, pool  # deferred: the pool needs torch.distributed
+    except ImportError:  # the pool is optional on platforms without torch.distributed
+        return parser
+    pool.register(sub)
+    generate.register(sub)
+    bench.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # transformers' per-load tqdm bars ("Loading weights") are noise here
+        from transformers.utils import logging as hf_logging  # deferred: after argument errors
+
+        hf_logging.disable_progress_bar()
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (generate) or one outside a pool job: one line, no traceback
+        print("\naborted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -1,0 +1,44 @@
+"""The errors the client reports, one home for all of them: :class:`PoolError` and its kinds.
+
+The pool answers a failed job with an ``error`` event whose ``kind`` is one of
+``ltx_mgpu.wire.messages.ERROR_KINDS``; the client raises the matching class:
+
+* ``bad_input`` -> :class:`BadInputError` (the request was wrong; the pool keeps serving);
+* ``cancelled`` -> :class:`JobCancelledError` (or :class:`PoolTimeoutError` when the client
+  cancelled it for exceeding its timeout);
+* ``fatal`` -> :class:`PoolFatalError` (the pool failed and exits; the next request on the same
+  client starts a fresh pool).
+
+:class:`PoolStartError` is raised when a pool does not start.
+"""
+
+from __future__ import annotations
+
+from ltx_mgpu.cancellation import Cancelled
+
+__all__ = ["PoolError", "PoolStartError", "PoolFatalError", "BadInputError", "JobCancelledError", "PoolTimeoutError"]
+
+
+class PoolError(RuntimeError):
+    """Base of every pool failure reported to clients."""
+
+
+class PoolStartError(PoolError):
+    """The pool did not start; the message ends with the tail of its log."""
+
+
+class PoolFatalError(PoolError):
+    """The pool failed (a rank died, a collective broke, the connection was lost) and exits;
+    the next request on the same client starts a fresh pool."""
+
+
+class BadInputError(PoolError, ValueError):
+    """The pool rejected the request (``error{bad_input}``); it keeps serving."""
+
+
+class JobCancelledError(PoolError, Cancelled):
+    """The job was cancelled (by ``cancel()``, ``should_cancel`` or a pool shutdown)."""
+
+
+class PoolTimeoutError(PoolError, TimeoutError):
+    """The job did not finish within its timeout; it was cancelled."""

@@ -1,0 +1,227 @@
+"""Prompt encoding through the pool, with the embedding cache consulted first (client side).
+
+    config = TextEncoderConfig(gemma="/models/gemma-3-12b-it", projection="/models/ltx-2.3.safetensors",
+                               placement="batch_parallel")
+    client = PoolClient(resolve_spec("all"))                  # not connected yet
+    embeddings, report = encode_prompts(client, config, prompts, cache=EmbeddingCache())
+
+The cache key parts come from the files' contents (``ltx_mgpu.text.cache.keys.cache_key_parts``:
+no Gemma load, no pool). Every prompt is looked up first; only the misses go to the pool, so a
+fully cached request makes no pool call and never starts a pool. Before the first miss is sent
+the pool's resident text encoder is compared with this one by :func:`pool_key` (a digest of the
+cache key parts and the placement, reported by ``status``) and loaded when it differs; each
+``encode`` request carries the key as ``expect``, so a text encoder swapped by another client in
+between is noticed (bad input), reloaded and the request retried once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ltx_mgpu.client.errors import BadInputError
+from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.client.spec import resolve_spec
+from ltx_mgpu.text.cache.keys import CacheKeyParts, cache_key_parts
+from ltx_mgpu.text.cache.store import CacheReport, EmbeddingCache, encode_cached
+from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.features import PromptEmbedding
+from ltx_mgpu.text.gemma.sources import detect_gemma_format
+from ltx_mgpu.text.spec import check_not_truncated
+
+__all__ = ["check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool", "ensure_text_encoder", "loaded_key",
+           "embeddings_from_result", "upcast"]
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ProgressCallback = Callable[[str, int, int], Any]
+
+
+def check_sources(config: TextEncoderConfig) -> None:
+    """Check that ``config.gemma`` is a Gemma 3 source this pack loads, from its file names and
+    headers only (no hashing, no pool): a wrong file fails before anything is sent.
+
+    Raises:
+        FileNotFoundError, GemmaFormatError: naming the supported formats.
+    """
+    detect_gemma_format(config.gemma)
+
+
+def default_cache() -> EmbeddingCache:
+    """The embedding cache the nodes and the CLI share by default (in ``default_cache_dir()``)."""
+    return EmbeddingCache()
+
+
+def pool_key(config: TextEncoderConfig, parts: CacheKeyParts | None = None) -> str:
+    """The configuration's identity in the pool: SHA-256 hex of the cache key parts (the files'
+    contents, weights mode, budget, dtype), the placement, ``truncate``, ``max_memory`` and
+    ``compile``. Two clients with the same key share the resident encoder.
+
+    Raises:
+        FileNotFoundError, ValueError (GemmaFormatError, ProjectionFormatError): as
+        ``cache_key_parts``, when ``parts`` is not given.
+    """
+    parts = parts or cache_key_parts(config)
+    record = {"parts": json.loads(parts.to_json()), "placement": config.placement, "truncate": config.truncate,
+              "max_memory": {str(k): v for k, v in (config.max_memory or {}).items()} or None,
+              "compile": config.compile}
+    return "text:" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def loaded_key(client: PoolClient, timeout: float = 30.0) -> str | None:
+    """The key of the text encoder resident in the client's pool (``status``), or None."""
+    models = client.status(timeout=timeout)["ranks"][0].get("models", {})
+    return models.get("text_encoder", {}).get("key")
+
+
+def ensure_text_encoder(client: PoolClient, config: TextEncoderConfig, key: str | None = None,
+                        on_progress: ProgressCallback | None = None, should_cancel: Callable[[], bool] | None = None,
+                        timeout: float | None = None) -> dict | None:
+    """Load ``config``'s text encoder into the pool unless it is already resident (compared by key).
+
+    Returns:
+        The ``load_text_encoder`` result, or None when nothing had to be loaded.
+
+    Raises:
+        BadInputError (the pool rejected it; it keeps serving), PoolError and subclasses.
+    """
+    key = key or pool_key(config)
+    if loaded_key(client) == key:
+        return None
+    return client.request("load_text_encoder", config.to_params(key), on_progress=on_progress,
+                          should_cancel=should_cancel, timeout=timeout)[0]
+
+
+def upcast(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A bf16/fp16 ``encode`` result tensor as a fresh float32 copy (exact); anything else as it
+    is (never raises: it runs as the ``receive`` of ``encode`` requests on the client's reader
+    thread, one pass straight from the shared arena; :func:`embeddings_from_result` checks)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        # torch.empty, not a bytearray: the float32 copy of a large result into torch.empty
+        # (page faults taken by torch's threads) is many times faster than into a zero-filled
+        # bytearray (host_copy_probe in benchmarks/bench_pool_text.py prints both)
+        return torch.empty(t.shape, dtype=torch.float32).copy_(t)
+    return t
+
+
+def embeddings_from_result(result: Mapping[str, Any], tensors: Mapping[str, Any]) -> list[PromptEmbedding]:
+    """The :class:`PromptEmbedding` s of an ``encode`` result, in prompt order: float32 CPU
+    ``[T_i, D]``, upcast (exactly) from the wire dtype when the pool sent bf16 (:func:`upcast`).
+
+    Raises:
+        ValueError: a ``prompt_<i>`` tensor is missing or not ``[T, D]`` in a wire dtype
+            (float32, bf16, fp16): a damaged answer.
+    """
+    out = []
+    for i in range(result["count"]):
+        t = tensors.get(f"prompt_{i}")
+        if t is None:
+            raise ValueError(f"the pool's encode result lacks tensor prompt_{i} of {result['count']}")
+        if not isinstance(t, torch.Tensor) or t.dtype not in _WIRE_DTYPES or t.dim() != 2:
+            raise ValueError(f"the pool's encode result prompt_{i} is {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}: want [T, D] float32, bf16 or fp16")
+        out.append(PromptEmbedding(upcast(f"prompt_{i}", t), result["version"], int(result["dropped_tokens"][i])))
+    return out
+
+
+def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Sequence[str], *,
+                   cache: EmbeddingCache | None = None, batch_size: int = 8,
+                   on_progress: ProgressCallback | None = None, should_cancel: Callable[[], bool] | None = None,
+                   timeout: float | None = None, keep: bool = True) -> tuple[list[PromptEmbedding], CacheReport]:
+    """Embeddings of ``prompts`` (in order), encoding only the cache misses in the pool.
+
+    The misses are sent in requests of ``batch_size`` prompts (``batch_size x ranks`` for
+    ``batch_parallel``, one sub-batch per rank), and each request's results are stored in the
+    cache as soon as it returns, so an interrupted batch resumes. ``client`` may be
+    unconnected (``PoolClient(spec)``): it starts or attaches to the pool on the first miss.
+
+    Args:
+        config: the text encoder (its placement included).
+        cache: ``None`` encodes everything (no cache read or write).
+        batch_size: prompts per Gemma forward in the pool.
+        on_progress, should_cancel, timeout: as ``Job.wait`` (``timeout`` per request).
+        keep: leave the last request's embeddings resident on every rank (``text_embeddings``).
+
+    Returns:
+        ``(embeddings, CacheReport)``; embeddings are float32 ``[T_i, D]`` on CPU.
+
+    Raises:
+        FileNotFoundError, ValueError: a path or format problem found client-side (no pool call).
+        BadInputError, JobCancelledError, PoolTimeoutError, PoolFatalError, PoolStartError.
+    """
+    if not isinstance(config, TextEncoderConfig):
+        raise ValueError(f"config must be a TextEncoderConfig, got {type(config).__name__}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    prompts = list(prompts)
+    parts = cache_key_parts(config)
+    key = pool_key(config, parts)
+
+    def send(chunk: list[str]) -> list[PromptEmbedding]:
+        result, tensors = client.request(
+            "encode", {"prompts": chunk, "batch_size": batch_size, "expect": key, "keep": keep},
+            on_progress=on_progress, should_cancel=should_cancel, timeout=timeout, receive=upcast)
+        return embeddings_from_result(result, tensors)
+
+    def encode_remote(chunk: list[str]) -> list[PromptEmbedding]:
+        # Straight to ``encode``: the pool checks ``expect`` before any work and rejects a request
+        # for an encoder it does not hold, so the resident case (every request after the first)
+        # costs no ``status`` round trip (a per-request cost: benchmarks/bench_pool_text.py
+        # "pool" vs "pool request" measures it).
+        # None loaded yet, or another client swapped the pool's text encoder in between: load
+        # ours and retry (twice at most: the first load itself may be swapped out before our
+        # request runs).
+        for _ in range(2):
+            try:
+                return send(chunk)
+            except BadInputError:
+                if loaded_key(client) == key:
+                    raise  # ours is resident: the request itself was bad
+            ensure_text_encoder(client, config, key, on_progress, should_cancel, timeout)
+        return send(chunk)
+
+    ranks = client.spec.nproc if config.placement == "batch_parallel" else 1
+    request_size = batch_size * ranks
+    if cache is not None:
+        out = encode_cached(cache, prompts, parts, encode_remote, request_size)
+        if not config.truncate:
+            check_not_truncated(out[0], config.token_budget)
+        return out
+    t0 = time.perf_counter()
+    unique = list(dict.fromkeys(prompts))
+    found: dict[str, PromptEmbedding] = {}
+    for i in range(0, len(unique), request_size):
+        chunk = unique[i:i + request_size]
+        found.update(zip(chunk, encode_remote(chunk)))
+    return ([found[p] for p in prompts],
+            CacheReport(hits=0, misses=len(unique), encoded=len(unique), seconds=time.perf_counter() - t0))
+
+
+def encode_with_pool(config: TextEncoderConfig, prompts: Sequence[str], *,
+                     gpus: str | Sequence[int] | None = None, nproc: int | None = None,
+                     runtime_dir: str | os.PathLike | None = None, cache: EmbeddingCache | None = None,
+                     batch_size: int = 8, on_progress: ProgressCallback | None = None,
+                     startup_timeout: float = 300.0) -> tuple[list[PromptEmbedding], CacheReport, dict]:
+    """``encode --pool`` of the CLI: :func:`encode_prompts` through the pool of ``gpus``/``nproc``,
+    attached when one runs (a ``pool start --detach`` pool included), else started for this
+    call (lifetime ``with-owner``) and shut down at the end.
+
+    Returns:
+        ``(embeddings, report, pool)`` where ``pool`` says ``{"pid", "started", "world_size"}``
+        (``pid`` None when everything was cached and no pool was contacted).
+    """
+    client = PoolClient(resolve_spec(gpus, nproc, "with-owner", runtime_dir), startup_timeout=startup_timeout)
+    try:
+        embeddings, report = encode_prompts(client, config, prompts, cache=cache, batch_size=batch_size,
+                                            on_progress=on_progress)
+        started = client.launched
+        info = {"pid": client.pid, "started": started, "world_size": client.pool.get("world_size")}
+        if started:
+            client.shutdown()
+        return embeddings, report, info
+    finally:
+        client.close()

@@ -1,0 +1,181 @@
+"""Stream a bf16/fp16/fp8 Gemma 3 source tensor by tensor, for NF4 quantization.
+
+Both source formats of ``ltx_mgpu.text.gemma.sources`` are read with safetensors' ``safe_open``
+one tensor at a time (the file is reopened per tensor, so at most one tensor of the source is
+mapped or held in host memory), under the key handling of ``ltx_mgpu.text.gemma.loading``: the
+multimodal / text-only prefixes of an HF snapshot are stripped (vision tower, projector and
+``lm_head`` are not text-tower keys and are never read); a ComfyUI file's ``model.*`` keys are
+used without their fp8 scale companions, and fp8 weights are upcast times their scale.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from ltx_mgpu.text.gemma.keys import COMFY_AUX_SUFFIXES, SNAPSHOT_KEY_MAPPING, TEXT_KEY, ScaledFp8
+from ltx_mgpu.text.gemma.sources import (
+    SUPPORTED_FORMATS,
+    GemmaFormatError,
+    GemmaWeightsError,
+    comfy_text_config,
+    comfy_tokenizer_files,
+    detect_gemma_format,
+    find_tokenizer_files,
+    no_tokenizer_error,
+)
+from ltx_mgpu.text.gemma.tokenizer import check_tokenizer, comfy_file_tokenizer, load_tokenizer
+
+__all__ = ["GemmaSource", "open_source"]
+
+_PLAIN_DTYPES = ("BF16", "F16", "F32")
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+@dataclass
+class GemmaSource:
+    """A Gemma 3 bf16-family source opened for streaming (headers read, no weights).
+
+    Attributes:
+        path: the snapshot directory or ComfyUI file.
+        format: ``"hf_snapshot"`` or ``"comfy_file"``.
+        config: its ``Gemma3TextConfig``.
+        shapes: ``Gemma3TextModel`` parameter name -> shape, from the safetensors headers.
+        locations: the same names -> ``(file, key in the file)``.
+    """
+
+    path: Path
+    format: str
+    config: Any
+    shapes: dict[str, tuple[int, ...]]
+    locations: dict[str, tuple[Path, str]]
+    _spm: bytes | None = field(default=None, repr=False)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor of parameter ``name`` on CPU in its stored dtype (fp8 upcast to float32
+        times its scale). The file is opened for this tensor only."""
+        file, key = self.locations[name]
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            sl = f.get_slice(key)
+            if sl.get_dtype() in _FP8_DTYPES:
+                base = key[: -len(".weight")] if key.endswith(".weight") else key
+                keys = set(f.keys())
+                scale_key = next((k for k in (base + ".weight_scale", base + ".scale_weight") if k in keys), None)
+                return ScaledFp8(sl, f.get_tensor(scale_key) if scale_key else None)[...]
+            return f.get_tensor(key)
+
+    def tokenizer(self) -> Any:
+        """The source's checked tokenizer (left padding, ``<bos>``, no ``<eos>``)."""
+        if self.format == "hf_snapshot":
+            found = find_tokenizer_files(self.path)
+            if found is None:
+                raise no_tokenizer_error(self.path)
+            return check_tokenizer(load_tokenizer(found), self.path)
+        tok, _ = comfy_file_tokenizer(self.path, self._spm)
+        return check_tokenizer(tok, self.path)
+
+    def write_tokenizer(self, directory: Path) -> dict[str, Any]:
+        """Put the source's tokenizer files into ``directory`` (ComfyUI's embedded
+        ``spiece_model`` becomes ``tokenizer.model``).
+
+        Returns:
+            ``{"kind": "tokenizers" | "sentencepiece", "files": [names]}`` for the manifest.
+        """
+        if self.format == "comfy_file" and self._spm is not None:
+            (directory / "tokenizer.model").write_bytes(self._spm)
+            return {"kind": "sentencepiece", "files": ["tokenizer.model"]}
+        found = find_tokenizer_files(self.path) if self.format == "hf_snapshot" else comfy_tokenizer_files(self.path)
+        if found is None:
+            raise no_tokenizer_error(self.path)
+        for f in found.files:
+            shutil.copyfile(f, directory / f.name)
+        return {"kind": found.kind, "files": sorted(f.name for f in found.files)}
+
+
+def _text_config(d: Path) -> Any:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(d))
+    return cfg.text_config if cfg.model_type == "gemma3" else cfg
+
+
+def _open_snapshot(d: Path) -> GemmaSource:
+
+    (pattern, repl), = SNAPSHOT_KEY_MAPPING.items()
+    shapes: dict[str, tuple[int, ...]] = {}
+    locations: dict[str, tuple[Path, str]] = {}
+    for file in sorted(d.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = re.sub(pattern, repl, key, count=1)
+                if not TEXT_KEY.match(name):
+                    continue  # vision tower, projector, lm_head: never read
+                if name in locations:
+                    raise GemmaWeightsError(
+                        f"{d}: the text-tower weight {name} is stored twice ({locations[name][0].name}:{locations[name][1]} "
+                        f"and {file.name}:{key}); the snapshot mixes two key layouts, re-download it"
+                    )
+                sl = f.get_slice(key)
+                if sl.get_dtype() not in _PLAIN_DTYPES:
+                    raise GemmaFormatError(
+                        f"{file}: tensor {key} is stored as {sl.get_dtype()}; NF4 quantization reads bf16, fp16 or fp32 "
+                        f"snapshots. {SUPPORTED_FORMATS}"
+                    )
+                shapes[name] = tuple(sl.get_shape())
+                locations[name] = (file, key)
+    return GemmaSource(d, "hf_snapshot", _text_config(d), shapes, locations)
+
+
+def _open_comfy(path: Path) -> GemmaSource:
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    locations: dict[str, tuple[Path, str]] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        keys = list(f.keys())
+        meta = dict(f.metadata() or {})
+        spm = f.get_tensor("spiece_model").numpy().tobytes() if "spiece_model" in keys else None
+        for key in sorted(keys):
+            if not key.startswith("model.") or key.endswith(COMFY_AUX_SUFFIXES):
+                continue
+            sl = f.get_slice(key)
+            if sl.get_dtype() not in _PLAIN_DTYPES + _FP8_DTYPES:
+                raise GemmaFormatError(
+                    f"{path}: tensor {key} is stored as {sl.get_dtype()}; quantized ComfyUI formats other than fp8 e4m3 "
+                    "(e.g. nvfp4 'fp4_mixed', int8) are not supported. Use the bf16, fp16 or fp8 Gemma 3 file."
+                )
+            shapes[key[len("model."):]] = tuple(sl.get_shape())
+            locations[key[len("model."):]] = (path, key)
+    cfg = comfy_text_config(meta, {"model." + k: v for k, v in shapes.items()}, path)
+    return GemmaSource(path, "comfy_file", cfg, shapes, locations, spm)
+
+
+def open_source(path: str | Path) -> GemmaSource:
+    """Open a bf16-family Gemma 3 source (HF snapshot directory or ComfyUI file) for streaming.
+
+    Reads file names, ``config.json`` and safetensors headers only.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        GemmaFormatError: unsupported source or tensor dtype; an NF4 artifact (already quantized).
+        GemmaWeightsError: a text-tower weight stored twice.
+    """
+    p = Path(path)
+    fmt = detect_gemma_format(p)
+    if fmt == "nf4_artifact":
+        raise GemmaFormatError(
+            f"{p} is already an ltx_mgpu NF4 artifact; quantize from the bf16 Gemma 3 source (HF snapshot directory "
+            "or ComfyUI file), or load the artifact directly"
+        )
+    return _open_snapshot(p) if fmt == "hf_snapshot" else _open_comfy(p)
+
+
+def iter_source(source: GemmaSource, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, CPU tensor)`` for ``names`` in that order, one tensor read at a time."""
+    for name in names:
+        yield name, source.read(name)

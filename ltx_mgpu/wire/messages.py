@@ -1,0 +1,250 @@
+"""Messages of the wire protocol (``ltx_mgpu.wire``): the request and event schemas, their
+registry and validation.
+
+Requests carry ``{"type", "id", "params"}``; events carry ``{"event", "id", ...}`` (``id`` =
+the request they answer). Both are validated on receipt against the schemas below (type,
+required fields, field types); :func:`register_request` adds request types.
+
+Related modules: :mod:`ltx_mgpu.wire.frames` (the byte layout and socket I/O that carry these
+headers, ``ProtocolError`` and request ids), :mod:`ltx_mgpu.wire` (the protocol's overview
+and public namespace, re-exporting both).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ltx_mgpu.choices import PLACEMENTS, TRANSFORMER_DTYPES, WEIGHTS
+from ltx_mgpu.wire.frames import ProtocolError, check_id, valid_id
+
+__all__ = [
+    "ERROR_KINDS", "SchemaError", "F", "MessageSchema", "REQUESTS", "EVENTS", "register_request", "Request",
+    "parse_request", "make_request", "make_event", "parse_event", "job_types",
+]
+
+ERROR_KINDS = ("bad_input", "cancelled", "fatal")
+
+
+class SchemaError(ProtocolError):
+    """A well-framed request whose ``params`` break its schema (answered ``bad_input``; the
+    connection stays open)."""
+
+
+# --------------------------------------------------------------------------- schemas
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,), "int": (int,), "number": (int, float), "bool": (bool,),
+    "list": (list,), "object": (dict,), "null": (type(None),),
+}
+
+
+@dataclass(frozen=True)
+class F:
+    """One field of a message: ``types`` are JSON type names (``str int number bool list object
+    null``); ``items`` the element type name for lists; ``choices`` allowed values."""
+
+    name: str
+    types: tuple[str, ...]
+    required: bool = True
+    items: str | None = None
+    choices: tuple | None = None
+
+    def check(self, value: Any, where: str) -> None:
+        ok = any(isinstance(value, _JSON_TYPES[t]) and not (t in ("int", "number") and isinstance(value, bool))
+                 for t in self.types)
+        if not ok:
+            raise SchemaError(f"{where}.{self.name} must be {' or '.join(self.types)}, "
+                              f"got {type(value).__name__} {value!r:.80}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SchemaError(f"{where}.{self.name} must be finite, got {value}")
+        if self.items and isinstance(value, list):
+            for i, v in enumerate(value):
+                F(f"{self.name}[{i}]", (self.items,)).check(v, where)
+        if self.choices is not None and value is not None and value not in self.choices:
+            raise SchemaError(f"{where}.{self.name} must be one of {list(self.choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MessageSchema:
+    """A request or event type: its fields; ``extra`` allows undeclared fields (the engine checks
+    them); ``job`` = queued and run on every rank; ``tensors`` = may carry a payload."""
+
+    name: str
+    fields: tuple[F, ...] = ()
+    extra: bool = False
+    job: bool = True
+    tensors: bool = False
+    doc: str = ""
+
+    def validate(self, params: Mapping[str, Any], where: str) -> None:
+        known = {f.name for f in self.fields}
+        for f in self.fields:
+            if f.name in params:
+                f.check(params[f.name], where)
+            elif f.required:
+                raise SchemaError(f"{where} is missing the required field {f.name!r}")
+        if not self.extra:
+            unknown = sorted(set(params) - known)
+            if unknown:
+                raise SchemaError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
+
+
+REQUESTS: dict[str, MessageSchema] = {}
+EVENTS: dict[str, MessageSchema] = {}
+
+
+def register_request(schema: MessageSchema) -> MessageSchema:
+    """Add (or replace) a request type; returns it. Engines register their job types here."""
+    REQUESTS[schema.name] = schema
+    return schema
+
+
+for _s in (
+    MessageSchema("hello", (F("token", ("str",)), F("client", ("str",), False), F("pid", ("int",), False)),
+                  job=False, doc="authenticate; the answer describes the pool"),
+    MessageSchema("features", (F("enable", ("list",), items="str"),), job=False,
+                  doc="turn on optional features the hello answer offers (e.g. 'shm') for this connection"),
+    MessageSchema("status", job=False, doc="per-rank devices, memory, models; the queue and current job"),
+    MessageSchema("cancel", (F("job_id", ("str",)),), job=False, doc="cancel a queued or running job"),
+    MessageSchema("shutdown", (F("reason", ("str",), False),), job=False, doc="stop the pool"),
+    MessageSchema("load_text_encoder", (
+        F("source", ("str",)), F("projection", ("str", "null"), False),
+        F("weights", ("str",), False, choices=WEIGHTS),
+        F("placement", ("str",), False, choices=PLACEMENTS),
+        F("dtype", ("str",), False), F("max_memory", ("object", "null"), False), F("token_budget", ("int",), False),
+        F("truncate", ("bool",), False), F("compile", ("bool",), False), F("key", ("str", "null"), False)),
+        doc="load Gemma 3 (+ the LTX-2 text projection) into the pool (ltx_mgpu.pool.text_jobs checks the values)"),
+    MessageSchema("encode", (
+        F("prompts", ("list",), items="str"), F("batch_size", ("int",), False), F("expect", ("str", "null"), False),
+        F("keep", ("bool",), False), F("verify", ("bool",), False)),
+        doc="encode prompts; every rank ends holding every embedding"),
+    MessageSchema("unload", (F("names", ("list", "null"), False, items="str"),),
+                  doc="free resident models (all when names is null)"),
+    MessageSchema("selftest", (
+        F("steps", ("int",)), F("step_seconds", ("number",), False), F("numel", ("int",), False),
+        F("result_bytes", ("int",), False), F("echo", ("bool",), False),
+        F("fail_rank", ("int", "null"), False), F("fail_step", ("int",), False)),
+        tensors=True, doc="communication self-test: all-reduce per step, progress, cancel"),
+):
+    register_request(_s)
+
+# LTX-2 denoising (ltx_mgpu.pool.denoise_jobs; the tensor layout of ``sample`` is
+# ltx_mgpu.wire.codec's).
+register_request(MessageSchema("load_transformer", (
+    F("checkpoint", ("str",)), F("dtype", ("str",), False, choices=TRANSFORMER_DTYPES),
+    F("loras", ("list",), False, items="object"), F("max_tokens", ("int",), False),
+    F("attention_type", ("str", "null"), False, choices=("default", "pytorch", "xformers", "flash_attention_3")),
+    F("name", ("str",), False)),
+    doc="load an LTX-2 transformer (+ connectors, LoRAs fused) on every rank for sequence parallelism"))
+register_request(MessageSchema("sample", (
+    F("model", ("str",), False), F("positive", ("list",), items="object"),
+    F("negative", ("list", "null"), False, items="object"), F("latent", ("object",)),
+    F("steps", ("int", "null"), False), F("cfg", ("number",), False), F("seed", ("int",), False),
+    F("sampler", ("str",), False), F("scheduler", ("object", "null"), False)),
+    tensors=True, doc="denoise a ComfyUI LTX-2 LATENT with the SP sampler; progress every step"))
+
+for _s in (
+    MessageSchema("accepted", (F("job", ("str",)), F("position", ("int",)))),
+    MessageSchema("progress", (F("phase", ("str",)), F("step", ("int",)), F("total", ("int",)))),
+    MessageSchema("log", (F("level", ("str",)), F("message", ("str",)), F("rank", ("int",)))),
+    MessageSchema("result", (F("result", ("object",)),), tensors=True),
+    MessageSchema("error", (F("kind", ("str",), choices=ERROR_KINDS), F("message", ("str",)),
+                            F("progress", ("object", "null"), False), F("rank", ("int", "null"), False))),
+):
+    EVENTS[_s.name] = _s
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: ``type``, client-chosen ``id``, ``params`` and input ``tensors``."""
+
+    type: str
+    id: str
+    params: dict
+    tensors: dict
+
+    @property
+    def schema(self) -> MessageSchema:
+        return REQUESTS[self.type]
+
+
+def parse_request(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> Request:
+    """Validate a request header (and its tensors) against :data:`REQUESTS`.
+
+    Raises:
+        ProtocolError: a broken envelope (unknown ``type``, bad ``id``, unknown top-level keys,
+            tensors on a request type that takes none): the connection is closed.
+        SchemaError: ``params`` break the type's schema (answer ``bad_input``, keep serving).
+    """
+    unknown = sorted(set(header) - {"type", "id", "params"})
+    rid = valid_id(header.get("id"))
+    if unknown:
+        raise ProtocolError(f"request has unknown top-level keys {unknown}", rid)
+    mtype = header.get("type")
+    if not isinstance(mtype, str) or mtype not in REQUESTS:
+        raise ProtocolError(f"unknown request type {mtype!r:.80}; known: {sorted(REQUESTS)}", rid)
+    rid = check_id(header.get("id"), "request id")
+    params = header.get("params", {})
+    if not isinstance(params, dict):
+        raise ProtocolError(f"{mtype}.params must be a JSON object", rid)
+    schema = REQUESTS[mtype]
+    tensors = dict(tensors or {})
+    if tensors and not schema.tensors:
+        raise ProtocolError(f"request type {mtype!r} takes no tensors", rid)
+    try:
+        schema.validate(params, mtype)
+    except SchemaError as e:
+        raise SchemaError(str(e), rid) from None
+    return Request(mtype, rid, params, tensors)
+
+
+def make_request(mtype: str, rid: str, params: Mapping[str, Any] | None = None) -> dict:
+    """Build and validate a request header (client side).
+
+    Raises:
+        ProtocolError / SchemaError: as :func:`parse_request`.
+    """
+    header = {"type": mtype, "id": rid, "params": dict(params or {})}
+    parse_request(header)
+    return header
+
+
+def make_event(event: str, rid: str | None, **fields: Any) -> dict:
+    """Build and validate an event header, e.g. ``make_event("progress", rid, phase="denoise",
+    step=3, total=30)``.
+
+    Raises:
+        ProtocolError: unknown event or fields breaking its schema.
+    """
+    header = {"event": event, "id": rid, **fields}
+    parse_event(header)
+    return header
+
+
+def parse_event(header: Mapping[str, Any]) -> dict:
+    """Validate an event header against :data:`EVENTS`; returns it as a dict.
+
+    Raises:
+        ProtocolError: unknown event, bad ``id`` or fields breaking the schema.
+    """
+    event = header.get("event")
+    if not isinstance(event, str) or event not in EVENTS:
+        raise ProtocolError(f"unknown event {event!r:.80}; known: {sorted(EVENTS)}")
+    rid = header.get("id")
+    if rid is not None:
+        check_id(rid, "event id")
+    fields = {k: v for k, v in header.items() if k not in ("event", "id")}
+    try:
+        EVENTS[event].validate(fields, event)
+    except SchemaError as e:
+        raise ProtocolError(str(e), rid) from None
+    return dict(header)
+
+
+def job_types() -> Iterable[str]:
+    """Names of the queued (job) request types."""
+    return [name for name, s in REQUESTS.items() if s.job]
