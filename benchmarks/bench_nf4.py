@@ -239,7 +239,8 @@ def main(argv=None) -> int:
                 shutil.copy(f, snap)
             cmd = [sys.executable, "-m", "ltx_mgpu", "quantize-nf4", str(snap), str(artifact), "--device", str(device)]
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
             results["quantize_from_disk_seconds"] = time.perf_counter() - t0
             results["quantize_from_disk_output"] = proc.stdout
             print(proc.stdout + proc.stderr[-2000:], flush=True)
@@ -306,7 +307,8 @@ def main(argv=None) -> int:
                 row["first_call_seconds"] = time.perf_counter() - t0  # includes torch.compile
                 if base_features is None and name == "bnb":
                     base_features = feats
-                row["max_abs_diff_vs_bnb"] = None if base_features is None else (feats - base_features).abs().max().item()
+                row["max_abs_diff_vs_bnb"] = (None if base_features is None
+                                              else (feats - base_features).abs().max().item())
                 row["feature_cosine_vs_bf16"] = _token_cosine(feats, ref_features[batches[0]])
                 for b in batches:
                     ids, mask = inputs[b]
@@ -325,7 +327,8 @@ def main(argv=None) -> int:
                         "peak_without_projection_bytes": None if peak is None else peak - proj_bytes,
                         "plain_forward_peak_bytes": plain_peak}
                     print(f"nf4 {name} {b}x{args.tokens}: {med:.2f} ms = {med / bf16_ms:.3f}x bf16; encode peak "
-                          f"{_gb(peak)} (without the projection's weights {_gb(None if peak is None else peak - proj_bytes)}); "
+                          f"{_gb(peak)} (without the projection's weights "
+                          f"{_gb(None if peak is None else peak - proj_bytes)}); "
                           f"plain forward peak {_gb(plain_peak)}", flush=True)
             except Exception as exc:  # one failing variant (e.g. no Triton) must not stop the others
                 row["error"] = repr(exc)

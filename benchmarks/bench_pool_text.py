@@ -116,7 +116,8 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
     from ltx_mgpu.text.spec import LocalTextEncoder
 
     row = results["weights"][weights] = {}
-    spec = LocalTextEncoder(TextEncoderConfig(str(gemma), str(projection), weights=weights, dtype="bfloat16"), str(device))
+    spec = LocalTextEncoder(TextEncoderConfig(str(gemma), str(projection), weights=weights, dtype="bfloat16"),
+                            str(device))
     t0 = time.perf_counter()
     encoder = spec.build()
     _sync(device)
@@ -184,7 +185,8 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
                                     if shm_frames else "socket")}
         log(f"{weights} {label}: in-process {med['in-process']:.2f} ms, pool {med['pool']:.2f} ms "
             f"({overhead:+.1%}; paired by round {paired[1] - 1:+.1%}, quartiles {paired[0] - 1:+.1%} to "
-            f"{paired[2] - 1:+.1%}, {rounds} rounds), pool request {med['pool request']:.2f} ms = encode {pool_encode:.2f} + "
+            f"{paired[2] - 1:+.1%}, {rounds} rounds), pool request {med['pool request']:.2f} ms = "
+            f"encode {pool_encode:.2f} + "
             f"broadcast {pool_broadcast:.2f} + rest {med['pool request'] - pool_encode - pool_broadcast:.2f}; "
             f"max |pool - in-process| = {diff:.3g}; result {row[label]['wire_bytes'] / 1e6:.1f} MB "
             f"{row[label]['wire_dtype']} via {row[label]['transport']}; first read of a fresh result (a sum): "
@@ -280,7 +282,8 @@ def main(argv=None) -> int:
             rate = nbytes / seconds / 1e9
             snap_bytes = snapshot_bytes(args.layers)
             log(f"projection: {nbytes / 1e9:.2f} GB written in {seconds:.1f} s ({rate:.2f} GB/s); the "
-                f"{args.layers}-layer snapshot ({snap_bytes / 1e9:.1f} GB) should take ~{snap_bytes / 1e9 / rate:.0f} s "
+                f"{args.layers}-layer snapshot ({snap_bytes / 1e9:.1f} GB) should take "
+                f"~{snap_bytes / 1e9 / rate:.0f} s "
                 "to save at that rate")
             gemma = work / f"gemma3-12b-shaped-{args.layers}l-random"
             info = build_snapshot(gemma, args.layers, device, tok_dir)

@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "dtype": str(dtype), "layout": "LTX-2.0 (19B: caption projection in the DiT)",
+               "torch": torch.__version__, "dtype": str(dtype),
+               "layout": "LTX-2.0 (19B: caption projection in the DiT)",
                "config": config["transformer"], "params": sum(p.numel() for p in model.parameters()),
                "build_seconds": time.perf_counter() - t0, "sizes": {}}
     print(f"model: {results['params'] / 1e9:.2f} B params, {dtype}, built in {results['build_seconds']:.1f} s "
@@ -314,10 +315,11 @@ def main(argv=None) -> int:
                 size["attention"] = attention_share(lambda: model(v1, a1, None), device)
         for name, *_ in variants:
             v = size["variants"][name]
-            rows.append((tokens, name, v["median_ms"], v["median_ms"] / (base2 if name.startswith(("sampler", "sample-")) else base),
+            rows.append((tokens, name, v["median_ms"],
+                         v["median_ms"] / (base2 if name.startswith(("sampler", "sample-")) else base),
                          v["peak_gb"]))
-            print(f"{tokens} tokens {name}: {v['median_ms']:.2f} ms (runs {len(v['times_ms'])}, peak {v['peak_gb']} GB)",
-                  flush=True)
+            print(f"{tokens} tokens {name}: {v['median_ms']:.2f} ms (runs {len(v['times_ms'])}, "
+                  f"peak {v['peak_gb']} GB)", flush=True)
         if a.out:
             write_json(a.out, results)
     print(f"\n{'tokens':>7} {'variant':<19}{'median ms':>11}{'ratio':>8}{'peak GB':>9}   (ratio: vs plain; "

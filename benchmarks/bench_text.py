@@ -163,7 +163,8 @@ def main(argv=None) -> int:
             med, times = timed[name]
             peak = peak_bytes(device, fn)
             peak = None if peak is None else peak / 1e9
-            results["variants"][f"{name}/{batch}x{args.tokens}"] = {"median_ms": med, "times_ms": times, "peak_gb": peak}
+            results["variants"][f"{name}/{batch}x{args.tokens}"] = {"median_ms": med, "times_ms": times,
+                                                                     "peak_gb": peak}
             rows.append((name, batch, med, peak))
             print(f"{name} {batch}x{args.tokens}: {med:.2f} ms (peak {peak} GB)", flush=True)
             if args.out:

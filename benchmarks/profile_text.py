@@ -155,7 +155,8 @@ def attention(batch: int, tokens: int) -> None:
                 print(f"attention {batch}x{tokens} {name:9s} {'mask' if with_mask else 'is_causal'}: {ms:.3f} ms "
                       f"({flops / ms / 1e9:.0f} TFLOPS causal-equivalent)", flush=True)
             except RuntimeError as e:
-                print(f"attention {batch}x{tokens} {name:9s} {'mask' if with_mask else 'is_causal'}: n/a ({str(e)[:80]})")
+                print(f"attention {batch}x{tokens} {name:9s} {'mask' if with_mask else 'is_causal'}: "
+                      f"n/a ({str(e)[:80]})")
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -172,7 +173,7 @@ def gemm_floor(model, proj: Projection, batch: int, tokens: int) -> None:
     between them): the floor the rest of the encode sits on at this GPU's matmul rate. Also the
     same with q/k/v and gate/up each as one GEMM on concatenated weights (made for the probe)."""
     m = batch * tokens
-    x = {n: torch.randn(m, n, device=DEV, dtype=torch.bfloat16) for n in {l.in_features for l in _linears(model)}}
+    x = {n: torch.randn(m, n, device=DEV, dtype=torch.bfloat16) for n in {lin.in_features for lin in _linears(model)}}
     feats = torch.randn(m, proj.in_features, device=DEV, dtype=torch.bfloat16)
     proj_w = [w.detach() for k, w in proj.named_parameters() if k.endswith("weight")]
     outs: dict[tuple, torch.Tensor] = {}

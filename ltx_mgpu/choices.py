@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "LIFETIMES", "SAMPLERS", "check_choice", "spell"]
+__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "LIFETIMES", "SAMPLERS", "check_choice",
+           "spell"]
 
 #: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
 WEIGHTS = ("bf16", "nf4")

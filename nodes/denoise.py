@@ -161,7 +161,8 @@ class LTXMGPUSPSampler:
                 "cfg": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01, "tooltip": (
                     "Classifier-free guidance scale; 1 skips the negative pass (distilled models).")}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
-                                 "tooltip": "Noise seed; the same seed gives the same noise as ComfyUI's RandomNoise."}),
+                                 "tooltip": (
+                                     "Noise seed; the same seed gives the same noise as ComfyUI's RandomNoise.")}),
                 "sampler": (list(SAMPLERS), {"default": SAMPLERS[0], "tooltip": (
                     "Sampler run in the pool (flow-matching Euler).")}),
             },

@@ -119,7 +119,8 @@ class LTXMGPUFree:
         elif out["stopped"]:
             text = f"pool on {pool.describe()}: stopped"
         else:
-            text = f"pool on {pool.describe()}: unloaded {', '.join(out['unloaded']) or 'nothing (no model was loaded)'}"
+            text = (f"pool on {pool.describe()}: unloaded "
+                    f"{', '.join(out['unloaded']) or 'nothing (no model was loaded)'}")
         return {"ui": {"text": [text]}, "result": (text,)}
 
 

@@ -152,7 +152,8 @@ class LTXMGPUPromptEncode:
         return {
             "required": {
                 "text_encoder": (TEXT_ENCODER, {"tooltip": "Gemma 3 in the pool (from the Gemma Loader)."}),
-                "positive": ("STRING", {"multiline": True, "default": "", "tooltip": "What the video shows and sounds like."}),
+                "positive": ("STRING", {"multiline": True, "default": "", "tooltip": (
+                    "What the video shows and sounds like.")}),
                 "negative": ("STRING", {"multiline": True, "default": "", "tooltip": (
                     "What to steer away from (used when cfg > 1).")}),
                 "use_cache": ("BOOLEAN", {"default": True, "tooltip": (

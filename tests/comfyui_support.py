@@ -198,28 +198,28 @@ async def run_prompt(srv: Server, prompt: dict, on_message=None, timeout: float 
 
     client_id = uuid.uuid4().hex
     messages: list[dict] = []
-    async with aiohttp.ClientSession() as session:
-        async with session.ws_connect(f"{srv.url.replace('http', 'ws')}/ws?clientId={client_id}") as ws:
-            async with session.post(f"{srv.url}/prompt", json={"prompt": prompt, "client_id": client_id}) as r:
-                answer = await r.json()
-                assert r.status == 200, f"/prompt refused the workflow: {json.dumps(answer)[:3000]}"
-            prompt_id = answer["prompt_id"]
-            deadline = time.monotonic() + timeout
-            while True:
-                msg = await ws.receive(timeout=max(1.0, deadline - time.monotonic()))
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    continue  # binary previews
-                data = json.loads(msg.data)
-                messages.append(data)
-                if on_message is not None:
-                    await on_message(session, data)
-                d = data.get("data", {})
-                if d.get("prompt_id") not in (None, prompt_id):
-                    continue
-                if data["type"] in ("execution_error", "execution_interrupted"):
-                    return prompt_id, messages
-                if data["type"] == "executing" and d.get("node") is None and d.get("prompt_id") == prompt_id:
-                    return prompt_id, messages
+    async with aiohttp.ClientSession() as session, \
+            session.ws_connect(f"{srv.url.replace('http', 'ws')}/ws?clientId={client_id}") as ws:
+        async with session.post(f"{srv.url}/prompt", json={"prompt": prompt, "client_id": client_id}) as r:
+            answer = await r.json()
+            assert r.status == 200, f"/prompt refused the workflow: {json.dumps(answer)[:3000]}"
+        prompt_id = answer["prompt_id"]
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = await ws.receive(timeout=max(1.0, deadline - time.monotonic()))
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                continue  # binary previews
+            data = json.loads(msg.data)
+            messages.append(data)
+            if on_message is not None:
+                await on_message(session, data)
+            d = data.get("data", {})
+            if d.get("prompt_id") not in (None, prompt_id):
+                continue
+            if data["type"] in ("execution_error", "execution_interrupted"):
+                return prompt_id, messages
+            if data["type"] == "executing" and d.get("node") is None and d.get("prompt_id") == prompt_id:
+                return prompt_id, messages
 
 
 def api_workflow(name: str) -> dict:
@@ -235,8 +235,9 @@ def chromium_page(url: str, chromium: str, size: tuple[int, int] = (1400, 900)):
     """
     port = free_port()
     profile = tempfile.mkdtemp(prefix="ltxm-chromium-")
-    proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                             "--disable-sync",
                              "--hide-scrollbars", f"--user-data-dir={profile}", f"--remote-debugging-port={port}",
                              f"--window-size={size[0]},{size[1]}", url],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -272,7 +273,8 @@ async def cdp_page(ws_url: str, script_steps, timeout: float = 120.0):
             while True:
                 msg = json.loads((await ws.receive(timeout=timeout)).data)
                 if msg.get("method") == "Runtime.consoleAPICalled" and msg["params"]["type"] == "error":
-                    errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in msg["params"]["args"]))
+                    errors.append(" ".join(str(a.get("value", a.get("description", "")))
+                                           for a in msg["params"]["args"]))
                 elif msg.get("method") == "Runtime.exceptionThrown":
                     errors.append(json.dumps(msg["params"]["exceptionDetails"])[:2000])
                 elif msg.get("method") == "Log.entryAdded" and msg["params"]["entry"]["level"] == "error":

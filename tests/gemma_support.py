@@ -19,4 +19,5 @@ def hidden(tower, prompts=PROMPTS):
 
 def assert_identical(a, b):
     assert len(a) == len(b)
-    assert all(torch.equal(x, y) for x, y in zip(a, b)), [float((x.float() - y.float()).abs().max()) for x, y in zip(a, b)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), [float((x.float() - y.float()).abs().max())
+                                                          for x, y in zip(a, b)]

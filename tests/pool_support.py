@@ -29,7 +29,8 @@ def short_dir() -> Path:
 def pool_pids(client) -> list[tuple[int, float | None]]:
     """(pid, create_time) of torchrun and every rank of the client's pool."""
     pool = client.pool
-    return [(pool["torchrun_pid"], pool["torchrun_create_time"])] + [(r["pid"], r["create_time"]) for r in pool["ranks"]]
+    return ([(pool["torchrun_pid"], pool["torchrun_create_time"])]
+            + [(r["pid"], r["create_time"]) for r in pool["ranks"]])
 
 
 def running(pids: list[tuple[int, float | None]]) -> list[int]:

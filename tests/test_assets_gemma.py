@@ -63,7 +63,8 @@ def test_same_seed_gives_byte_identical_files(tmp_path, assets):
 
 def test_other_seed_gives_other_weights(tmp_path, assets):
     build_tiny_gemma_snapshot(tmp_path / "s1", seed=1)
-    assert (tmp_path / "s1" / "model.safetensors").read_bytes() != (assets["snapshot"] / "model.safetensors").read_bytes()
+    assert ((tmp_path / "s1" / "model.safetensors").read_bytes()
+            != (assets["snapshot"] / "model.safetensors").read_bytes())
     assert (tmp_path / "s1" / "tokenizer.model").read_bytes() == (assets["snapshot"] / "tokenizer.model").read_bytes()
 
 
@@ -77,8 +78,10 @@ def test_snapshot_is_a_real_multimodal_gemma3(assets):
     ]
     cfg = AutoConfig.from_pretrained(snap)
     text = cfg.text_config
-    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS, TINY_GEMMA_VOCAB)
-    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim, text.query_pre_attn_scalar) == (4, 2, 16, 16)
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (TINY_GEMMA_HIDDEN, TINY_GEMMA_LAYERS,
+                                                                            TINY_GEMMA_VOCAB)
+    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim,
+            text.query_pre_attn_scalar) == (4, 2, 16, 16)
     assert text.sliding_window == 16 and text.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     assert text.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
     assert text.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
@@ -175,7 +178,8 @@ def test_comfy_file_layout(assets):
         assert torch.equal(emb, f.get_tensor("language_model.model.embed_tokens.weight"))
         n_hf = len(list(f.keys()))
     assert spm.dtype == torch.uint8 and spm.numpy().tobytes() == (snap / "tokenizer.model").read_bytes()
-    assert {"model.norm.weight", "model.layers.0.self_attn.q_norm.weight", "model.layers.0.post_feedforward_layernorm.weight"} <= keys
+    assert {"model.norm.weight", "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.0.post_feedforward_layernorm.weight"} <= keys
     assert {f"model.layers.{TINY_GEMMA_LAYERS - 1}.mlp.down_proj.weight"} <= keys
     assert any(k.startswith("vision_model.encoder.layers.0.") for k in keys)
     assert "multi_modal_projector.mm_input_projection_weight" in keys
@@ -200,7 +204,8 @@ def test_comfy_fp8_file_is_scaled_e4m3(tmp_path, assets):
         err = (w.float() * scale - w_ref).abs()
         assert bool((err <= w_ref.abs() * 2**-4 + scale * 2**-9).all())
         layers = json.loads(f.metadata()["_quantization_metadata"])["layers"]
-        assert layers["model.layers.2.mlp.up_proj"] == {"format": "float8_e4m3fn"} and len(layers) == 7 * TINY_GEMMA_LAYERS
+        assert (layers["model.layers.2.mlp.up_proj"] == {"format": "float8_e4m3fn"}
+                and len(layers) == 7 * TINY_GEMMA_LAYERS)
 
 
 def test_the_embedded_default_with_the_2_0_layout_takes_the_tiny_gemma():

@@ -31,7 +31,7 @@ def test_sp_ranks_bench_runs_on_cpu_ranks_and_two_ranks_equal_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data["summary"]) == {"24", "15"}  # 15 tokens over 2 ranks: one padded token
-    for tokens, row in data["summary"].items():
+    for _tokens, row in data["summary"].items():
         assert set(row) == {"1", "2"}
         assert row["1"]["speedup"] == pytest.approx(1.0) and row["1"]["efficiency"] == pytest.approx(1.0)
         assert row["2"]["max_abs_diff_vs_ws1"] <= 1e-5
@@ -49,7 +49,8 @@ def test_text_placements_bench_times_every_placement_and_weights_mode_in_one_poo
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["pool"]["world_size"] == 2
-    assert set(data["rows"]) == {f"{w}/{p}" for w in ("bf16", "nf4") for p in ("single", "accelerate", "batch_parallel")}
+    assert set(data["rows"]) == {f"{w}/{p}" for w in ("bf16", "nf4")
+                                 for p in ("single", "accelerate", "batch_parallel")}
     for name, row in data["rows"].items():
         s = row["sets"]["3x64"]
         assert s["median_ms"] > 0 and s["encode_ms"] > 0 and len(s["memory"]) == 2

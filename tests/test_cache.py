@@ -22,7 +22,8 @@ from ltx_mgpu.text.cache.store import CacheEntryWarning, CacheReport, EmbeddingC
 from ltx_mgpu.text.features import PromptEmbedding
 
 D = 16
-PARTS = CacheKeyParts(gemma_identity="a" * 64, projection_identity="b" * 64, weights_mode="nf4", token_budget=1024, dtype="bfloat16")
+PARTS = CacheKeyParts(gemma_identity="a" * 64, projection_identity="b" * 64, weights_mode="nf4", token_budget=1024,
+                      dtype="bfloat16")
 
 
 def fake_embedding(prompt: str, version: str = "2.0") -> PromptEmbedding:

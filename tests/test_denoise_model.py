@@ -64,8 +64,9 @@ def test_layouts_give_identical_outputs(ckpt, version, tmp_path):
         path = export_transformer_only(ckpt[version], tmp_path / f"dit_{bool(prefix)}_{keep}.safetensors",
                                        prefix=prefix, keep_config=keep)
         with safe_open(str(path), "pt") as f:
-            assert all(k.startswith(prefix) for k in f.keys())
-            assert not any(k.startswith(("vae.", "text_embedding_projection.")) for k in f.keys())
+            assert all(k.startswith(prefix) for k in f.keys())  # noqa: SIM118 - safe_open is not iterable
+            assert not any(k.startswith(("vae.", "text_embedding_projection."))
+                           for k in f.keys())  # noqa: SIM118 - safe_open is not iterable
             assert ("config" in (f.metadata() or {})) == keep
         info = inspect_checkpoint(path)
         assert (info.prefix, info.version, info.config_source) == (prefix, version, "metadata" if keep else "inferred")
@@ -97,7 +98,8 @@ def test_config_that_does_not_fit_the_weights_is_rejected(ckpt, tmp_path):
     cfg = dict(info.config["transformer"], apply_gated_attention=False)
     src = tmp_path / "wrong_config.safetensors"
     with safe_open(str(ckpt["2.3"]), "pt") as f:
-        save_file({k: f.get_tensor(k) for k in f.keys()}, str(src), metadata={"config": json.dumps({"transformer": cfg})})
+        save_file({k: f.get_tensor(k) for k in f.keys()}, str(src),  # noqa: SIM118 - safe_open is not iterable
+                  metadata={"config": json.dumps({"transformer": cfg})})
     with pytest.raises(CheckpointError, match="do not fit.*unexpected"):
         load_ltx_model(src, dtype=F32)
 
@@ -127,7 +129,7 @@ def test_weight_scale_and_comfy_quant_fp8_formats(ckpt, tmp_path):
     ``scale_weight`` one; a non-fp8 ``comfy_quant`` format is refused by name."""
     legacy = export_transformer_only(ckpt["2.3"], tmp_path / "legacy.safetensors", fp8="scaled")
     with safe_open(str(legacy), "pt") as f:
-        sd, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        sd, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 - safe_open is not iterable
 
     def rewrite(name, fmt):
         out = {}
@@ -188,7 +190,8 @@ def test_lora_changes_output_strength_zero_does_not(ckpt, tmp_path):
     assert not torch.allclose(got[0], ref[0]) and not torch.allclose(got[2], ref[2])  # connector and DiT changed
     a, b, _ = entries["transformer_blocks.0.attn1.to_q"]
     w0 = base.transformer.state_dict()["transformer_blocks.0.attn1.to_q.weight"]
-    torch.testing.assert_close(fused.transformer.state_dict()["transformer_blocks.0.attn1.to_q.weight"], w0 + 0.7 * (b @ a))
+    torch.testing.assert_close(fused.transformer.state_dict()["transformer_blocks.0.attn1.to_q.weight"],
+                               w0 + 0.7 * (b @ a))
 
 
 def test_lora_kohya_naming_with_alpha_equals_scaled_peft_naming(ckpt, tmp_path):

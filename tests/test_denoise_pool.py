@@ -48,7 +48,8 @@ def _cond(tokens: int, seed: int, **extra):
 def _av_latent(f=3, h=3, w=5, n=7, seed=11, masked=False, **keys):
     """An audio-video LATENT as LTXVConcatAVLatent makes it (f*h*w video tokens)."""
     g = torch.Generator().manual_seed(seed)
-    out = {"samples": NestedTensorLike([torch.randn(1, 128, f, h, w, generator=g), torch.randn(1, 8, n, 16, generator=g)]),
+    out = {"samples": NestedTensorLike([torch.randn(1, 128, f, h, w, generator=g),
+                                        torch.randn(1, 8, n, 16, generator=g)]),
            "type": "audio", **keys}
     if masked:  # image-to-video: frame 0 kept, the first audio latents partly kept
         vm, am = torch.ones(1, 1, f, 1, 1), torch.ones(1, 1, n, 1)
@@ -121,7 +122,8 @@ def test_sample_through_two_ranks_equals_the_in_process_sampler(pool2, model23, 
     latent = _av_latent(masked=masked, my_key="kept")
     timing = {"sigmas": SIGMAS} if sigmas else {"steps": 3}
     seen = []
-    got = remote_sample(pool2, SampleRequest(pos, neg if cfg != 1 else None, latent, cfg=cfg, seed=42, **timing), timeout=120, on_progress=lambda *p: seen.append(p))
+    got = remote_sample(pool2, SampleRequest(pos, neg if cfg != 1 else None, latent, cfg=cfg, seed=42, **timing),
+                        timeout=120, on_progress=lambda *p: seen.append(p))
     ref = sample(model23, pos, neg if cfg != 1 else None, latent, cfg=cfg, seed=42, **timing)
     assert type(got["samples"]) is NestedTensorLike
     assert [p.shape for p in _parts(got)] == [p.shape for p in _parts(latent)]
@@ -133,7 +135,8 @@ def test_sample_through_two_ranks_equals_the_in_process_sampler(pool2, model23, 
 
 
 def test_same_seed_same_output_different_seed_different(pool2):
-    run = lambda seed: remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), sigmas=SIGMAS, seed=seed), timeout=120)  # noqa: E731
+    run = lambda seed: remote_sample(  # noqa: E731
+        pool2, SampleRequest(_cond(9, 1), None, _av_latent(), sigmas=SIGMAS, seed=seed), timeout=120)
     a, b, c = run(5), run(5), run(6)
     assert all(torch.equal(x, y) for x, y in zip(_parts(a), _parts(b), strict=True))
     assert all(not torch.allclose(x, y, atol=1e-3) for x, y in zip(_parts(a), _parts(c), strict=True))
@@ -150,12 +153,14 @@ def test_lora_changes_the_output_and_two_ranks_still_equal_world_size_one(pool2,
     loaded = remote_load_transformer(pool2, str(tiny_ltx_23), dtype="fp32", loras=[(lora, 1.0)], name="with_lora")
     assert loaded["loras"] == [{"path": lora, "strength": 1.0}]
     pos, neg, latent = _cond(9, 1), _cond(5, 2), _av_latent()
-    got = remote_sample(pool2, SampleRequest(pos, neg, latent, model="with_lora", sigmas=SIGMAS, cfg=2.0, seed=3), timeout=120)
+    got = remote_sample(pool2, SampleRequest(pos, neg, latent, model="with_lora", sigmas=SIGMAS, cfg=2.0, seed=3),
+                        timeout=120)
     plain = remote_sample(pool2, SampleRequest(pos, neg, latent, sigmas=SIGMAS, cfg=2.0, seed=3), timeout=120)
     ref = sample(load_ltx_model(tiny_ltx_23, dtype=F32, loras=[(lora, 1.0)]), pos, neg, latent, sigmas=SIGMAS,
                  cfg=2.0, seed=3)
     assert _max_diff(got, ref) <= TOL
-    assert all(_max_diff({"samples": x}, {"samples": y}) > 1e-3 for x, y in zip(_parts(got), _parts(plain), strict=True))
+    assert all(_max_diff({"samples": x}, {"samples": y}) > 1e-3
+               for x, y in zip(_parts(got), _parts(plain), strict=True))
     pool2.request("unload", {"names": ["with_lora"]}, timeout=30)
 
 
@@ -193,14 +198,16 @@ def test_too_many_tokens_is_bad_input_and_a_fitting_latent_still_samples(pool2, 
     remote_load_transformer(pool2, str(tiny_ltx_23), dtype="fp32", max_tokens=44, name="small")
     with pytest.raises(BadInputError, match=r"45 tokens .*max_tokens=44.*Lower the resolution or the number of frames"):
         remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), model="small", sigmas=SIGMAS), timeout=60)
-    out = remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(f=2, h=3, w=4), model="small", sigmas=SIGMAS), timeout=60)
+    out = remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(f=2, h=3, w=4), model="small",
+                                             sigmas=SIGMAS), timeout=60)
     assert _parts(out)[0].shape == (1, 128, 2, 3, 4)
     pool2.request("unload", {"names": ["small"]}, timeout=30)
 
 
 def test_bad_requests_name_the_fix_and_the_pool_keeps_serving(pool2, tmp_path, tiny_ltx_23):
     with pytest.raises(BadInputError, match="'keyframe_idxs' .*LTXVAddGuide"):
-        remote_sample(pool2, SampleRequest(_cond(9, 1, keyframe_idxs=torch.zeros(1, 3)), None, _av_latent(), sigmas=SIGMAS))
+        remote_sample(pool2, SampleRequest(_cond(9, 1, keyframe_idxs=torch.zeros(1, 3)), None, _av_latent(),
+                                           sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="'my_hook'; .*refuses to ignore"):
         remote_sample(pool2, SampleRequest(_cond(9, 1, my_hook=object()), None, _av_latent(), sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="no LTX-2 transformer named 'nope'.*load one first"):
@@ -217,7 +224,8 @@ def test_bad_requests_name_the_fix_and_the_pool_keeps_serving(pool2, tmp_path, t
 def test_cancel_stops_at_a_step_boundary_and_the_pool_keeps_serving(pool2):
     seen = []
     with pytest.raises(JobCancelledError):
-        remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), steps=400), on_progress=lambda *p: seen.append(p), should_cancel=lambda: bool(seen), timeout=120)
+        remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), steps=400),
+                      on_progress=lambda *p: seen.append(p), should_cancel=lambda: bool(seen), timeout=120)
     assert seen and seen[0] == ("denoise", 1, 400) and len(seen) < 400
     _serving(pool2, 2)
 
@@ -237,7 +245,8 @@ def test_latent_layout_round_trips_every_comfyui_form():
         assert set(back) == set(latent) & {"samples", "noise_mask", "type", "batch_index"}
         for key in ("samples", "noise_mask"):
             if key in latent:
-                assert all(torch.equal(x, y) for x, y in zip(_parts({"samples": back[key]}), _parts({"samples": latent[key]}), strict=True))
+                assert all(torch.equal(x, y) for x, y in zip(_parts({"samples": back[key]}),
+                                                             _parts({"samples": latent[key]}), strict=True))
         assert back.get("batch_index") == latent.get("batch_index") and back.get("type") == latent.get("type")
         result, out = latent_to_result(back)
         rebuilt = latent_from_result(latent, result, out)

@@ -246,7 +246,8 @@ def test_a_compiled_spec_encodes_as_the_eager_one_and_refuses_nf4(tiny_gemma_dir
     assert counters["stats"]["unique_graphs"] > graphs  # compiled while loading (one and two prompts)
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in compiled.tower.model.layers)
     assert not hasattr(eager.tower.model.layers[0].forward, "_torchdynamo_orig_callable")
-    assert cache_key_parts(spec.config) == cache_key_parts(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
+    assert cache_key_parts(spec.config) == cache_key_parts(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23,
+                                                                             dtype="float32"))
     for batch in (prompts, prompts[1:]):
         for c, e in zip(compiled.encode(batch), eager.encode(batch)):
             torch.testing.assert_close(c.tensor, e.tensor, rtol=1e-4, atol=1e-4)
@@ -388,8 +389,9 @@ def test_a_tokenizer_copied_into_a_comfy_files_stem_directory_recomputes_the_par
     d = tmp_path / "te"
     d.mkdir()
     with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
-        save_file({k: f.get_tensor(k) for k in f.keys() if k != "spiece_model"}, str(d / "gemma.safetensors"),
-                  metadata=dict(f.metadata()))
+        save_file({k: f.get_tensor(k)
+                   for k in f.keys() if k != "spiece_model"},  # noqa: SIM118 - safe_open is not iterable
+                  str(d / "gemma.safetensors"), metadata=dict(f.metadata()))
     shutil.copy(tiny_gemma_dir / "tokenizer.json", d)
     (d / "gemma").mkdir()
     proj = tmp_path / "proj.safetensors"
@@ -398,7 +400,8 @@ def test_a_tokenizer_copied_into_a_comfy_files_stem_directory_recomputes_the_par
     spec = LocalTextEncoder(TextEncoderConfig(d / "gemma.safetensors", proj, dtype="float32"))
     before = cache_key_parts(spec.config)
     shutil.copy(tiny_gemma_dir / "tokenizer.model", d / "gemma")  # only d/gemma's mtime changes
-    assert cache_key_parts(spec.config).gemma_identity == gemma_identity(d / "gemma.safetensors") != before.gemma_identity
+    assert (cache_key_parts(spec.config).gemma_identity == gemma_identity(d / "gemma.safetensors")
+            != before.gemma_identity)
 
 
 def test_a_file_added_in_an_empty_subdirectory_of_an_nf4_artifact_recomputes_the_parts(tiny_ltx_23, tmp_path):

@@ -64,7 +64,8 @@ def _unsupported(tmp_path: Path, gemma) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize(
-    "case", ["random_safetensors", "pickle_file", "empty_dir", "pickle_snapshot", "other_model", "hf_shard", "garbage_safetensors"]
+    "case", ["random_safetensors", "pickle_file", "empty_dir", "pickle_snapshot", "other_model", "hf_shard",
+             "garbage_safetensors"]
 )
 def test_unsupported_sources_name_the_supported_formats(gemma, tmp_path, case):
     path = _unsupported(tmp_path, gemma)[case]
@@ -98,7 +99,8 @@ def test_snapshot_matches_full_multimodal_model(gemma):
     """No silent random init: the text tower equals the one inside the full official model."""
     from transformers import Gemma3ForConditionalGeneration
 
-    full = Gemma3ForConditionalGeneration.from_pretrained(gemma["snapshot"], dtype=torch.bfloat16, attn_implementation="sdpa")
+    full = Gemma3ForConditionalGeneration.from_pretrained(gemma["snapshot"], dtype=torch.bfloat16,
+                                                          attn_implementation="sdpa")
     ids, mask, _ = tokenize(gemma["tower"], PROMPTS)
     with torch.inference_mode():
         ref = full.model.language_model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
@@ -109,7 +111,8 @@ def test_hidden_state_convention(gemma):
     """Index 0 = scaled embeddings, last = final decoder layer output after the final RMSNorm."""
     model = gemma["tower"].model
     seen = {}
-    handle = model.layers[-1].register_forward_hook(lambda m, i, o: seen.setdefault("last", o[0] if isinstance(o, tuple) else o))
+    handle = model.layers[-1].register_forward_hook(
+        lambda m, i, o: seen.setdefault("last", o[0] if isinstance(o, tuple) else o))
     try:
         hs, mask = hidden(gemma["tower"])
     finally:
@@ -130,7 +133,8 @@ def test_text_only_snapshot_layout(gemma, tmp_path):
     (out / "config.json").write_text(json.dumps({**cfg, "architectures": ["Gemma3ForCausalLM"]}))
     sd = load_file(str(src / "model.safetensors"))
     prefix = "language_model.model."
-    save_file({"model." + k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}, str(out / "model.safetensors"))
+    save_file({"model." + k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)},
+              str(out / "model.safetensors"))
     tower = load_gemma_text_tower(out)
     assert detect_gemma_format(out) == "hf_snapshot" and out / "tokenizer.model" in tower.files
     assert_identical(hidden(tower)[0], hidden(gemma["tower"])[0])

@@ -37,13 +37,14 @@ def test_snapshot_missing_tensor_is_named(gemma, tmp_path):
     sd = load_file(str(broken / "model.safetensors"))
     del sd["language_model.model.layers.3.mlp.down_proj.weight"]
     save_file(sd, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(GemmaWeightsError, match=r"missing text-tower weight\(s\): \['layers\.3\.mlp\.down_proj\.weight'\]"):
+    with pytest.raises(GemmaWeightsError,
+                       match=r"missing text-tower weight\(s\): \['layers\.3\.mlp\.down_proj\.weight'\]"):
         load_gemma_text_tower(broken)
 
 
 def _rewrite_comfy(src: Path, dst: Path, drop=(), rename=None, metadata=None):
     with safe_open(str(src), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k not in drop}  # noqa: SIM118 - safe_open is not iterable
         meta = dict(f.metadata())
     if rename:
         tensors = {rename(k): v for k, v in tensors.items()}
@@ -53,7 +54,8 @@ def _rewrite_comfy(src: Path, dst: Path, drop=(), rename=None, metadata=None):
 
 def test_comfy_missing_tensor_and_config_mismatch(gemma, tmp_path):
     with pytest.raises(GemmaWeightsError, match=r"layers\.0\.self_attn\.k_norm\.weight"):
-        load_gemma_text_tower(_rewrite_comfy(gemma["comfy"], tmp_path / "m.safetensors", drop={"model.layers.0.self_attn.k_norm.weight"}))
+        load_gemma_text_tower(_rewrite_comfy(gemma["comfy"], tmp_path / "m.safetensors",
+                                             drop={"model.layers.0.self_attn.k_norm.weight"}))
     with safe_open(str(gemma["comfy"]), "pt") as f:
         meta = dict(f.metadata())
     cfg = json.loads(meta["ltx_mgpu_gemma_config"])
@@ -71,7 +73,8 @@ def test_comfy_without_metadata_infers_config(gemma, tmp_path):
     ref = gemma["tower"].config
     inferred = tower.config
     same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "query_pre_attn_scalar", "layer_types", "rope_parameters", "rms_norm_eps")
+            "num_key_value_heads", "head_dim", "query_pre_attn_scalar", "layer_types", "rope_parameters",
+            "rms_norm_eps")
     assert {k: getattr(inferred, k) for k in same} == {k: getattr(ref, k) for k in same}
     assert inferred.sliding_window == 1024  # Gemma 3 12B's default: differs from the tiny model's 16
     short = ["the cat walks", "a dog"]  # <= 16 tokens: the sliding window does not bite
@@ -100,14 +103,15 @@ def test_fp16_and_fp8_comfy_files_are_close_to_bf16(gemma, tmp_path):
     assert all(float(c.min()) >= 0.97 and float(c.mean()) >= 0.99 for c in cos8), [float(c.min()) for c in cos8]
     assert not all(torch.equal(x, y) for x, y in zip(base, h8))  # fp8 really was dequantised, not bypassed
     # the older ComfyUI scaled-fp8 naming (<layer>.scale_weight) dequantises the same way
-    legacy = _rewrite_comfy(fp8, tmp_path / "legacy.safetensors", rename=lambda k: k.replace(".weight_scale", ".scale_weight"))
+    legacy = _rewrite_comfy(fp8, tmp_path / "legacy.safetensors",
+                            rename=lambda k: k.replace(".weight_scale", ".scale_weight"))
     assert_identical(hidden(load_gemma_text_tower(legacy))[0], h8)
 
 
 def test_unsupported_quantized_comfy_weights(gemma, tmp_path):
     path = tmp_path / "q.safetensors"
     with safe_open(str(gemma["comfy"]), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
         meta = dict(f.metadata())
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(128, 32, dtype=torch.uint8)  # packed 4-bit
     save_file(tensors, str(path), metadata=meta)
@@ -157,7 +161,8 @@ def test_identity_is_content_based(gemma, tmp_path):
 
 def test_gemma3_12b_default_config():
     cfg = gemma3_text_config()
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (3840, 48, 16, 8)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads) == (3840, 48, 16, 8)
     assert (cfg.head_dim, cfg.query_pre_attn_scalar, cfg.sliding_window, cfg.vocab_size) == (256, 256, 1024, 262208)
     assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17, 23, 29, 35, 41, 47]
     assert cfg.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
@@ -166,7 +171,8 @@ def test_gemma3_12b_default_config():
 def test_comfy_file_with_a_broken_embedded_tokenizer_is_named(gemma, tmp_path):
     path = tmp_path / "badtok.safetensors"
     with safe_open(str(gemma["comfy"]), "pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+        tensors, meta = ({k: f.get_tensor(k) for k in f.keys()},  # noqa: SIM118 - safe_open is not iterable
+                         dict(f.metadata()))
     tensors["spiece_model"] = torch.frombuffer(bytearray(b"\xff" * 64), dtype=torch.uint8)
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(GemmaFormatError, match=r"badtok\.safetensors: embedded 'spiece_model': not a SentencePiece"):

@@ -322,7 +322,8 @@ def test_directory_settings_that_name_a_file_are_refused_with_the_setting_named(
     assert check_directory_setting(tmp_path / "new" / "dir", "--cache") == tmp_path / "new" / "dir"
     for what, call in [
         ("$LTX_MGPU_HOME", lambda: (monkeypatch.setenv("LTX_MGPU_HOME", str(afile)), home_dir())),
-        ("$LTX_MGPU_CACHE_DIR", lambda: (monkeypatch.setenv("LTX_MGPU_CACHE_DIR", str(afile / "sub")), default_cache_dir())),
+        ("$LTX_MGPU_CACHE_DIR", lambda: (monkeypatch.setenv("LTX_MGPU_CACHE_DIR", str(afile / "sub")),
+                                         default_cache_dir())),
         ("$LTX_MGPU_RUNTIME_DIR", lambda: (monkeypatch.setenv("LTX_MGPU_RUNTIME_DIR", str(afile)), runtime_base())),
         ("runtime directory", lambda: runtime_base(afile)),
         ("cache directory", lambda: EmbeddingCache(afile)),

@@ -93,7 +93,8 @@ def test_batches_it_does_not_graph_are_left_to_the_eager_path(tower):
     long_ids, long_mask, _ = tokenize(tower, ["one two three four five six seven eight nine ten eleven twelve"])
     assert long_mask.shape[1] > 16 and _runner(tower).run(long_ids, long_mask) is None  # beyond the window
     ids, mask, _ = tokenize(tower, PROMPTS[:1])  # padded on the right: eager raises, the runner passes
-    ids, mask = torch.cat([ids, torch.zeros((1, 3), dtype=ids.dtype)], 1), torch.cat([mask, torch.zeros((1, 3), dtype=mask.dtype)], 1)
+    ids, mask = (torch.cat([ids, torch.zeros((1, 3), dtype=ids.dtype)], 1),
+                 torch.cat([mask, torch.zeros((1, 3), dtype=mask.dtype)], 1))
     assert _runner(tower).run(ids, mask) is None
     with pytest.raises(ValueError, match="left padding"):
         run_tower(tower, ids, mask)

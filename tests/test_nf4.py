@@ -42,7 +42,8 @@ def _rewrite_shard(artifact: Path, edit, update_manifest: bool = True) -> None:
     if update_manifest:
         manifest["files"][name] = {
             "bytes": (artifact / name).stat().st_size,
-            "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in tensors.items()},
+            "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                        for k, v in tensors.items()},
         }
         (artifact / NF4_MANIFEST).write_text(json.dumps(manifest))
 
@@ -52,7 +53,8 @@ def _rewrite_shard(artifact: Path, edit, update_manifest: bool = True) -> None:
 
 def test_quantize_load_equals_on_the_fly(tiny_gemma_dir, artifact, nf4_tower, tmp_path):
     otf = load_nf4_on_the_fly(tiny_gemma_dir, save_to=tmp_path / "saved")
-    assert (otf.weights, otf.format, nf4_tower.weights, nf4_tower.format) == ("nf4", "hf_snapshot", "nf4", "nf4_artifact")
+    assert (otf.weights, otf.format, nf4_tower.weights, nf4_tower.format) == ("nf4", "hf_snapshot", "nf4",
+                                                                              "nf4_artifact")
     # same bytes: every tensor, and the artifact saved on the fly is file-for-file identical
     a, b = _quant_tensors(nf4_tower), _quant_tensors(otf)
     assert a.keys() == b.keys() and len([k for k in a if k.endswith(".weight.absmax")]) == 6 * len(PROJECTIONS)
@@ -82,7 +84,8 @@ def test_artifact_contents_and_manifest(tiny_gemma_dir, artifact, nf4_tower, bf1
                                   "identity": gemma_identity(tiny_gemma_dir)}
     assert set(manifest["versions"]) == {"ltx_mgpu", "torch", "transformers", "bitsandbytes", "safetensors"}
     q = manifest["quantization"]
-    assert (q["quant_type"], q["blocksize"], q["double_quant"], q["compute_dtype"], q["device"]) == ("nf4", 64, True, "bfloat16", "cpu")
+    assert (q["quant_type"], q["blocksize"], q["double_quant"], q["compute_dtype"], q["device"]) == ("nf4", 64, True,
+                                                                                                     "bfloat16", "cpu")
     params = manifest["parameters"]
     assert sum(v["dtype"] == "nf4" for v in params.values()) == 6 * 7
     assert {n for n, v in params.items() if v["dtype"] == "bfloat16"} >= {"embed_tokens.weight", "norm.weight"}
@@ -94,7 +97,8 @@ def test_artifact_contents_and_manifest(tiny_gemma_dir, artifact, nf4_tower, bf1
     assert len(lins) == 42 and all(n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] in PROJECTIONS for n in lins)
     for m in lins.values():
         qs = m.weight.quant_state
-        assert (m.compute_dtype, qs.quant_type, qs.nested, qs.blocksize, qs.dtype) == (torch.bfloat16, "nf4", True, 64, torch.bfloat16)
+        assert (m.compute_dtype, qs.quant_type, qs.nested, qs.blocksize, qs.dtype) == (torch.bfloat16, "nf4", True, 64,
+                                                                                       torch.bfloat16)
         assert m.support_avx512bf16_for_cpu is False
     assert nf4_tower.model.embed_tokens.weight.dtype == torch.bfloat16
     assert nf4_tower.identity == gemma_identity(artifact)

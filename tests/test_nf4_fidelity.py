@@ -57,7 +57,8 @@ def test_generic_cpu_path_equals_dequantized_bf16_model(artifact, nf4_tower, tin
     h_ref, _ = hidden(ref)
     assert all(torch.equal(a, b) for a, b in zip(h_nf4, h_ref))
     # after forwards: no weight was repacked, and a save equals the original artifact byte for byte
-    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in nf4_linears(nf4_tower.model).values())
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+                   for m in nf4_linears(nf4_tower.model).values())
     save_nf4(nf4_tower, tmp_path / "resaved")
     for f in artifact.iterdir():
         assert filecmp.cmp(f, tmp_path / "resaved" / f.name, shallow=False), f.name

@@ -113,16 +113,19 @@ def test_bad_pool_settings_name_the_fix():
 def test_file_pickers_list_comfyui_model_folders(env, tiny_ltx_23):
     gemma = NODES["LTXMGPU_GemmaLoader"].INPUT_TYPES()["required"]
     assert gemma["gemma"][0] == ["tiny-gemma/", "tiny-gemma-comfy.safetensors"]  # the snapshot's shards are hidden
-    assert gemma["projection"][0] == ["checkpoints/tiny-ltx-2.3.safetensors", "text_encoders/tiny-gemma-comfy.safetensors"]
+    assert gemma["projection"][0] == ["checkpoints/tiny-ltx-2.3.safetensors",
+                                      "text_encoders/tiny-gemma-comfy.safetensors"]
     assert NODES["LTXMGPU_ModelLoader"].INPUT_TYPES()["required"]["ckpt_name"][0] == ["tiny-ltx-2.3.safetensors"]
-    assert bridge.full_path("checkpoints", "tiny-ltx-2.3.safetensors") == str(env / "checkpoints" / "tiny-ltx-2.3.safetensors")
+    assert (bridge.full_path("checkpoints", "tiny-ltx-2.3.safetensors")
+            == str(env / "checkpoints" / "tiny-ltx-2.3.safetensors"))
     assert bridge.full_path("checkpoints", str(tiny_ltx_23)) == str(tiny_ltx_23)  # explicit paths work too
     with pytest.raises(FileNotFoundError, match=r"'nope.safetensors' was not found in the checkpoints folder"):
         bridge.full_path("checkpoints", "nope.safetensors")
     with pytest.raises(FileNotFoundError, match="neither models/checkpoints nor models/diffusion_models"):
         denoise_nodes.resolve_checkpoint("nope.safetensors")
     lora = str(env / "loras" / "style.safetensors")
-    assert denoise_nodes.parse_loras("style.safetensors:0.5\n# comment\n\nstyle.safetensors") == [(lora, 0.5), (lora, 1.0)]
+    assert (denoise_nodes.parse_loras("style.safetensors:0.5\n# comment\n\nstyle.safetensors")
+            == [(lora, 0.5), (lora, 1.0)])
     with pytest.raises(ValueError, match="strength 'strong' is not a number; write file.safetensors:0.8"):
         denoise_nodes.parse_loras("style.safetensors:strong")
 

@@ -87,7 +87,8 @@ def test_gemma_loader_rejects_a_file_that_is_not_gemma(pool):
     from ltx_mgpu.text.gemma.sources import GemmaFormatError
 
     with pytest.raises(GemmaFormatError, match="Supported Gemma 3 formats"):
-        node("LTXMGPU_GemmaLoader").load(pool, str(Path(os.environ["LTX_MGPU_MODELS_DIR"]) / "loras" / "style.safetensors"),
+        node("LTXMGPU_GemmaLoader").load(pool,
+                                         str(Path(os.environ["LTX_MGPU_MODELS_DIR"]) / "loras" / "style.safetensors"),
                                          "checkpoints/tiny-ltx-2.3.safetensors", "bf16", "single", True)
 
 
@@ -113,7 +114,8 @@ def test_sp_sampler_returns_the_pool_latent_in_comfyui_form(pool, model, conds, 
     with torch.inference_mode():
         (out,) = node("LTXMGPU_SPSampler").sample(model, pos, neg, latent, 3, 2.0, 5, "euler", unique_id="9")
     ref = remote_sample(pool.client, SampleRequest(pos, neg, latent, steps=3, cfg=2.0, seed=5))
-    assert type(out["samples"]) is bridge.nested_tensor_type() and type(out["noise_mask"]) is bridge.nested_tensor_type()
+    assert (type(out["samples"]) is bridge.nested_tensor_type()
+            and type(out["noise_mask"]) is bridge.nested_tensor_type())
     assert [p.shape for p in parts(out)] == [p.shape for p in parts(latent)]
     assert all(torch.equal(a, b) for a, b in zip(parts(out), parts(ref)))
     assert all((a - b).abs().max() > 0.1 for a, b in zip(parts(out), parts(latent)))  # it denoised

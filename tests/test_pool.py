@@ -122,7 +122,8 @@ _hostile = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=_hostile, authenticate=st.booleans())
 def test_hostile_frames_get_an_error_or_a_close_and_the_pool_keeps_serving(client, pool_dir, data, authenticate):
     with raw_connect(pool_dir) as s:
@@ -143,9 +144,11 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-10, 10**12) | st.t
                      max_leaves=8)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mtype=st.sampled_from(["status", "cancel", "hello", "bogus", ""]) | st.text(max_size=10),
-       rid=st.sampled_from(["ok-id", "", "bad id", None, 5]), params=st.dictionaries(st.text(max_size=8), _json, max_size=4),
+       rid=st.sampled_from(["ok-id", "", "bad id", None, 5]),
+       params=st.dictionaries(st.text(max_size=8), _json, max_size=4),
        extra=st.booleans())
 def test_malformed_messages_are_answered_with_an_error(client, pool_dir, mtype, rid, params, extra):
     header = {"type": mtype, "id": rid, "params": params, **({"junk": 1} if extra else {})}
@@ -283,7 +286,8 @@ def test_ten_jobs_with_stable_memory(client):
         result, tensors = client.request("selftest", {"steps": 2, "echo": True}, tensors={"x": x}, timeout=30)
         assert result["allreduce_ok"] and torch.equal(tensors["x"], x)
     growth = [p.memory_info().rss - b for p, b in zip(procs, before)]
-    assert max(growth) < 24 << 20, growth  # 10 jobs moved 80 MiB per rank; (inputs reach every rank, outputs rank 0); none of it may stay
+    # 10 jobs moved 80 MiB per rank; (inputs reach every rank, outputs rank 0); none of it may stay
+    assert max(growth) < 24 << 20, growth
 
 
 def test_disconnecting_client_cancels_its_running_job(client, base):

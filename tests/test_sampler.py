@@ -83,9 +83,11 @@ def _comfy_reference(model, positive, negative, latent, sigmas, cfg, seed, fps=2
     video = tensors[0] if len(tensors) == 2 or latent.get("type") != "audio" else None
     vpos = apos = None
     if video is not None:
-        vpos = VideoLatentTools(VideoLatentPatchifier(1), VideoLatentShape(*shapes[0]), fps=fps).create_initial_state("cpu", F32).positions
+        vpos = VideoLatentTools(VideoLatentPatchifier(1), VideoLatentShape(*shapes[0]),
+                                fps=fps).create_initial_state("cpu", F32).positions
     if len(tensors) == 2 or video is None:
-        apos = AudioLatentTools(AudioPatchifier(1), AudioLatentShape(*shapes[-1])).create_initial_state("cpu", F32).positions
+        apos = AudioLatentTools(AudioPatchifier(1),
+                                AudioLatentShape(*shapes[-1])).create_initial_state("cpu", F32).positions
     contexts = {name: text_contexts(model, c[0][0], True) for name, c in (("pos", positive), ("neg", negative)) if c}
 
     def denoise(x, sigma, ctx):  # BaseModel.apply_model for CONST: x - sigma * model(x, sigma)
@@ -101,7 +103,8 @@ def _comfy_reference(model, positive, negative, latent, sigmas, cfg, seed, fps=2
         if apos is not None:
             a = parts[-1]
             ts = tmask[-1][:, :1, :, :1].flatten(1) * sigma  # LTXAV.process_timestep, audio
-            mods.append(Modality(a.permute(0, 2, 1, 3).reshape(a.shape[0], a.shape[2], -1), ts.amax().expand(1), ts, apos, ctx[1]))
+            mods.append(Modality(a.permute(0, 2, 1, 3).reshape(a.shape[0], a.shape[2], -1), ts.amax().expand(1), ts,
+                                 apos, ctx[1]))
         else:
             mods.append(None)
         vx, ax = model.transformer(mods[0], mods[1], None)
@@ -179,7 +182,8 @@ def test_seed_determines_the_noise(model23):
 
 
 def test_comfy_noise_matches_prepare_noise_including_batch_index():
-    lat = {"samples": NestedTensorLike([torch.zeros(3, 128, 2, 2, 2), torch.zeros(3, 8, 4, 16)]), "batch_index": [2, 0, 2]}
+    lat = {"samples": NestedTensorLike([torch.zeros(3, 128, 2, 2, 2), torch.zeros(3, 8, 4, 16)]),
+           "batch_index": [2, 0, 2]}
     with torch.random.fork_rng():
         g = torch.manual_seed(123)
         draws = [[torch.randn([1, *t.shape[1:]], generator=g) for _ in range(3)] for t in lat["samples"].tensors]
@@ -236,7 +240,8 @@ def test_unsupported_conditioning_key_is_rejected_by_name(model23, key):
 def test_attention_mask_only_if_all_ones(model23):
     ok = _cond(48, 9, 1, attention_mask=torch.ones(1, 9))
     ref = _tensors(sample(model23, _cond(48, 9, 1), None, _av_latent(), sigmas=SIGMAS))
-    assert all(torch.equal(x, y) for x, y in zip(_tensors(sample(model23, ok, None, _av_latent(), sigmas=SIGMAS)), ref, strict=True))
+    assert all(torch.equal(x, y)
+               for x, y in zip(_tensors(sample(model23, ok, None, _av_latent(), sigmas=SIGMAS)), ref, strict=True))
     bad = torch.ones(1, 9)
     bad[0, 0] = 0
     with pytest.raises(ConditioningError, match="attention_mask"):
@@ -279,7 +284,8 @@ def _write_lora(path: Path) -> None:
 
     g = torch.Generator().manual_seed(8)
     sd = {}
-    for m, (o, i) in {"transformer_blocks.0.attn1.to_q": (32, 32), "transformer_blocks.1.video_to_audio_attn.to_k": (16, 32)}.items():
+    for m, (o, i) in {"transformer_blocks.0.attn1.to_q": (32, 32),
+                      "transformer_blocks.1.video_to_audio_attn.to_k": (16, 32)}.items():
         sd[f"diffusion_model.{m}.lora_A.weight"] = torch.randn(2, i, generator=g)
         sd[f"diffusion_model.{m}.lora_B.weight"] = 0.5 * torch.randn(o, 2, generator=g)
     save_file(sd, str(path))
@@ -304,7 +310,8 @@ def _rank_main(spec_path: str, rank: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=spec["world"])
     for case in spec["cases"]:
         outs = _run_case(case, spec["ckpt"], spec["lora"], velocity=lambda m: m.velocity_model(None))
-        save_file({f"t{i}": t.contiguous() for i, t in enumerate(outs)}, str(Path(spec_path).parent / f"r{rank}_{case['name']}.safetensors"))
+        save_file({f"t{i}": t.contiguous() for i, t in enumerate(outs)},
+                  str(Path(spec_path).parent / f"r{rank}_{case['name']}.safetensors"))
     dist.destroy_process_group()
 
 
@@ -316,7 +323,8 @@ def sp_run(tiny_ltx_23, tmp_path_factory):
     lora = out / "lora.safetensors"
     _write_lora(lora)
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"cases": SP_CASES, "port": free_port(), "world": 2, "ckpt": str(tiny_ltx_23), "lora": str(lora)}))
+    spec.write_text(json.dumps({"cases": SP_CASES, "port": free_port(), "world": 2, "ckpt": str(tiny_ltx_23),
+                                "lora": str(lora)}))
     from rank_support import run_rank_processes
 
     run_rank_processes(__file__, str(spec), 2, timeout=120)

@@ -136,7 +136,8 @@ def test_heads_not_divisible_fail_identically_on_every_rank_before_any_collectiv
 
 def test_world_size_one_is_the_plain_model():
     model = build_tiny_model()
-    originals = [(b.attn1.attention_function, b.video_to_audio_attn.attention_function) for b in model.transformer_blocks]
+    originals = [(b.attn1.attention_function, b.video_to_audio_attn.attention_function)
+                 for b in model.transformer_blocks]
     sp = SequenceParallelTransformer(model, None, max_tokens=64)
     assert sp.world_size == 1
     after = [(b.attn1.attention_function, b.video_to_audio_attn.attention_function) for b in model.transformer_blocks]
@@ -152,7 +153,8 @@ def test_world_size_one_is_the_plain_model():
 
 def test_wrappers_are_idempotent_and_removable():
     model = build_tiny_model()
-    original = [(b.attn1.attention_function, b.video_to_audio_attn.attention_function) for b in model.transformer_blocks]
+    original = [(b.attn1.attention_function, b.video_to_audio_attn.attention_function)
+                for b in model.transformer_blocks]
     state = _ShardState(group=None, world=2, rank=0)
     assert install_attention_wrappers(model, state) == 2 * len(model.transformer_blocks)
     install_attention_wrappers(model, _ShardState(group=None, world=2, rank=1))
@@ -164,7 +166,8 @@ def test_wrappers_are_idempotent_and_removable():
         assert block.attn1.attention_function.state.rank == 1
     assert remove_attention_wrappers(model) == 2 * len(model.transformer_blocks)
     assert remove_attention_wrappers(model) == 0
-    restored = [(b.attn1.attention_function, b.video_to_audio_attn.attention_function) for b in model.transformer_blocks]
+    restored = [(b.attn1.attention_function, b.video_to_audio_attn.attention_function)
+                for b in model.transformer_blocks]
     assert restored == original
 
 
@@ -172,9 +175,12 @@ def test_head_divisibility_lists_the_world_sizes_that_work():
     model = build_tiny_model(num_attention_heads=6, audio_num_attention_heads=4, cross_attention_dim=48)
     assert valid_world_sizes(model) == [1, 2]
     check_sequence_parallel_config(model, 2)
-    with pytest.raises(SequenceParallelConfigError, match="6 video attention heads and 4 audio attention heads.*4 ranks do not divide them.*: 1, 2"):
+    with pytest.raises(SequenceParallelConfigError,
+                       match=("6 video attention heads and 4 audio attention heads.*4 ranks do not divide them"
+                              ".*: 1, 2")):
         check_sequence_parallel_config(model, 4)
-    assert valid_world_sizes(build_tiny_model(video_only=True, num_attention_heads=6, cross_attention_dim=48)) == [1, 2, 3, 6]
+    assert valid_world_sizes(build_tiny_model(video_only=True, num_attention_heads=6,
+                                              cross_attention_dim=48)) == [1, 2, 3, 6]
 
 
 def test_wrapping_an_x0_model_names_the_fix():

@@ -42,7 +42,8 @@ CORE_NODES: dict[str, dict] = {
     "VAEDecode": {"inputs": [("samples", "LATENT"), ("vae", "VAE")], "outputs": [("IMAGE", "IMAGE")]},
     "EmptyLTXVLatentVideo": {"inputs": [("width", "INT"), ("height", "INT"), ("length", "INT"), ("batch_size", "INT")],
                              "outputs": [("LATENT", "LATENT")]},
-    "LTXVConditioning": {"inputs": [("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("frame_rate", "FLOAT")],
+    "LTXVConditioning": {"inputs": [("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                                    ("frame_rate", "FLOAT")],
                          "outputs": [("positive", "CONDITIONING"), ("negative", "CONDITIONING")]},
     "LTXVScheduler": {"inputs": [("steps", "INT"), ("max_shift", "FLOAT"), ("base_shift", "FLOAT"),
                                  ("stretch", "BOOLEAN"), ("terminal", "FLOAT"), ("latent?", "LATENT")],
@@ -172,7 +173,8 @@ def test_ui_workflow_is_well_typed(path):
         for s in node.get("inputs", []):
             assert s.get("link") is None or any(link[0] == s["link"] for link in ui["links"])
         for o in node.get("outputs", []):
-            assert all(any(link[0] == lid and link[1] == node["id"] for link in ui["links"]) for lid in o["links"] or [])
+            assert all(any(link[0] == lid and link[1] == node["id"] for link in ui["links"])
+                       for lid in o["links"] or [])
 
 
 @pytest.mark.parametrize("path", _ui_files(), ids=lambda p: p.stem)
@@ -183,7 +185,7 @@ def test_api_twin_is_the_ui_workflow_converted(path):
     assert api == ui_to_api(ui, known)
     for node_id, node in api.items():
         contract = known[node["class_type"]]
-        for name, t in contract["inputs"]:
+        for name, _t in contract["inputs"]:
             if not name.endswith("?"):
                 assert name in node["inputs"], f"{path.stem}: node {node_id} lacks {name}"
         for name, value in node["inputs"].items():

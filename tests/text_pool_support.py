@@ -30,7 +30,8 @@ def reference(gemma, ckpt, prompts, weights="bf16", dtype="float32", batch_size=
     sub-batches of ``batch_size`` (bf16 results depend on the batch's padding, fp32 ones agree)."""
     spec = _REFERENCE.get((gemma, ckpt, weights, dtype))
     if spec is None:
-        spec = _REFERENCE[(gemma, ckpt, weights, dtype)] = LocalTextEncoder(TextEncoderConfig(gemma, ckpt, weights, dtype=dtype))
+        spec = _REFERENCE[(gemma, ckpt, weights, dtype)] = LocalTextEncoder(TextEncoderConfig(gemma, ckpt, weights,
+                                                                                              dtype=dtype))
     if batch_size:
         return spec.build().encode(prompts, batch_size=batch_size)
     return [spec.build().encode([p])[0] for p in prompts]

@@ -69,11 +69,12 @@ SPECIAL_PIECES = {
 SP_NORMAL, SP_UNKNOWN, SP_CONTROL, SP_USER_DEFINED, SP_UNUSED, SP_BYTE = 1, 2, 3, 4, 5, 6
 
 _ALPHABET = ["\u2581", "\n", "\t"] + [chr(c) for c in range(33, 127)] + list("éèàüöäñç’“”—…")
-_WORDS = (
-    "the of and to in is it that for on with as was at by be this are from or an have not but "
-    "all they which one you were her his there can had their what when your out said a cat dog "
-    "red blue light camera slowly walks video scene woman man city night sound music wind rain"
-).split()
+_WORDS = [
+    "the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "was", "at", "by", "be", "this",
+    "are", "from", "or", "an", "have", "not", "but", "all", "they", "which", "one", "you", "were", "her", "his",
+    "there", "can", "had", "their", "what", "when", "your", "out", "said", "a", "cat", "dog", "red", "blue", "light",
+    "camera", "slowly", "walks", "video", "scene", "woman", "man", "city", "night", "sound", "music", "wind", "rain",
+]
 
 ComfyWeightFormat = Literal["bf16", "fp16", "fp8_e4m3fn_scaled"]
 

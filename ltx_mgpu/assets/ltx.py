@@ -205,8 +205,8 @@ def build_tiny_ltx_checkpoint(
     VAE). Metadata: ``config`` (JSON string of :func:`tiny_ltx_config`) and ``model_version``
     (``"2.0.0"`` / ``"2.3.0"``), the two keys ltx-core 1.0.0 and ComfyUI read. ``gemma_hidden`` /
     ``gemma_hidden_states`` size ``text_embedding_projection`` (and, for 2.0, the connectors) for
-    another Gemma than the tiny one, e.g. 640 / 19 for the real Gemma 3 270M (``assets.tiny_ltx_checkpoint_gemma270m``); the
-    defaults give the tiny Gemma's file, unchanged.
+    another Gemma than the tiny one, e.g. 640 / 19 for the real Gemma 3 270M
+    (``assets.tiny_ltx_checkpoint_gemma270m``); the defaults give the tiny Gemma's file, unchanged.
 
     Raises:
         ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``; Gemma dims as :func:`tiny_feature_extractor`.

@@ -121,7 +121,8 @@ def _cmd_encode(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the subcommand to the ``python -m ltx_mgpu`` parser."""
-    p = subparsers.add_parser("encode", help="encode prompts to LTX-2 embeddings (safetensors); --pool: in the GPU pool",
+    p = subparsers.add_parser("encode", help="encode prompts to LTX-2 embeddings (safetensors); "
+                                             "--pool: in the GPU pool",
                        description="Encode prompts to LTX-2 prompt embeddings (one safetensors file), taking what "
                                    "the embedding cache already holds. Without --gemma/--projection the embedded "
                                    "default is used (a real Gemma 3 270M when its package is installed).")
@@ -132,7 +133,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a text file, one prompt per line")
     p.add_argument("--out", required=True, help="output .safetensors file (missing directories are made)")
-    p.add_argument("--cache", help="embedding cache directory (default: $LTX_MGPU_CACHE_DIR, else <ltx_mgpu home>/embeddings; docs/operations.md)")
+    p.add_argument("--cache", help="embedding cache directory (default: $LTX_MGPU_CACHE_DIR, else "
+                                   "<ltx_mgpu home>/embeddings; docs/operations.md)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per Gemma forward (default 8)")
     p.add_argument("--weights", choices=WEIGHTS, default="bf16", help="Gemma weights mode")

@@ -132,8 +132,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help=f"denoising steps (default {d.steps})")
     p.add_argument("--cfg", type=float, default=d.cfg, help=f"guidance scale; 1 = no negative pass (default {d.cfg:g})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"noise seed, as ComfyUI's (default {d.seed})")
-    p.add_argument("--out", default=d.out, help="output MP4 (default %(default)s); latents go to <out>.latents.safetensors beside it; "
-                                                     "missing directories are made")
+    p.add_argument("--out", default=d.out, help="output MP4 (default %(default)s); latents go to "
+                                                "<out>.latents.safetensors beside it; missing directories are made")
     p.add_argument("--checkpoint", help="LTX-2 checkpoint (models/checkpoints/ltx-2*.safetensors)")
     p.add_argument("--gemma", help="Gemma 3 12B: HF snapshot dir, ComfyUI single file or NF4 artifact dir")
     p.add_argument("--projection", help="text projection file when --checkpoint has none (transformer-only files)")
@@ -145,7 +145,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="transformer dtype (default bf16 on GPUs, fp32 on CPU ranks)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="video-token budget (default 32768)")
     cache = p.add_mutually_exclusive_group()
-    cache.add_argument("--cache", dest="cache_dir", help="embedding cache directory (default: $LTX_MGPU_CACHE_DIR, else <ltx_mgpu home>/embeddings; docs/operations.md)")
+    cache.add_argument("--cache", dest="cache_dir", help="embedding cache directory (default: $LTX_MGPU_CACHE_DIR, "
+                                                         "else <ltx_mgpu home>/embeddings; docs/operations.md)")
     cache.add_argument("--no-cache", action="store_true", help="neither read nor write the embedding cache")
     p.add_argument("--runtime-dir", default=None, help="base of the pool's private directory (as `pool start`)")
     p.add_argument("--embedded-gemma", choices=EMBEDDED_GEMMA, default="auto",

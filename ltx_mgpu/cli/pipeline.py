@@ -257,7 +257,9 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
 
         t = time.perf_counter()
         check()
-        denoised = remote_sample(client, SampleRequest(conds[0], conds[1] if len(conds) > 1 else None, latent, steps=req.steps, cfg=req.cfg, seed=req.seed), on_progress=progress, should_cancel=wanted)
+        denoised = remote_sample(client, SampleRequest(conds[0], conds[1] if len(conds) > 1 else None, latent,
+                                                       steps=req.steps, cfg=req.cfg, seed=req.seed),
+                                 on_progress=progress, should_cancel=wanted)
         seconds["denoise"] = time.perf_counter() - t
         pool_models = sorted(client.status()["ranks"][0].get("models", {}))
         pool_pid, started = client.pid, client.launched

@@ -174,7 +174,7 @@ def resolve_models(req: GenerateRequest) -> ResolvedModels:
 
 
 def empty_av_latent(frames: int, height: int, width: int, fps: float,
-                    geometry: AudioGeometry = AudioGeometry()) -> dict:
+                    geometry: AudioGeometry = AudioGeometry()) -> dict:  # noqa: B008 - frozen dataclass, safe to share
     """ComfyUI's empty LTX-2 audio-video LATENT (``EmptyLTXVLatentVideo`` + ``LTXVEmptyLatentAudio``
     + ``LTXVConcatAVLatent``): ``{"samples": NestedTensorLike([video, audio]), "type": "audio"}``
     with video float32 zeros ``[1, 128, (frames-1)//8+1, height//32, width//32]`` and audio zeros
@@ -203,7 +203,8 @@ def world_size_for(req: GenerateRequest, info) -> tuple[int, bool]:
         if max(req.gpu_ids) >= gpus_seen:
             raise ValueError(f"--gpus {','.join(map(str, req.gpu_ids))}: only {gpus_seen} GPU(s) are visible "
                              f"(indices 0..{gpus_seen - 1})" if gpus_seen else
-                             f"--gpus {','.join(map(str, req.gpu_ids))}: no GPU is visible; use --gpus N for N CPU ranks")
+                             f"--gpus {','.join(map(str, req.gpu_ids))}: no GPU is visible; "
+                             "use --gpus N for N CPU ranks")
     elif req.gpus is None:
         limit = gpus_seen or 2
         world = max(n for n in valid_world_sizes(meta_transformer(info)) if n <= limit)

@@ -170,12 +170,11 @@ def check_startable(spec: PoolSpec) -> None:
     it asks for GPUs and torch sees none, or ``$LTX_MGPU_PROFILE_JOBS`` is not a number
     (checked before anything starts or is written)."""
     profile_jobs_from_env()
-    if spec.gpus:
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"GPUs {','.join(map(str, spec.gpus))} requested, but torch sees no CUDA GPU (a CPU-only torch "
-                "build, or no driver). Run CPU ranks instead: --gpus cpu --nproc N."
-            )
+    if spec.gpus and not torch.cuda.is_available():
+        raise ValueError(
+            f"GPUs {','.join(map(str, spec.gpus))} requested, but torch sees no CUDA GPU (a CPU-only torch "
+            "build, or no driver). Run CPU ranks instead: --gpus cpu --nproc N."
+        )
 
 
 def torchrun_command(spec: PoolSpec, port: int, owner: tuple[int, float] | None) -> list[str]:

@@ -34,8 +34,8 @@ from ltx_mgpu.text.features import PromptEmbedding
 from ltx_mgpu.text.gemma.sources import detect_gemma_format
 from ltx_mgpu.text.spec import check_not_truncated
 
-__all__ = ["check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool", "ensure_text_encoder", "loaded_key",
-           "embeddings_from_result", "upcast"]
+__all__ = ["check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool", "ensure_text_encoder",
+           "loaded_key", "embeddings_from_result", "upcast"]
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ProgressCallback = Callable[[str, int, int], Any]

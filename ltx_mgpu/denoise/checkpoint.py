@@ -62,7 +62,8 @@ CONNECTORS = ("video_embeddings_connector", "audio_embeddings_connector")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Per-weight side tensors of the fp8 formats (ComfyUI legacy / ComfyUI quant / ltx-core).
 _AUX_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
-_LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_down.weight": "A", ".lora_B.weight": "B", ".lora_up.weight": "B", ".alpha": "alpha"}
+_LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_down.weight": "A", ".lora_B.weight": "B", ".lora_up.weight": "B",
+                  ".alpha": "alpha"}
 
 # Values ltx-core's LTXModelConfigurator requires (check_config_value) plus the LTX-2 constants
 # no tensor shape encodes; these are the values of every released LTX-2 / 2.3 config.
@@ -187,7 +188,8 @@ def infer_transformer_config(shapes: Mapping[str, Sequence[int]]) -> dict:
         num_layers=count_blocks(shapes, "transformer_blocks."),
         num_attention_heads=vh, attention_head_dim=vd, audio_num_attention_heads=ah, audio_attention_head_dim=ad,
         in_channels=shapes["patchify_proj.weight"][1], out_channels=shapes["proj_out.weight"][0],
-        audio_in_channels=shapes["audio_patchify_proj.weight"][1], audio_out_channels=shapes["audio_proj_out.weight"][0],
+        audio_in_channels=shapes["audio_patchify_proj.weight"][1],
+        audio_out_channels=shapes["audio_proj_out.weight"][0],
         cross_attention_dim=shapes["transformer_blocks.0.attn2.to_k.weight"][1],
         audio_cross_attention_dim=shapes["transformer_blocks.0.audio_attn2.to_k.weight"][1],
         apply_gated_attention="transformer_blocks.0.attn1.to_gate_logits.weight" in shapes,
@@ -206,7 +208,8 @@ def infer_transformer_config(shapes: Mapping[str, Sequence[int]]) -> dict:
         cfg[f"{side}connector_num_attention_heads"], cfg[f"{side}connector_attention_head_dim"] = h, d
         cfg[f"{side}connector_num_layers"] = count_blocks(shapes, f"{conn}.transformer_1d_blocks.")
         if not side:
-            cfg["connector_apply_gated_attention"] = f"{conn}.transformer_1d_blocks.0.attn1.to_gate_logits.weight" in shapes
+            cfg["connector_apply_gated_attention"] = (f"{conn}.transformer_1d_blocks.0.attn1.to_gate_logits.weight"
+                                                      in shapes)
             if f"{conn}.learnable_registers" in shapes:
                 cfg["connector_num_learnable_registers"] = shapes[f"{conn}.learnable_registers"][0]
     return cfg
@@ -291,7 +294,7 @@ def load_loras(specs: Sequence[LoraSpec], weight_keys: Sequence[str]) -> dict[st
         parts: dict[str, dict] = {}
         unknown = []
         with safe_open(spec.path, framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
                 target = aliases.get(key[: -len(suffix)]) if suffix else None
                 if target is None:
@@ -348,7 +351,7 @@ class StateDictLoader:
         for p in paths:
             with safe_open(str(p), framework="pt", device="cpu") as f:
                 names = set(f.keys())
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                     full = key[len(prefix):] if key.startswith(prefix) else None
                     if full is None or key.endswith(_AUX_SUFFIXES) or full == "scaled_fp8":
                         continue
@@ -366,8 +369,10 @@ class StateDictLoader:
         t = f.get_tensor(key).to(device)
         stem = key[: -len(".weight")] if key.endswith(".weight") else None
         quant = stem is not None and f"{stem}.comfy_quant" in names
-        if quant and (fmt := _comfy_quant_format(f.get_tensor(f"{stem}.comfy_quant"), key)) not in ("float8_e4m3fn", "float8_e5m2"):
-            raise CheckpointError(f"{key} uses ComfyUI's '{fmt}' quantisation, which ltx_mgpu cannot load; use a bf16 or fp8 file")
+        if quant and (fmt := _comfy_quant_format(f.get_tensor(f"{stem}.comfy_quant"), key)) not in ("float8_e4m3fn",
+                                                                                                     "float8_e5m2"):
+            raise CheckpointError(f"{key} uses ComfyUI's '{fmt}' quantisation, which ltx_mgpu cannot load; "
+                                  "use a bf16 or fp8 file")
         if not (t.is_floating_point() or t.dtype in _FP8):
             raise CheckpointError(f"{key} is stored as {t.dtype}; ltx_mgpu loads bf16/fp16/fp32 or fp8 weights")
         deltas = self.loras.get(full, ())
@@ -383,7 +388,8 @@ class StateDictLoader:
         w = t.float()
         if scale is not None:
             if scale.numel() not in (1, w.shape[0]):
-                raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor per-row scaling")
+                raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor "
+                                      "per-row scaling")
             w = w * (scale.reshape(-1, *([1] * (w.ndim - 1))) if scale.numel() > 1 else scale.reshape(()))
         for a, b, s in deltas:
             delta = torch.mm(b.to(device), a.to(device))

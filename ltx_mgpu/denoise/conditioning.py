@@ -84,7 +84,8 @@ def _check_attention_mask(mask: Any, tensor: torch.Tensor, name: str) -> None:
             "supported by the multi-GPU sampler. Trim the padding (ComfyUI's LTX-2 text encoder does) instead."
         )
     if mask.shape[-1] != tensor.shape[1]:
-        raise ConditioningError(f"{name} conditioning's attention_mask covers {mask.shape[-1]} tokens, not {tensor.shape[1]}")
+        raise ConditioningError(f"{name} conditioning's attention_mask covers {mask.shape[-1]} tokens, "
+                                f"not {tensor.shape[1]}")
 
 
 def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptConditioning:
@@ -111,7 +112,8 @@ def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptCondi
     tensor, opts = entry
     if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3 or not tensor.is_floating_point():
         shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ConditioningError(f"{name} conditioning tensor must be a float [batch, tokens, width] tensor, got {shape}")
+        raise ConditioningError(f"{name} conditioning tensor must be a float [batch, tokens, width] tensor, "
+                                f"got {shape}")
     if tensor.shape[0] < 1 or tensor.shape[1] < 1:
         raise ConditioningError(f"{name} conditioning tensor is empty: {tuple(tensor.shape)}")
     for key in opts:
@@ -128,7 +130,8 @@ def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptCondi
     if opts.get("attention_mask") is not None:
         _check_attention_mask(opts["attention_mask"], tensor, name)
     fps = frame_rate_from_conditioning([entry], default=math.nan)  # raises ValueError for a bad value
-    return PromptConditioning(tensor, bool(opts.get("unprocessed_ltxav_embeds", False)), None if math.isnan(fps) else fps)
+    return PromptConditioning(tensor, bool(opts.get("unprocessed_ltxav_embeds", False)),
+                              None if math.isnan(fps) else fps)
 
 
 def sampling_frame_rate(positive: PromptConditioning, negative: PromptConditioning | None) -> float:
@@ -179,7 +182,8 @@ def text_contexts(model, context: torch.Tensor, unprocessed: bool) -> tuple[torc
     if not unprocessed and width in ({vdim + adim} | ({2 * cap} if cap else set())):
         vw, aw = model.context_widths
         if width != vw + aw:
-            raise ConditioningError(f"a processed LTX-{model.version} context is {vw}+{aw} = {vw + aw} wide; got {width}")
+            raise ConditioningError(f"a processed LTX-{model.version} context is {vw}+{aw} = {vw + aw} wide; "
+                                    f"got {width}")
         return ctx[..., :vw], ctx[..., vw:]
     if model.video_connector is None or model.audio_connector is None:
         raise ConditioningError(

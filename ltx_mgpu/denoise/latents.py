@@ -168,7 +168,8 @@ def _audio_token_mask(mask: torch.Tensor | None, shape: AudioLatentShape, patchi
         return torch.ones(shape.batch, shape.frames, dtype=torch.float32, device=device)
     m = mask.to(device=device, dtype=torch.float32)
     if m.ndim < 2:
-        raise LatentFormatError(f"audio noise_mask must have >= 2 dims ([..., N, mel_bins]), got shape {tuple(mask.shape)}")
+        raise LatentFormatError(f"audio noise_mask must have >= 2 dims ([..., N, mel_bins]), "
+                                f"got shape {tuple(mask.shape)}")
     m = m.reshape(-1, 1, m.shape[-2], m.shape[-1])
     if tuple(m.shape[2:]) != (shape.frames, shape.mel_bins):
         m = F.interpolate(m, size=(shape.frames, shape.mel_bins), mode="bilinear")

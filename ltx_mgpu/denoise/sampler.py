@@ -250,11 +250,12 @@ def sample(
     tcfg = model.config["transformer"]
     for k, want in (("video", tcfg.get("in_channels", 128)), ("audio", tcfg.get("audio_in_channels", 128))):
         if k in mods and mods[k].tokens.shape[-1] != want:
-            raise ValueError(f"the {k} latent has {mods[k].tokens.shape[-1]} channels per token, the model takes {want}")
+            raise ValueError(f"the {k} latent has {mods[k].tokens.shape[-1]} channels per token, "
+                             f"the model takes {want}")
     ctxs = [model.preprocess_text_embeds(p.tensor, p.unprocessed) for p in ([pos, neg] if use_cfg else [pos])]
     has_mask = latent.get("noise_mask") is not None
     streams = {}
-    for i, (k, m) in enumerate(mods.items()):
+    for _i, (k, m) in enumerate(mods.items()):
         lat = m.tokens.to(device=dev, dtype=torch.float32)
         noise = getattr(noise_tokens, k).tokens.to(device=dev, dtype=torch.float32)
         tmask = m.denoise_mask.to(device=dev, dtype=torch.float32)

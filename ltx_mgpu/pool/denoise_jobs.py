@@ -73,7 +73,8 @@ def _parse_loras(raw) -> tuple[LoraSpec, ...]:
     specs = []
     for i, item in enumerate(raw or []):
         strength = item.get("strength", 1.0)
-        if not isinstance(item.get("path"), str) or isinstance(strength, bool) or not isinstance(strength, (int, float)):
+        if (not isinstance(item.get("path"), str) or isinstance(strength, bool)
+                or not isinstance(strength, (int, float))):
             raise BadInput(f"loras[{i}] must be {{\"path\": str, \"strength\": number}}, got {item!r:.120}")
         if not Path(item["path"]).is_file():
             raise BadInput(f"no LoRA file at {item['path']}; pick a file from models/loras")

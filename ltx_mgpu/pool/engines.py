@@ -389,10 +389,8 @@ def unload(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Free resident models (``names``, or all when ``None``), run ``gc`` and empty the CUDA
     cache. Returns ``{"unloaded": [...], "resident": [...]}`` (rank 0's view)."""
     names = params.get("names")
-    if names is None:
-        freed = ctx.models.clear()
-    else:
-        freed = [n for n in names if ctx.models.pop(n, _MISSING) is not _MISSING]
+    freed = (ctx.models.clear() if names is None
+             else [n for n in names if ctx.models.pop(n, _MISSING) is not _MISSING])
     free_memory(ctx.device)
     return {"unloaded": freed, "resident": ctx.models.names()}, {}
 

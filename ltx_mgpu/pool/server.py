@@ -147,7 +147,8 @@ class Server:
     # ---- requests (reader threads)
     def hello_answer(self) -> dict:
         """The pool description plus the optional ``features`` this pool offers."""
-        return {**self.describe(), "features": [arena.FEATURE, arena.FEATURE_OWN] if self.shm_budget is not None else []}
+        return {**self.describe(),
+                "features": [arena.FEATURE, arena.FEATURE_OWN] if self.shm_budget is not None else []}
 
     def handle(self, conn: Connection, req: wire.Request) -> None:
         """Dispatch one validated request from ``conn``."""

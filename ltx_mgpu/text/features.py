@@ -349,12 +349,14 @@ def load_projection(
             )
         num_layers = in_features // embedding_dim
     if in_features % num_layers:
-        raise ProjectionFormatError(f"{path}: projection input width {in_features} is not divisible by {num_layers} layers")
+        raise ProjectionFormatError(f"{path}: projection input width {in_features} is not divisible by "
+                                    f"{num_layers} layers")
     if version == "2.3":
         for name in ("video", "audio"):
             w, b = weights[f"{name}_aggregate_embed.weight"], weights[f"{name}_aggregate_embed.bias"]
             if w.shape[1] != in_features or b.shape != (w.shape[0],):
-                raise ProjectionFormatError(f"{path}: inconsistent {name}_aggregate_embed shapes {tuple(w.shape)} / {tuple(b.shape)}")
+                raise ProjectionFormatError(f"{path}: inconsistent {name}_aggregate_embed shapes "
+                                            f"{tuple(w.shape)} / {tuple(b.shape)}")
     return Projection(
         version=version,
         embedding_dim=in_features // num_layers,

@@ -145,7 +145,8 @@ def read_gemma_shape(path: str | os.PathLike) -> GemmaShape:
     elif fmt == "comfy_file":
         with safe_open(str(p), framework="pt", device="cpu") as f:
             meta = dict(f.metadata() or {})
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("model.")}
+            shapes = {k: tuple(f.get_slice(k).get_shape())
+                      for k in f.keys() if k.startswith("model.")}  # noqa: SIM118 - safe_open is not iterable
         cfg = comfy_text_config(meta, shapes, p)
     else:
         from transformers import Gemma3TextConfig  # deferred: transformers takes seconds to import
@@ -337,7 +338,8 @@ def gather_digests(held: ReplicatedEmbeddings, *, world_size: int, group=None) -
     """Every rank's :meth:`ReplicatedEmbeddings.digests`, all-gathered (a collective on a CPU
     group, e.g. gloo): ``result[r][i]`` is rank ``r``'s SHA-256 hex of prompt ``i``."""
     count = len(held.tensors)
-    mine = torch.frombuffer(bytearray(b"".join(held.digests())), dtype=torch.uint8) if count else torch.empty(0, dtype=torch.uint8)
+    mine = (torch.frombuffer(bytearray(b"".join(held.digests())), dtype=torch.uint8) if count
+            else torch.empty(0, dtype=torch.uint8))
     every = [torch.empty(count * 32, dtype=torch.uint8) for _ in range(world_size)]
     if count:
         dist.all_gather(every, mine, group=group)

@@ -129,7 +129,8 @@ def latent_from_request(spec: Mapping, tensors: Mapping[str, torch.Tensor], nest
         out["type"] = spec["type"]
     index = spec.get("batch_index")
     if index is not None:
-        if not isinstance(index, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in index):
+        if not isinstance(index, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in index):
             raise RequestFormatError(f"latent batch_index must be a list of non-negative ints, got {index!r:.80}")
         out["batch_index"] = index
     return out

@@ -249,7 +249,8 @@ def parse_payload(buffer: bytes | bytearray | memoryview | torch.Tensor) -> dict
             byte other than 0 or 1.
     """
     if isinstance(buffer, torch.Tensor):
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.device.type != "cpu" or not buffer.is_contiguous():
+        if (buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.device.type != "cpu"
+                or not buffer.is_contiguous()):
             raise TypeError("a payload tensor must be a contiguous 1-D uint8 CPU tensor")
         u8 = buffer
     else:

@@ -5,9 +5,9 @@ An entry is keyed by a SHA-256 over *every* input that changes the tensor
 mode, token budget, dtype, format version).
 
 Entries are safetensors files ``<root>/<key[:2]>/<key>.safetensors`` (their layout, checks
-and the bf16 storage of bf16-exact embeddings: :mod:`ltx_mgpu.text.cache.entry`). Writes are atomic (temp file in the same directory,
-fsync, ``os.replace``), so concurrent processes never see a partial entry; a damaged entry
-(truncated, flipped bytes, foreign file) is reported with a :class:`CacheEntryWarning`,
+and the bf16 storage of bf16-exact embeddings: :mod:`ltx_mgpu.text.cache.entry`). Writes are atomic
+(temp file in the same directory, fsync, ``os.replace``), so concurrent processes never see a partial
+entry; a damaged entry (truncated, flipped bytes, foreign file) is reported with a :class:`CacheEntryWarning`,
 deleted and treated as a miss, so the caller re-encodes. Tensors are stored on CPU and moved
 to the device at use (sdnext PR #4887: cached CPU embeddings reached a CUDA connector).
 The total size is bounded by least-recently-used eviction; the access time is the file's
@@ -16,6 +16,7 @@ mtime, refreshed on every hit, which every process sharing the directory sees.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -351,10 +352,8 @@ def _is_key(name: str) -> bool:
 def _touch(path: Path) -> None:
     """Set the access/modification time to now (ns resolution) for LRU; best effort."""
     now = time.time_ns()
-    try:
+    with contextlib.suppress(OSError):  # evicted meanwhile, or a read-only cache: LRU order is only a hint
         os.utime(path, ns=(now, now))
-    except OSError:
-        pass  # evicted meanwhile, or a read-only cache: LRU order is only a hint
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -218,7 +218,8 @@ def _forward_collecting(model: nn.Module, **kwargs: Any) -> tuple[torch.Tensor, 
     states: list[torch.Tensor] = []
     layers = model.layers
     handles = [layers[0].register_forward_pre_hook(lambda m, args: states.append(args[0]))]
-    handles += [layer.register_forward_hook(lambda m, args, out: states.append(out[0] if isinstance(out, tuple) else out))
+    handles += [layer.register_forward_hook(
+                    lambda m, args, out: states.append(out[0] if isinstance(out, tuple) else out))
                 for layer in layers[:-1]]
     try:
         out = model(output_hidden_states=False, **kwargs)

@@ -341,5 +341,6 @@ def comfy_text_config(meta: dict[str, str], shapes: dict[str, tuple[int, ...]], 
         kv_heads = shapes["model.layers.0.self_attn.k_proj.weight"][0] // head_dim
         intermediate = shapes["model.layers.0.mlp.gate_proj.weight"][0]
     except KeyError as exc:
-        raise GemmaFormatError(f"{path}: missing {exc}, needed to infer the Gemma 3 config. {SUPPORTED_FORMATS}") from exc
+        raise GemmaFormatError(f"{path}: missing {exc}, needed to infer the Gemma 3 config. "
+                               f"{SUPPORTED_FORMATS}") from exc
     return gemma3_text_config(vocab, hidden, intermediate, max(layer_ids) + 1, heads, kv_heads, head_dim)

@@ -164,7 +164,8 @@ def read_manifest(artifact: Path) -> dict[str, Any]:
         raise NF4ArtifactError(f"{path}: unreadable NF4 manifest ({exc}); {_fix(artifact)}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise NF4ArtifactError(
-            f"{path}: not an ltx_mgpu NF4 manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r},"
+            f"{path}: not an ltx_mgpu NF4 manifest "
+            f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r},"
             f" expected {MANIFEST_FORMAT!r}); {_fix(artifact)}"
         )
     if manifest.get("format_version") != MANIFEST_VERSION:
@@ -209,13 +210,14 @@ def check_artifact_files(artifact: Path, manifest: dict[str, Any]) -> None:
         raise NF4ArtifactError(f"{artifact}: damaged NF4 artifact: " + "; ".join(problems) + f". {_fix(artifact)}")
 
 
-def iter_artifact_tensors(artifact: Path, manifest: dict[str, Any], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_artifact_tensors(artifact: Path, manifest: dict[str, Any],
+                          device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of every shard, read straight onto ``device``
     (safetensors ``safe_open(device=...)``), one tensor at a time."""
     dev = str(device) if device.type != "cuda" or device.index is not None else f"cuda:{torch.cuda.current_device()}"
     for name in sorted(manifest["files"]):
         with safe_open(str(artifact / name), framework="pt", device=dev) as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield key, f.get_tensor(key)
 
 

@@ -133,7 +133,8 @@ class FastDequant:
         import bitsandbytes as bnb
 
         if method not in METHODS or scope not in ("layer", "linear"):
-            raise ValueError(f"method must be one of {METHODS} and scope 'layer' or 'linear'; got {method!r}, {scope!r}")
+            raise ValueError(f"method must be one of {METHODS} and scope 'layer' or 'linear'; "
+                             f"got {method!r}, {scope!r}")
         self.method, self.scope, self.fill = method, scope, fill
         self._slots: list[tuple[Any, str, _DenseLinear]] = []
         self.units: list[list[_DenseLinear]] = []

@@ -128,7 +128,8 @@ def load_nf4(artifact_dir: str | os.PathLike, device: str | torch.device = "cpu"
         raise NF4ArtifactError(f"{d}: the tokenizer files {manifest['tokenizer'].get('files')} are missing; "
                                "re-create the artifact: python -m ltx_mgpu quantize-nf4 SOURCE OUT_DIR")
     tokenizer = check_tokenizer(load_tokenizer(found), d)
-    tower = GemmaTextTower(model.eval(), tokenizer, model.config, "nf4_artifact", d, gemma_source_files(d), weights="nf4")
+    tower = GemmaTextTower(model.eval(), tokenizer, model.config, "nf4_artifact", d, gemma_source_files(d),
+                           weights="nf4")
     if probe:
         check_finite_hidden_states(tower)
     return tower

@@ -112,20 +112,21 @@ def _open_snapshot(d: Path) -> GemmaSource:
     locations: dict[str, tuple[Path, str]] = {}
     for file in sorted(d.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 name = re.sub(pattern, repl, key, count=1)
                 if not TEXT_KEY.match(name):
                     continue  # vision tower, projector, lm_head: never read
                 if name in locations:
                     raise GemmaWeightsError(
-                        f"{d}: the text-tower weight {name} is stored twice ({locations[name][0].name}:{locations[name][1]} "
+                        f"{d}: the text-tower weight {name} is stored twice "
+                        f"({locations[name][0].name}:{locations[name][1]} "
                         f"and {file.name}:{key}); the snapshot mixes two key layouts, re-download it"
                     )
                 sl = f.get_slice(key)
                 if sl.get_dtype() not in _PLAIN_DTYPES:
                     raise GemmaFormatError(
-                        f"{file}: tensor {key} is stored as {sl.get_dtype()}; NF4 quantization reads bf16, fp16 or fp32 "
-                        f"snapshots. {SUPPORTED_FORMATS}"
+                        f"{file}: tensor {key} is stored as {sl.get_dtype()}; NF4 quantization reads bf16, fp16 "
+                        f"or fp32 snapshots. {SUPPORTED_FORMATS}"
                     )
                 shapes[name] = tuple(sl.get_shape())
                 locations[name] = (file, key)
@@ -146,8 +147,9 @@ def _open_comfy(path: Path) -> GemmaSource:
             sl = f.get_slice(key)
             if sl.get_dtype() not in _PLAIN_DTYPES + _FP8_DTYPES:
                 raise GemmaFormatError(
-                    f"{path}: tensor {key} is stored as {sl.get_dtype()}; quantized ComfyUI formats other than fp8 e4m3 "
-                    "(e.g. nvfp4 'fp4_mixed', int8) are not supported. Use the bf16, fp16 or fp8 Gemma 3 file."
+                    f"{path}: tensor {key} is stored as {sl.get_dtype()}; quantized ComfyUI formats other than "
+                    "fp8 e4m3 (e.g. nvfp4 'fp4_mixed', int8) are not supported. Use the bf16, fp16 or fp8 Gemma 3 "
+                    "file."
                 )
             shapes[key[len("model."):]] = tuple(sl.get_shape())
             locations[key[len("model."):]] = (path, key)
