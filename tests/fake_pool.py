@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = ap.parse_known_args(argv)
     d = Path(args.runtime_dir)
     me = psutil.Process()
-    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=False)
+    # idle "ranks", started with the runtime directory on their command line as real ranks are
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "--runtime-dir", str(d)])
                 for _ in range(args.ranks - 1)]
     ranks = [{"rank": 0, "pid": me.pid, "create_time": me.create_time()}]
     for r, c in enumerate(children, start=1):

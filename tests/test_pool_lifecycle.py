@@ -106,6 +106,24 @@ def test_kill_9_of_a_rank_mid_job_reports_fatal_and_next_request_gets_a_fresh_po
         client.shutdown()
 
 
+def test_after_kill_9_of_rank_0_the_client_that_saw_it_removes_the_pool_files(base):
+    """The pool cannot clean up after a kill -9 of rank 0; the client whose connection broke
+    proves the pool gone (torchrun exited) and removes the socket, token and pool.json, so no one
+    finds a dead pool's files (before: they stayed until the next start)."""
+    client = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, startup_timeout=120)
+    try:
+        d, old = client.dir, pool_pids(client)
+        os.kill(client.pool["ranks"][0]["pid"], signal.SIGKILL)
+        assert wait_all_gone(old, timeout=60) == []
+        deadline = time.monotonic() + 30
+        names = (runtime.SOCKET_NAME, runtime.TOKEN_NAME, runtime.INFO_NAME)
+        while any((d / n).exists() for n in names) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [n for n in names if (d / n).exists()]
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("fail_rank", [1, 0])
 def test_unexpected_exception_is_fatal_and_the_pool_exits_cleanly(base, fail_rank):
     client = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, startup_timeout=120)

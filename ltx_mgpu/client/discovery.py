@@ -7,6 +7,7 @@ directory, and nothing starts a pool.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from ltx_mgpu.client.spec import PoolSpec, runtime_base
 from ltx_mgpu.pool.runtime import INFO_NAME, PoolInfo
 
 __all__ = ["live_pools", "spec_of", "pool_status", "free_pool", "format_status"]
+
+log = logging.getLogger(__name__)
 
 _OBSERVERS: dict[str, PoolClient] = {}
 _LOCK = threading.Lock()
@@ -29,8 +32,16 @@ def live_pools(runtime_dir: str | None = None) -> list[PoolInfo]:
         ValueError: ``runtime_dir`` (or ``$LTX_MGPU_RUNTIME_DIR``) names a file.
     """
     base = runtime_base(runtime_dir)
-    dirs = sorted(p.parent for p in base.glob(f"*/{INFO_NAME}")) if base.is_dir() else []
-    return [info for d in dirs if (info := launch.find_live_pool(d)) is not None]
+    found = []
+    for d in sorted(p.parent for p in base.glob(f"*/{INFO_NAME}")) if base.is_dir() else []:
+        try:
+            info = launch.find_live_pool(d)
+        except PermissionError as e:  # not a directory we trust: never read, never signalled
+            log.warning("skipping %s: %s", d, e)
+            continue
+        if info is not None:
+            found.append(info)
+    return found
 
 
 def spec_of(info: PoolInfo) -> PoolSpec:

@@ -9,14 +9,16 @@ The pool answers a failed job with an ``error`` event whose ``kind`` is one of
 * ``fatal`` -> :class:`PoolFatalError` (the pool failed and exits; the next request on the same
   client starts a fresh pool).
 
-:class:`PoolStartError` is raised when a pool does not start.
+:class:`PoolStartError` is raised when a pool does not start, :class:`PoolBusyError` when a running
+pool does not take a connection in time.
 """
 
 from __future__ import annotations
 
 from ltx_mgpu.cancellation import Cancelled
 
-__all__ = ["PoolError", "PoolStartError", "PoolFatalError", "BadInputError", "JobCancelledError", "PoolTimeoutError"]
+__all__ = ["PoolError", "PoolStartError", "PoolBusyError", "PoolFatalError", "BadInputError", "JobCancelledError",
+           "PoolTimeoutError"]
 
 
 class PoolError(RuntimeError):
@@ -25,6 +27,11 @@ class PoolError(RuntimeError):
 
 class PoolStartError(PoolError):
     """The pool did not start; the message ends with the tail of its log."""
+
+
+class PoolBusyError(PoolError):
+    """The pool runs but did not take a connection in time (its backlog or slots were full, or it
+    hangs); it was left running."""
 
 
 class PoolFatalError(PoolError):

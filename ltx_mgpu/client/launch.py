@@ -34,14 +34,18 @@ from ltx_mgpu.client.errors import PoolError, PoolStartError
 from ltx_mgpu.client.spec import PoolSpec
 from ltx_mgpu.pool.profiling import profile_jobs_from_env
 from ltx_mgpu.pool.runtime import (
+    INFO_NAME,
     LOG_NAME,
     SOCKET_NAME,
     TOKEN_NAME,
     PoolInfo,
+    check_private_dir,
     ensure_private_dir,
     is_alive,
+    is_pool_process,
     kill_processes,
     log_tail,
+    peer_credentials,
     rank_records,
     read_token,
     remove_pool_files,
@@ -61,15 +65,41 @@ _DROP_ENV_PREFIXES = ("TORCHELASTIC_", "PET_")  # PET_* are read by torchrun as 
 # --------------------------------------------------------------------------- talking to a pool
 
 def open_socket(dir: Path, timeout: float | None = 10.0) -> socket.socket:
-    """Connect to the pool's socket. Raises OSError (FileNotFoundError, ConnectionRefusedError)."""
+    """Connect to the pool's socket and check who serves it: a process of this user that belongs
+    to the pool ``pool.json`` describes (torchrun or one of its descendants), so an impostor
+    bound to the path never sees a request.
+
+    Raises:
+        OSError (FileNotFoundError, ConnectionRefusedError): no one listens.
+        PoolError: the socket is served by another user's process, or by one that is not the
+            pool's.
+    """
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(timeout)
         s.connect(os.fspath(dir / SOCKET_NAME))
+        check_served_by_pool(s, dir)
         return s
     except BaseException:
         s.close()
         raise
+
+
+def check_served_by_pool(sock: socket.socket, dir: Path) -> None:
+    """Raise :class:`PoolError` unless the peer of ``sock`` is this user's and descends from the
+    torchrun process of ``dir/pool.json`` (``SO_PEERCRED``; a process is its own descendant)."""
+    pid, uid, _ = peer_credentials(sock)
+    if uid != os.getuid():
+        raise PoolError(f"the socket in {dir} is served by uid {uid}, not by you: not your pool; remove "
+                        f"{dir} and start again")
+    info = PoolInfo.read(dir)
+    try:
+        chain = [psutil.Process(pid), *psutil.Process(pid).parents()]
+    except psutil.Error:
+        chain = []
+    if info is None or not any(p.pid == info.pid and same_process(p.pid, info.create_time) for p in chain):
+        raise PoolError(f"the socket in {dir} is served by pid {pid}, which is not the pool recorded in "
+                        f"{dir / INFO_NAME}; stop it with `python -m ltx_mgpu pool stop` and start again")
 
 
 def hello(sock: socket.socket, token: str, rid: str = "hello") -> dict:
@@ -121,7 +151,14 @@ def ping(dir: Path, timeout: float = 5.0) -> dict | None:
 
 def find_live_pool(dir: Path) -> PoolInfo | None:
     """The pool whose ``pool.json`` is in ``dir`` when its torchrun still runs; stale files of a
-    dead one are removed (and ``None`` returned)."""
+    dead one are removed (and ``None`` returned).
+
+    Raises:
+        PermissionError: ``dir`` is not a private directory of this user (a link, another
+            user's, writable by others): nothing in it is read or removed.
+    """
+    if dir.exists() or dir.is_symlink():
+        check_private_dir(dir)
     info = PoolInfo.read(dir)
     if info is not None and info.alive():
         return info
@@ -282,19 +319,24 @@ def _abort(launched: LaunchedPool, remove_files: bool) -> None:
 
 def pool_processes(dir: Path, info: PoolInfo | None = None) -> list[psutil.Process]:
     """The live processes of the pool in ``dir``: torchrun (checked by start time), its
-    descendants, and every rank recorded in ``rank<r>.json`` (checked by start time)."""
+    descendants, and every rank recorded in ``rank<r>.json`` (checked by start time). torchrun
+    and the recorded ranks count only when :func:`~ltx_mgpu.pool.runtime.is_pool_process` proves
+    them the pool's, so forged files never get an unrelated process signalled."""
     procs: dict[int, psutil.Process] = {}
     info = info or PoolInfo.read(dir)
     if info is not None and same_process(info.pid, info.create_time):
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(info.pid)
-            procs[p.pid] = p
-            for c in p.children(recursive=True):
-                procs[c.pid] = c
+            if is_pool_process(p, dir):
+                procs[p.pid] = p
+                for c in p.children(recursive=True):
+                    procs[c.pid] = c
     for rec in rank_records(dir):
         if same_process(rec.get("pid"), rec.get("create_time")):
             with contextlib.suppress(psutil.Error):
-                procs[rec["pid"]] = psutil.Process(rec["pid"])
+                p = psutil.Process(rec["pid"])
+                if is_pool_process(p, dir):
+                    procs[p.pid] = p
     return list(procs.values())
 
 
@@ -306,6 +348,7 @@ def stop(dir: Path, *, launched: LaunchedPool | None = None, graceful: bool = Tr
     process to exit; whatever remains gets SIGTERM, then SIGKILL. ``processes`` adds processes
     known from earlier (e.g. ranks of a pool whose files are already gone).
     """
+    check_private_dir(dir)
     info = launched.info if launched else PoolInfo.read(dir)
     procs = pool_processes(dir, info)
     for p in processes or []:

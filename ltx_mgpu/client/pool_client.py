@@ -26,11 +26,13 @@ finding and stopping pool processes is :mod:`ltx_mgpu.client.launch`'.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import psutil
@@ -39,7 +41,7 @@ import torch
 import ltx_mgpu
 from ltx_mgpu import wire
 from ltx_mgpu.client import launch
-from ltx_mgpu.client.errors import BadInputError, PoolError, PoolFatalError
+from ltx_mgpu.client.errors import BadInputError, PoolBusyError, PoolError, PoolFatalError
 from ltx_mgpu.client.jobs import Job, ProgressCallback, Receive
 from ltx_mgpu.client.spec import PoolSpec, resolve_spec
 from ltx_mgpu.pool import runtime
@@ -48,7 +50,21 @@ from ltx_mgpu.wire.arena import FEATURE_OWN as SHM_OWN
 from ltx_mgpu.wire.arena import available as shm_available
 from ltx_mgpu.wire.receiver import ArenaReceiver
 
-__all__ = ["PoolClient"]
+__all__ = ["PoolClient", "READER_JOIN_S", "ATTACH_TIMEOUT_S"]
+
+#: Seconds :meth:`PoolClient.close` waits for the connection's reader thread to end.
+READER_JOIN_S = 5.0
+#: Seconds a client keeps retrying to connect to a pool that runs (backlog or slots full).
+ATTACH_TIMEOUT_S = 15.0
+#: Connected clients, closed at interpreter exit (before daemon threads are frozen).
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in list(_OPEN):
+        with contextlib.suppress(Exception):
+            client.close()
 
 
 class PoolClient:
@@ -67,6 +83,8 @@ class PoolClient:
         self._fatal = False
         self._procs: list[psutil.Process] = []
         self._launched: launch.LaunchedPool | None = None
+        self._reader: threading.Thread | None = None
+        self._closing = threading.Event()  # set by close(): a reader sweeping a dead pool's files stops
         self.pool: dict = {}
 
     @classmethod
@@ -138,18 +156,43 @@ class PoolClient:
                                         f"{have}, wanted {want}); stop it with `python -m ltx_mgpu pool stop "
                                         f"--gpus {','.join(map(str, info.gpus)) or 'cpu'} --nproc {info.nproc} "
                                         f"--runtime-dir {self.dir.parent}`")
-                    try:
-                        return self._open()
-                    except (OSError, PoolError, wire.ProtocolError) as e:
-                        if not self.start:
-                            raise PoolError(f"the pool in {self.dir} (pid {info.pid}) does not answer: {e}") from e
-                        launch.stop(self.dir, graceful=False)  # alive but wedged: replace it
+                    if self._attach(info):
+                        return
+                    launch.find_live_pool(self.dir)  # it died meanwhile: its files go, a fresh one starts
                 if not self.start:
                     raise PoolError(f"no pool runs in {self.dir}; start one with `python -m ltx_mgpu pool start`")
                 owner = os.getpid() if self.spec.lifetime == "with-owner" else None
                 self._launched = launch.launch(self.spec, owner_pid=owner, master_port=self.master_port,
                                                startup_timeout=self.startup_timeout)
                 self._open()
+
+    def _attach(self, info: runtime.PoolInfo) -> bool:
+        """Connect to the live pool ``info``, retrying with backoff while it runs: a burst of
+        clients can fill its listen backlog or its connection slots for a moment. A pool that
+        answers nobody is never stopped from here (only one proven dead is replaced).
+
+        Returns:
+            True when connected; False when the pool died meanwhile.
+        Raises:
+            PoolBusyError: it still runs but did not take this connection within
+                :data:`ATTACH_TIMEOUT_S` seconds.
+        """
+        deadline, delay = time.monotonic() + ATTACH_TIMEOUT_S, 0.02
+        while True:
+            try:
+                self._open()
+                return True
+            except (OSError, PoolError, wire.ProtocolError) as e:
+                if not info.alive():
+                    return False
+                if time.monotonic() + delay > deadline:
+                    raise PoolBusyError(
+                        f"the pool in {self.dir} (pid {info.pid}) runs but did not take this connection within "
+                        f"{ATTACH_TIMEOUT_S:.0f} s ({type(e).__name__}: {e}); it may be serving many clients: try "
+                        f"again, or if it hangs stop it with `python -m ltx_mgpu pool stop --runtime-dir "
+                        f"{self.dir.parent}`") from e
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def _open(self) -> None:
         sock = launch.open_socket(self.dir, timeout=10.0)
@@ -171,10 +214,15 @@ class PoolClient:
         for pid, ct in known + [(r["pid"], r["create_time"]) for r in self.pool["ranks"]]:
             if runtime.same_process(pid, ct):
                 with contextlib.suppress(psutil.Error):
-                    procs.append(psutil.Process(pid))
+                    p = psutil.Process(pid)
+                    if runtime.is_pool_process(p, self.dir):  # what may be signalled later
+                        procs.append(p)
         self._procs, self._sock, self._dead, self._fatal, self._shm = procs, sock, None, False, receiver
-        threading.Thread(target=self._read_loop, args=(sock, receiver), name="ltx_mgpu-pool-reader",
-                         daemon=True).start()
+        self._closing.clear()
+        self._reader = threading.Thread(target=self._read_loop, args=(sock, receiver), name="ltx_mgpu-pool-reader",
+                                        daemon=True)
+        self._reader.start()
+        _OPEN.add(self)
 
     def _take(self, header: dict) -> Receive | None:
         """The ``receive`` of the job a frame answers (the arena receiver applies it), or None."""
@@ -207,7 +255,25 @@ class PoolClient:
             reason = f"connection to the pool lost: {type(e).__name__}: {e}"
         if receiver is not None:
             receiver.drop()
+        lost = sock is self._sock  # not closed by this client
         self.mark_dead(reason, sock=sock)
+        if lost:
+            self._sweep_files(self.pool.get("instance"))
+
+    def _sweep_files(self, instance: str | None, wait: float = 20.0) -> None:
+        """After a lost connection: when the pool that served it is gone (its torchrun exits soon
+        after a rank dies), remove its socket, token and ``pool.json`` so nothing finds a dead
+        pool's files; a pool that still runs, or a newer one, is left alone."""
+        deadline = time.monotonic() + wait
+        while True:
+            info = runtime.PoolInfo.read(self.dir)
+            if info is None or info.instance != instance:
+                return
+            if not info.alive():
+                runtime.remove_pool_files(self.dir, instance)
+                return
+            if time.monotonic() > deadline or self._closing.wait(0.1):
+                return
 
     def mark_dead(self, reason: str, fatal: bool = False, sock=None) -> None:
         """The connection is lost (``fatal``: the pool failed): every waiting job fails with
@@ -351,6 +417,13 @@ class PoolClient:
             with contextlib.suppress(OSError):
                 sock.shutdown(2)
             sock.close()
+        reader, self._reader = self._reader, None
+        self._closing.set()
+        if reader is not None and reader is not threading.current_thread():
+            # the reader ends with the socket; waiting for it keeps it out of torch code when the
+            # interpreter exits (a daemon thread stopped inside a torch op aborts the process)
+            reader.join(READER_JOIN_S)
+        _OPEN.discard(self)
 
     def __enter__(self) -> PoolClient:
         return self

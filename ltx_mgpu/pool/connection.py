@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import os
 import queue
 import socket
 import threading
@@ -21,6 +22,7 @@ import time
 from typing import Any, Protocol
 
 from ltx_mgpu import wire
+from ltx_mgpu.pool.runtime import peer_credentials
 from ltx_mgpu.wire import arena
 from ltx_mgpu.wire.arena import Budget
 from ltx_mgpu.wire.frames import ConnectionClosed, Limits, ProtocolError
@@ -30,7 +32,8 @@ from ltx_mgpu.wire.sender import ArenaSender
 # The server's logger, so that connection records keep the name they had before this module was split off.
 log = logging.getLogger("ltx_mgpu.pool.server")
 
-HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
+#: Seconds a new connection has, in all, to authenticate (``$LTX_MGPU_HELLO_TIMEOUT``).
+HELLO_TIMEOUT = float(os.environ.get("LTX_MGPU_HELLO_TIMEOUT", "10"))
 
 
 class ConnectionOwner(Protocol):
@@ -48,6 +51,9 @@ class ConnectionOwner(Protocol):
 
     def connection_closed(self, conn: Connection) -> None:
         """``conn`` is gone: drop its queued jobs and events."""
+
+    def admit(self, conn: Connection) -> bool:
+        """Count ``conn`` as authenticated; False when every connection slot is taken."""
 
 
 class Connection:
@@ -68,6 +74,15 @@ class Connection:
     def start(self) -> None:
         self._writer.start()
         self._reader.start()
+        # the whole handshake is bounded, not each recv: a client trickling bytes is cut off
+        timer = threading.Timer(HELLO_TIMEOUT, self._hello_expired)
+        timer.daemon = True
+        timer.start()
+
+    def _hello_expired(self) -> None:
+        if not self.authenticated and not self.closed.is_set():
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
 
     # ---- writing
     def send(self, header: dict, payload: wire.Payload | None = None) -> None:
@@ -142,6 +157,9 @@ class Connection:
 
     def _read_loop(self) -> None:
         try:
+            _, uid, _ = peer_credentials(self.sock)
+            if uid != os.getuid():  # the socket is 0600 in a 0700 directory; this is the second lock
+                raise ProtocolError(f"connections from uid {uid} are refused: this pool serves uid {os.getuid()}")
             self.sock.settimeout(HELLO_TIMEOUT)
             header, tensors = wire.recv_frame(self.sock, wire.PREAUTH_LIMITS)
             req = wire.parse_request(header, tensors)
@@ -150,7 +168,8 @@ class Connection:
                                     req.id)
             if not hmac.compare_digest(req.params["token"].encode(), self.server.token.encode()):
                 raise ProtocolError("wrong token: read it from the pool's runtime directory", req.id)
-            self.authenticated = True
+            if not self.server.admit(self):
+                raise ProtocolError("too many connections to this pool; close some clients and try again", req.id)
             self.peer_pid = req.params.get("pid")
             self.send(wire.make_event("result", req.id, result=self.server.hello_answer()))
             self.sock.settimeout(None)
@@ -173,9 +192,11 @@ class Connection:
         except socket.timeout:
             self._error(None, f"no hello within {HELLO_TIMEOUT:.0f}s")
         except OSError:
-            pass
-        except BaseException:
+            if not self.authenticated:
+                self._error(None, f"no hello within {HELLO_TIMEOUT:.0f}s")
+        except BaseException as e:  # a frame nothing above understood: say so before closing
             log.exception("connection %d: reader failed", self.cid)
+            self._error(None, f"the pool could not read a frame: {type(e).__name__}: {e!s:.300}")
         finally:
             self.close()
             self.server.connection_closed(self)

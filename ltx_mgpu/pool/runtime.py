@@ -21,6 +21,10 @@ import fcntl
 import json
 import os
 import signal
+import socket
+import stat
+import struct
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,26 +38,76 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL (Linu
 
 # --------------------------------------------------------------------------- files
 
-def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` (and missing parents) with mode 0700 and check we own it.
+def check_private_dir(path: Path) -> None:
+    """Refuse a directory we cannot trust with a pool's socket and token.
 
     Raises:
-        PermissionError: it belongs to another user.
+        PermissionError: ``path`` is a symbolic link, not a directory, belongs to another user,
+            or is writable by others without being sticky (``lstat``: links are not followed).
     """
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(f"runtime directory {path} is a symbolic link; give a real directory as runtime_dir")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"runtime directory {path} is not a directory")
     if st.st_uid != os.getuid():
         raise PermissionError(f"runtime directory {path} belongs to uid {st.st_uid}, not to you; "
                               "choose another runtime_dir")
-    if st.st_mode & 0o777 != 0o700:
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise PermissionError(f"runtime directory {path} is writable by others (mode {st.st_mode & 0o7777:o}); "
+                              "make it private (chmod 700) or choose another runtime_dir")
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` (and missing parents) with mode 0700, and check it and its parent (the
+    runtime base) with :func:`check_private_dir`; ``path`` itself is then made 0700.
+
+    Raises:
+        PermissionError: as :func:`check_private_dir`, for ``path`` or its parent.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private_dir(path.parent)
+    check_private_dir(path)
+    if os.lstat(path).st_mode & 0o777 != 0o700:
         os.chmod(path, 0o700)
     return path
 
 
+def open_private(path: Path) -> int:
+    """A read-only descriptor of the regular file ``path`` that we own, never through a link.
+
+    Raises:
+        FileNotFoundError: no such file. PermissionError: a link, not a regular file, or another
+            user's.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise PermissionError(f"{path} is not a regular file of yours; remove it")
+    return fd
+
+
+def read_private(path: Path, limit: int = 1 << 20) -> bytes:
+    """The bytes of ``path`` (at most ``limit``) as :func:`open_private` opens it.
+
+    Raises:
+        FileNotFoundError, PermissionError: as :func:`open_private`; ValueError: over ``limit``.
+    """
+    with os.fdopen(open_private(path), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is over {limit} bytes")
+    return data
+
+
 def write_private(path: Path, data: bytes) -> None:
-    """Atomically write ``data`` to ``path`` with mode 0600 (temp file + rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Atomically write ``data`` to ``path`` with mode 0600 (a fresh temp file, never through a
+    link, then renamed over ``path``)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -65,8 +119,13 @@ def write_private(path: Path, data: bytes) -> None:
 
 
 def read_token(dir: Path) -> str:
-    """The pool's token. Raises FileNotFoundError when no pool was launched there."""
-    return (dir / TOKEN_NAME).read_text().strip()
+    """The pool's token.
+
+    Raises:
+        FileNotFoundError: no pool was launched there. PermissionError: the token is a link,
+            not a regular file, or another user's.
+    """
+    return read_private(dir / TOKEN_NAME, 4096).decode("ascii", "replace").strip()
 
 
 def log_tail(dir: Path, nbytes: int = 6000, start: int = 0) -> str:
@@ -103,7 +162,7 @@ class PoolInfo:
     def read(cls, dir: Path) -> PoolInfo | None:
         """Parse ``dir/pool.json``; ``None`` when missing or unreadable."""
         try:
-            data = json.loads((dir / INFO_NAME).read_text())
+            data = json.loads(read_private(dir / INFO_NAME))
             return cls(**{k: data[k] for k in cls.__dataclass_fields__})
         except (OSError, ValueError, TypeError, KeyError):
             return None
@@ -133,7 +192,7 @@ def rank_records(dir: Path) -> list[dict]:
     out = []
     for p in sorted(dir.glob("rank*.json")):
         with contextlib.suppress(OSError, ValueError):
-            rec = json.loads(p.read_text())
+            rec = json.loads(read_private(p))
             if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
                 out.append(rec)
     return sorted(out, key=lambda r: r["rank"])
@@ -179,6 +238,25 @@ def launch_lock(dir: Path, timeout: float = 300.0) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- processes
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected AF_UNIX socket, as the
+    kernel recorded it at ``connect``/``listen`` (``SO_PEERCRED``, Linux ``unix(7)``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def is_pool_process(p: psutil.Process, dir: Path) -> bool:
+    """Whether ``p`` is a process of the pool in ``dir``, proven before it is signalled: it runs
+    as this user and its command line names ``dir`` (torchrun and every rank are started with
+    ``--runtime-dir dir``), so a ``pool.json`` or rank record naming an unrelated process is not
+    obeyed."""
+    try:
+        return p.uids().real == os.getuid() and os.fspath(dir) in p.cmdline()
+    except psutil.Error:
+        return False
+
 
 def is_alive(p: psutil.Process) -> bool:
     """Whether ``p`` (the same process, not a reused pid) runs; a zombie counts as gone."""

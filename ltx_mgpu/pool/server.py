@@ -41,7 +41,11 @@ from ltx_mgpu.wire.frames import ProtocolError
 
 log = logging.getLogger("ltx_mgpu.pool.server")
 
+#: Authenticated connections at once; a hello beyond it is refused ("too many connections").
 MAX_CONNECTIONS = 256
+#: Connections still in their handshake at once; more are closed at accept, so connections that
+#: never authenticate cannot take the slots of those that do (each has HELLO_TIMEOUT in all).
+MAX_PENDING = 64
 
 
 @dataclass(eq=False)
@@ -100,7 +104,7 @@ class Server:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(os.fspath(tmp))
         os.chmod(tmp, 0o600)
-        s.listen(64)
+        s.listen(socket.SOMAXCONN)
         os.replace(tmp, self.socket_path)
         st = os.stat(self.socket_path)
         self._ino = (st.st_dev, st.st_ino)
@@ -114,12 +118,21 @@ class Server:
             except OSError:
                 return
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS or self.stopping:
+                pending = sum(1 for c in self._conns if not c.authenticated)
+                if pending >= MAX_PENDING or self.stopping:
                     sock.close()
                     continue
                 conn = Connection(self, sock)
                 self._conns.add(conn)
             conn.start()
+
+    def admit(self, conn: Connection) -> bool:
+        """Count ``conn`` as authenticated (its hello was right); False when every slot is taken."""
+        with self._lock:
+            if sum(1 for c in self._conns if c.authenticated) >= MAX_CONNECTIONS:
+                return False
+            conn.authenticated = True
+            return True
 
     def unlink_socket(self) -> None:
         """Remove the socket file if it is still ours (a newer pool may have replaced it)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import re
 import socket
@@ -35,8 +36,9 @@ from ltx_mgpu.wire.payload import Payload, PayloadError, parse_payload
 
 __all__ = [
     "MAGIC", "PROTOCOL_VERSION", "PREFIX_SIZE", "MAX_HEADER_BYTES", "DEFAULT_MAX_PAYLOAD_BYTES",
-    "PREAUTH_LIMITS_HEADER", "ProtocolError", "ConnectionClosed", "Limits", "PREAUTH_LIMITS",
-    "payload_to_tensors", "encode_header", "send_frame", "recv_frame", "valid_id", "check_id",
+    "PREAUTH_LIMITS_HEADER", "LAZY_PAYLOAD_BYTES", "MAX_HEADER_DEPTH", "ProtocolError", "ConnectionClosed", "Limits",
+    "PREAUTH_LIMITS",
+    "payload_to_tensors", "json_depth", "encode_header", "send_frame", "recv_frame", "valid_id", "check_id",
 ]
 
 MAGIC = b"LTXM"
@@ -48,6 +50,10 @@ MAX_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_PAYLOAD_BYTES = 8 << 30
 #: Before a connection has authenticated, frames are tiny and carry no tensors.
 PREAUTH_LIMITS_HEADER = 64 << 10
+#: Payloads of at least this many bytes are received into lazily allocated memory.
+LAZY_PAYLOAD_BYTES = 1 << 20
+#: The deepest nesting of objects and lists a header may have (ours use 4).
+MAX_HEADER_DEPTH = 32
 
 
 class ProtocolError(Exception):
@@ -96,6 +102,19 @@ def payload_to_tensors(payload: bytes | bytearray | memoryview | torch.Tensor | 
 
 
 # --------------------------------------------------------------------------- framing
+
+def json_depth(value: Any) -> int:
+    """How deeply ``value``'s dicts and lists nest (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, d)
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
@@ -233,16 +252,19 @@ def _recv_one(sock: socket.socket, limits: Limits, shm, fds: list[int]) -> tuple
         raise ProtocolError(f"header is not UTF-8 JSON: {e!s:.200}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
+    if json_depth(header) > MAX_HEADER_DEPTH:
+        raise ProtocolError(f"header is nested more than {MAX_HEADER_DEPTH} levels deep", valid_id(header.get("id")))
     if flags or fds:
         try:
             return shm.receive(flags, payload_len, fds, header, limits.max_payload_bytes)
         except ShmError as e:
             raise ProtocolError(str(e), valid_id(header.get("id"))) from None
-    # The payload lands in one bytearray of the exact size (the kernel writes into it) and the
-    # tensors are views into it: no user-space copy. (A bytearray rather than torch.empty: as
-    # fast, and glibc hands its memory back like the bytes of before; torch's allocations of
-    # the same sizes stayed resident, ~20 MB more RSS after ten 4 MiB frames.)
-    payload = bytearray(payload_len)
+    # The payload lands in one buffer of the exact size (the kernel writes into it) and the
+    # tensors are views into it: no user-space copy. A bytearray (zero-filled: its pages are
+    # touched at once) for small payloads; an anonymous mapping for large ones, whose pages are
+    # allocated only as the bytes arrive, so a header declaring gigabytes costs nothing until
+    # they come (the mapping goes with the last tensor viewing it).
+    payload = bytearray(payload_len) if payload_len < LAZY_PAYLOAD_BYTES else mmap.mmap(-1, payload_len)
     if payload_len:
         _recv_into(sock, memoryview(payload), "payload")
     try:

@@ -47,6 +47,9 @@ CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000
 #: More dimensions than any tensor we exchange; bounds the work a hostile header can cause.
 MAX_DIMS = 64
+#: The largest byte extent a tensor's shape may describe (its dims, zeros counted as one, times
+#: the element size): torch's strides are int64.
+MAX_TENSOR_EXTENT = (1 << 62) - 1
 _FIELDS = {"dtype", "shape", "data_offsets"}
 
 
@@ -214,9 +217,13 @@ def parse_header(blob: memoryview) -> tuple[int, list[tuple[str, torch.dtype, li
             raise PayloadError(f"tensor {name!r:.80} has data_offsets {offsets!r:.120}: want [begin, end], "
                                "0 <= begin <= end")
         dtype = DTYPES[code]
-        numel = 1
+        numel, extent = 1, 1
         for d in shape:
             numel *= d
+            extent *= max(d, 1)
+        if extent * dtype.itemsize > MAX_TENSOR_EXTENT:  # torch could not even describe an empty one
+            raise PayloadError(f"tensor {name!r:.80} has shape {shape!r:.120}: its strides would pass "
+                               f"{MAX_TENSOR_EXTENT} bytes")
         want = numel * dtype.itemsize
         if offsets[1] - offsets[0] != want:
             raise PayloadError(f"tensor {name!r:.80} spans {offsets[1] - offsets[0]} bytes, but {code} x {shape} "
