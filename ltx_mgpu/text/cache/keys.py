@@ -32,8 +32,9 @@ from ltx_mgpu.text.features import projection_identity
 from ltx_mgpu.text.gemma.sources import detect_gemma_format, gemma_source_listing, source_identity
 
 #: Version of the entry layout and of the key encoding; bump it when either changes, and
-#: every older entry becomes a miss (it is folded into the key).
-FORMAT_VERSION = 3
+#: every older entry becomes a miss (it is folded into the key). 4: the entry checksum covers
+#: every metadata field (``dropped_tokens`` and ``version`` included), not only the tensor.
+FORMAT_VERSION = 4
 
 _KEY_DOMAIN = "ltx_mgpu.text.cache"
 
