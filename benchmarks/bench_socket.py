@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ltx_mgpu import wire
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
+from ltx_mgpu.wire.arena import Budget  # noqa: E402
 from ltx_mgpu.wire.receiver import ArenaReceiver  # noqa: E402
 from ltx_mgpu.wire.sender import ArenaSender  # noqa: E402
 
@@ -74,7 +75,7 @@ def _pair_seconds(tensors: dict, repeat: int, arena: bool, upcast: bool = False)
     """One frame of ``tensors`` over an in-process socket pair, through the socket or the arena;
     ``upcast``: float32 copies in hand at the end (arena: straight from it, as ``encode``)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender = ArenaSender(arena.Budget(), min_bytes=0) if arena else None
+    sender = ArenaSender(Budget(), min_bytes=0) if arena else None
     receiver = ArenaReceiver(take=(lambda header: _upcast) if upcast else None) if arena else None
 
     def once():

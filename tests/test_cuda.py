@@ -17,7 +17,7 @@ from ltx_mgpu.text.gemma.forward import HostEmbedding, run_tower
 from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.tokenizer import tokenize
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 
 PROMPTS = ["a cat", "A red fox running through fresh snow at dawn, cinematic, slow motion.", "x", "two words here"]

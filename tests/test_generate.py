@@ -203,16 +203,9 @@ def test_bench_reads_ratios_from_the_scripts_results():
     import json
     from pathlib import Path
 
-    from ltx_mgpu.cli.bench import format_table, nf4_rows, socket_rows, sp_rows, text_rows
+    from ltx_mgpu.cli.bench import format_table, nf4_rows, sp_rows, text_rows
 
-    table = ("pool: 2 rank(s) on cpu\nmeasure                                  value  goal\n"
-             "round trip: status (median)            0.41 ms  <= 5 ms\n"
-             "100 MB result through the pool       0.79 GB/s  >= 1 GB/s\n"
-             "  same, bytes + safetensors.torch.load  0.94 GB/s\n"
-             "pool / fresh memcpy                     0.33 x\n")
-    assert socket_rows(table) == [("socket", "round trip: status (median)", "0.41 ms", ""),
-                                  ("socket", "100 MB result through the pool", "0.79 GB/s", "0.33x a fresh memcpy"),
-                                  ("socket", "same, bytes + safetensors.torch.load", "0.94 GB/s", "")]
+    # the socket rows: tests/test_cli_newcomer.py (the script prints one table per payload size)
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     sp = json.loads((results / "sp_h200.json").read_text())
     v = sp["sizes"]["6144"]["variants"]

@@ -22,7 +22,7 @@ from ltx_mgpu.text.spec import LocalTextEncoder
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                 reason="needs two CUDA GPUs (run on the nvidia-h200-x2 machine)")]
+                                 reason=f"needs two CUDA GPUs (torch sees {torch.cuda.device_count()})")]
 
 
 @pytest.fixture(scope="module")

@@ -183,7 +183,7 @@ def test_a_reservation_taken_away_mid_job_leaves_the_pool_serving(tiny_gemma_dir
         cleanup(rt)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
 def test_bf16_pool_on_one_gpu_sends_float32_and_gives_the_in_process_embeddings_bit_for_bit(tiny_gemma_dir,
                                                                                           checkpoints):
     rt = short_dir()

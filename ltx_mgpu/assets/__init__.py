@@ -17,7 +17,11 @@ a fresh machine with no model downloads, and the layouts our loaders must accept
   the real small Gemma can drive the tiny LTX-2 end to end (``python -m ltx_mgpu generate``).
 
 The tiny transformer's output is noise: these models prove plumbing and numerics, not
-quality.
+quality. They live under :func:`ltx_mgpu.assets.store.assets_dir` (``<ltx_mgpu home>/assets/v<N>``:
+``$LTX_MGPU_HOME`` or ``~/.cache/ltx_mgpu``) unless a ``root`` is given.
+
+Importing this package loads neither torch nor the generators (the CLI's parser reads
+:data:`EMBEDDED_GEMMA` from it); each function imports what it needs.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ from pathlib import Path
 from typing import Literal
 
 from ltx_mgpu.assets.gemma270m import GEMMA_270M_HIDDEN, GEMMA_270M_HIDDEN_STATES, gemma_270m_available, gemma_270m_dir
-from ltx_mgpu.assets.store import DEFAULT_SEED, assets_dir, ensure
+
+#: The generators' default seed; ``ltx_mgpu.assets.store.DEFAULT_SEED`` holds the same value (a
+#: test checks), repeated here because the store imports torch and this package must not.
+DEFAULT_SEED = 0
 
 
 def tiny_gemma_dir(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
     """The tiny Gemma 3 Hugging Face snapshot directory (built on first use)."""
     from ltx_mgpu.assets.gemma import build_tiny_gemma_snapshot  # deferred: loads torch and ltx-core
+    from ltx_mgpu.assets.store import assets_dir, ensure  # deferred: it imports torch
 
     return ensure(assets_dir(root) / f"tiny-gemma3-seed{seed}", lambda p: build_tiny_gemma_snapshot(p, seed=seed))
 
@@ -40,6 +48,7 @@ def tiny_gemma_dir(root: str | os.PathLike | None = None, seed: int = DEFAULT_SE
 def tiny_gemma_comfy_file(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
     """The tiny Gemma 3 as a ComfyUI single-file text encoder (built on first use)."""
     from ltx_mgpu.assets.gemma import build_tiny_gemma_comfy_file  # deferred: loads torch and ltx-core
+    from ltx_mgpu.assets.store import assets_dir, ensure  # deferred: it imports torch
 
     snapshot = tiny_gemma_dir(root, seed)
     return ensure(
@@ -53,6 +62,7 @@ def tiny_ltx_checkpoint(
 ) -> Path:
     """A tiny LTX-2 monolith checkpoint in the 2.0 or 2.3 layout (built on first use)."""
     from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint  # deferred: loads torch and ltx-core
+    from ltx_mgpu.assets.store import assets_dir, ensure  # deferred: it imports torch
 
     if version not in ("2.0", "2.3"):
         raise ValueError(f"version must be '2.0' or '2.3', got {version!r}")
@@ -78,6 +88,7 @@ def tiny_ltx_checkpoint_gemma270m(
         ValueError: ``version`` is not ``"2.0"`` or ``"2.3"``.
     """
     from ltx_mgpu.assets.ltx import build_tiny_ltx_checkpoint  # deferred: loads torch and ltx-core
+    from ltx_mgpu.assets.store import assets_dir, ensure  # deferred: it imports torch
 
     if version not in ("2.0", "2.3"):
         raise ValueError(f"version must be '2.0' or '2.3', got {version!r}")
@@ -111,7 +122,7 @@ def embedded_default(choice: str = "auto", version: Literal["2.0", "2.3"] = "2.3
     is 2.3, else the tiny Gemma), ``"gemma-270m"`` or ``"tiny"``. The 270M pairs with a tiny
     LTX-2.3 checkpoint whose
     projection is sized for it (640 x 19). The Gemma path is a thunk because the 270M is
-    converted once on first use (about 45 s on 2 cores).
+    converted once on first use (slow on a CPU; it reports its stages on stderr).
 
     Raises:
         ValueError: an unknown choice, or ``"gemma-270m"`` with version 2.0.

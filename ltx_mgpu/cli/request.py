@@ -1,6 +1,9 @@
 """The ``generate`` request: its fields, the checks that need no weights (numbers, paths, the
 head split for the world size), the models it resolves to (the embedded default included), its
 pool and the empty audio-video LATENT it denoises. See :mod:`ltx_mgpu.cli.pipeline` for the run.
+
+Importing this module loads no torch (``generate``'s parser reads the defaults from it); the
+functions import what they need.
 """
 
 from __future__ import annotations
@@ -9,13 +12,12 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
-from ltx_mgpu.cli.decode import AudioGeometry
-from ltx_mgpu.files import check_directory_setting, check_output_path
+
+if TYPE_CHECKING:
+    from ltx_mgpu.cli.decode import AudioGeometry
 
 __all__ = ["DEFAULT_NEGATIVE", "EMBEDDED_GEMMA", "GenerateRequest", "ResolvedModels", "TINY_NOTICE",
            "empty_av_latent", "pool_spec_for", "resolve_models", "validate_request", "world_size_for"]
@@ -99,6 +101,8 @@ def validate_request(req: GenerateRequest) -> None:
     Raises:
         ValueError: naming the bad field and a valid value.
     """
+    from ltx_mgpu.files import check_directory_setting, check_output_path  # deferred: loads safetensors
+
     if not req.prompt.strip():
         raise ValueError("--prompt is empty; describe the video to generate")
     if req.frames < 1 or (req.frames - 1) % 8:
@@ -150,7 +154,7 @@ class ResolvedModels:
     checkpoint: str
     projection: str
     vae: str
-    gemma: Callable[[], str]  # resolved lazily: building the 270M snapshot takes ~45 s once
+    gemma: Callable[[], str]  # resolved lazily: the 270M snapshot is converted on first use (slow, once)
     gemma_name: str
     embedded: bool
 
@@ -174,13 +178,18 @@ def resolve_models(req: GenerateRequest) -> ResolvedModels:
 
 
 def empty_av_latent(frames: int, height: int, width: int, fps: float,
-                    geometry: AudioGeometry = AudioGeometry()) -> dict:  # noqa: B008 - frozen dataclass, safe to share
+                    geometry: AudioGeometry | None = None) -> dict:
     """ComfyUI's empty LTX-2 audio-video LATENT (``EmptyLTXVLatentVideo`` + ``LTXVEmptyLatentAudio``
     + ``LTXVConcatAVLatent``): ``{"samples": NestedTensorLike([video, audio]), "type": "audio"}``
     with video float32 zeros ``[1, 128, (frames-1)//8+1, height//32, width//32]`` and audio zeros
-    ``[1, channels, N, freq_bins]``, ``N = ceil(frames / fps * latents_per_second)``."""
-    from ltx_mgpu.cli.decode import num_audio_latents
+    ``[1, channels, N, freq_bins]``, ``N = ceil(frames / fps * latents_per_second)``; ``geometry``
+    None: LTX-2's default :class:`~ltx_mgpu.cli.decode.AudioGeometry`."""
+    import torch
+
+    from ltx_mgpu.cli.decode import AudioGeometry, num_audio_latents
     from ltx_mgpu.nested import NestedTensorLike
+
+    geometry = AudioGeometry() if geometry is None else geometry
 
     video = torch.zeros(1, 128, (frames - 1) // 8 + 1, height // 32, width // 32)
     audio = torch.zeros(1, geometry.channels, num_audio_latents(frames, fps, geometry), geometry.freq_bins)
@@ -194,6 +203,8 @@ def world_size_for(req: GenerateRequest, info) -> tuple[int, bool]:
         SequenceParallelConfigError (ValueError): ``gpus`` does not divide the heads (the message
         lists the counts that work). ValueError: more GPUs than visible.
     """
+    import torch
+
     from ltx_mgpu.denoise.model import check_world_size, meta_transformer
     from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, valid_world_sizes
 

@@ -305,6 +305,25 @@ def detect_projection_version(keys: Sequence[str]) -> tuple[ModelVersion, str]:
     )
 
 
+#: Gemma 3 text towers whose hidden states an LTX-2 projection may take, by the projection's input
+#: width ``hidden states x width``: the one LTX-2 is made for, and the embedded defaults' Gemmas
+#: (``ltx_mgpu.assets``).
+_GEMMAS_BY_WIDTH = {49 * 3840: ("Gemma 3 12B", 49, 3840),
+                    19 * 640: ("the Gemma 3 270M (the embedded default)", 19, 640),
+                    7 * 64: ("the embedded tiny Gemma 3", 7, 64)}
+
+
+def projection_gemma(in_features: int) -> str:
+    """Which Gemma a projection of input width ``in_features`` was made for, in words: a known
+    one by name (``"Gemma 3 12B (49 hidden states of width 3840)"``), else the product it needs."""
+    known = _GEMMAS_BY_WIDTH.get(in_features)
+    if known is not None:
+        name, states, width = known
+        return f"{name} ({states} hidden states of width {width})"
+    return (f"a Gemma whose hidden states x width make {in_features} (Gemma 3 12B, which LTX-2 is made for, "
+            "has 49 x 3840 = 188160)")
+
+
 def load_projection(
     path: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -344,13 +363,16 @@ def load_projection(
         embedding_dim = 3840
         if in_features % embedding_dim:
             raise ProjectionFormatError(
-                f"{path}: projection input width {in_features} is not a multiple of Gemma 3 12B's 3840; "
-                "pass num_layers for another Gemma"
+                f"{path}: this LTX-{version} projection takes {in_features} input features: it belongs to "
+                f"{projection_gemma(in_features)}, not to Gemma 3 12B (width 3840), which is assumed without "
+                "num_layers; pass num_layers for another Gemma"
             )
         num_layers = in_features // embedding_dim
     if in_features % num_layers:
-        raise ProjectionFormatError(f"{path}: projection input width {in_features} is not divisible by "
-                                    f"{num_layers} layers")
+        raise ProjectionFormatError(
+            f"{path}: this LTX-{version} projection takes {in_features} input features: it belongs to "
+            f"{projection_gemma(in_features)}, not to this Gemma with {num_layers} hidden states. Pass the "
+            "checkpoint (or projection file) made for this Gemma, or the Gemma this checkpoint was made for")
     if version == "2.3":
         for name in ("video", "audio"):
             w, b = weights[f"{name}_aggregate_embed.weight"], weights[f"{name}_aggregate_embed.bias"]

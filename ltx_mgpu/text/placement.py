@@ -43,7 +43,13 @@ from ltx_mgpu.choices import PLACEMENTS, check_choice
 from ltx_mgpu.text.cache.keys import weights_mode
 from ltx_mgpu.text.config import COMPILE_ACCELERATE, TextEncoderConfig
 from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
-from ltx_mgpu.text.features import ProjectionFormatError, PromptEmbedding, detect_projection_version, load_projection
+from ltx_mgpu.text.features import (
+    ProjectionFormatError,
+    PromptEmbedding,
+    detect_projection_version,
+    load_projection,
+    projection_gemma,
+)
 from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.sources import comfy_text_config, detect_gemma_format, gemma_source_files
 from ltx_mgpu.text.nf4.artifact import read_manifest
@@ -194,9 +200,11 @@ def check_pairing(gemma: GemmaShape, projection: ProjectionShape, gemma_path: st
     if projection.in_features != want:
         raise ValueError(
             f"the LTX-{projection.version} projection in {projection_path or 'the checkpoint'} takes "
-            f"{projection.in_features} input features, but the Gemma at {gemma_path or 'the source'} gives "
-            f"{gemma.num_hidden_states} hidden states of width {gemma.hidden_size} (= {want}). Pair the "
-            "checkpoint with its Gemma (Gemma 3 12B for LTX-2).")
+            f"{projection.in_features} input features: it belongs to {projection_gemma(projection.in_features)}, "
+            f"but the Gemma at {gemma_path or 'the source'} gives {gemma.num_hidden_states} hidden states of width "
+            f"{gemma.hidden_size} (= {want}). Pair the checkpoint with its Gemma: pass the checkpoint (or "
+            "projection file) made for this Gemma, or the Gemma the checkpoint was made for (Gemma 3 12B for "
+            "LTX-2).")
 
 
 def load_prompt_encoder(config: TextEncoderConfig, *, device: torch.device | str = "cpu",
