@@ -164,7 +164,7 @@ def test_bad_latent_is_a_clear_node_error_and_the_pool_keeps_serving(model, cond
     with pytest.raises(BadInputError, match="LTX-2 video latent is"):
         node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], {"samples": torch.zeros(1, 4, 8, 8)}, 2, 1.0, 0,
                                          "euler")
-    (out,) = node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 1, 1.0, 0, "euler")
+    (out,) = node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 2, 1.0, 0, "euler")
     assert len(parts(out)) == 2
 
 
@@ -172,7 +172,7 @@ def test_model_is_loaded_again_when_the_pool_freed_it(pool, model, conds):
     (text,) = node("LTXMGPU_Free").free(pool, False)["result"]
     assert text.startswith("pool on CPU (2 ranks): unloaded") and "ltx" in text
     assert not pool.client.status()["ranks"][0]["models"]
-    (out,) = node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 1, 1.0, 0, "euler")
+    (out,) = node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 2, 1.0, 0, "euler")
     assert len(parts(out)) == 2 and "ltx" in pool.client.status()["ranks"][0]["models"]
 
 
@@ -193,7 +193,7 @@ def test_prompt_batch_encode_fills_the_cache_and_keep_loaded_off_unloads_gemma(p
 
 
 def test_pool_status_routes_and_free(pool, model, conds, env):
-    node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 1, 1.0, 0, "euler")  # ltx resident
+    node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 2, 1.0, 0, "euler")  # ltx resident
     text = node("LTXMGPU_PoolStatus").report(pool)["result"][0]
     assert "2 rank(s) on cpu" in text and "ltx (" in text and "running: -" in text
     payload = routes.status_payload()
@@ -214,5 +214,5 @@ def test_stop_pool_then_the_next_node_run_starts_a_fresh_pool(pool, model, conds
     old = pool.client.pid
     assert node("LTXMGPU_Free").free(pool, True)["result"][0] == "pool on CPU (2 ranks): stopped"
     assert next(p for p in routes.status_payload()["pools"] if p["key"] == "cpu-2")["state"] == "not running"
-    (out,) = node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 1, 1.0, 0, "euler")
+    (out,) = node("LTXMGPU_SPSampler").sample(model, conds[0], conds[1], av_latent(), 2, 1.0, 0, "euler")
     assert len(parts(out)) == 2 and pool.client.pid != old

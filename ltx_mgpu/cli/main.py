@@ -21,6 +21,7 @@ import sys
 from typing import Sequence
 
 from ltx_mgpu.cli import assets, bench, encode, generate, pool, quantize
+from ltx_mgpu.client.errors import PoolError  # dependency-free: --help stays light
 
 __all__ = ["build_parser", "main", "pool_can_run"]
 
@@ -63,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PoolError as e:  # the pool failed or refused: its message (and log tail), not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C (generate) or one outside a pool job: one line, no traceback
         print("\naborted", file=sys.stderr)
         return 130

@@ -256,20 +256,23 @@ class PoolClient:
         if receiver is not None:
             receiver.drop()
         lost = sock is self._sock  # not closed by this client
+        procs = list(self._procs)
         self.mark_dead(reason, sock=sock)
         if lost:
-            self._sweep_files(self.pool.get("instance"))
+            self._sweep(self.pool.get("instance"), procs)
 
-    def _sweep_files(self, instance: str | None, wait: float = 20.0) -> None:
+    def _sweep(self, instance: str | None, procs: list[psutil.Process], wait: float = 20.0) -> None:
         """After a lost connection: when the pool that served it is gone (its torchrun exits soon
-        after a rank dies), remove its socket, token and ``pool.json`` so nothing finds a dead
-        pool's files; a pool that still runs, or a newer one, is left alone."""
+        after a rank dies), end the processes of it seen at attach that outlived it (orphaned
+        ranks) and remove its socket, token and ``pool.json``, so nothing finds a dead pool's
+        files; a pool that still runs, or a newer one, is left alone."""
         deadline = time.monotonic() + wait
         while True:
             info = runtime.PoolInfo.read(self.dir)
             if info is None or info.instance != instance:
                 return
             if not info.alive():
+                runtime.kill_processes([p for p in procs if runtime.is_alive(p)], grace=3.0)
                 runtime.remove_pool_files(self.dir, instance)
                 return
             if time.monotonic() > deadline or self._closing.wait(0.1):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointInfo",
     "LoraSpec",
     "StateDictLoader",
+    "check_loras",
     "count_blocks",
     "infer_transformer_config",
     "inspect_checkpoint",
@@ -277,41 +279,122 @@ def _lora_aliases(weight_keys: Sequence[str]) -> dict[str, str]:
     return out
 
 
+#: The part names of a LoRA pair, for messages.
+_LORA_PART_NAMES = {"A": "lora_A", "B": "lora_B", "alpha": "alpha"}
+#: The safetensors dtypes a LoRA tensor may have.
+_LORA_DTYPES = ("F16", "BF16", "F32", "F64")
+_LORA_HINT = "; give a LoRA .safetensors file (models/loras), or download it again if it is damaged"
+
+#: A LoRA file's layout from its header: DiT weight key -> part ("A", "B", "alpha") -> (stored key, shape).
+LoraLayout = dict[str, dict[str, tuple[str, tuple[int, ...]]]]
+
+
+def _lora_layout(spec: LoraSpec, aliases: Mapping[str, str]) -> LoraLayout:
+    """Read and check a LoRA file's header (no tensor data is read).
+
+    Raises:
+        CheckpointError: no such file; not a readable safetensors file (not safetensors,
+            truncated, a damaged header); a key that is not a LoRA key of this DiT; a part given
+            twice; a tensor that is not float; a pair with only one of A/B, a factor that is
+            not 2-D or has an empty dimension, ranks that disagree, or an alpha that is not one
+            number. Each names the file and the fix.
+    """
+    if not math.isfinite(spec.strength):
+        raise CheckpointError(f"LoRA {spec.path}: strength {spec.strength} is not a finite number")
+    if not Path(spec.path).is_file():
+        raise CheckpointError(f"no LoRA file at {spec.path}")
+    safetensors_header(spec.path, CheckpointError, _LORA_HINT)
+    where = f"LoRA {spec.path}"
+    parts: LoraLayout = {}
+    unknown = []
+    with safe_open(spec.path, framework="pt", device="cpu") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
+            suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
+            target = aliases.get(key[: -len(suffix)]) if suffix else None
+            if target is None:
+                unknown.append(key)
+                continue
+            part, info = _LORA_SUFFIXES[suffix], f.get_slice(key)
+            if part in parts.setdefault(target, {}):
+                raise CheckpointError(f"{where}: {target} has two {_LORA_PART_NAMES[part]} tensors "
+                                      f"({parts[target][part][0]} and {key}); keep one naming per module")
+            if info.get_dtype() not in _LORA_DTYPES:
+                raise CheckpointError(f"{where}: {key} is stored as {info.get_dtype()}; LoRA tensors are float "
+                                      "(F16, BF16, F32, F64)")
+            parts[target][part] = (key, tuple(info.get_shape()))
+    if unknown:
+        raise CheckpointError(
+            f"LoRA {spec.path}: {len(unknown)} key(s) match no weight of this LTX-2 transformer, e.g. "
+            f"{', '.join(unknown[:3])}. Is it a LoRA for this model version (LTX-2.0 vs 2.3)?"
+        )
+    for target, p in sorted(parts.items()):
+        if "A" not in p or "B" not in p:
+            raise CheckpointError(f"LoRA {spec.path}: {target} has only one of lora_A/lora_B (down/up)")
+        (_, a), (_, b) = p["A"], p["B"]
+        for name, shape in (("lora_A", a), ("lora_B", b)):
+            if len(shape) < 2:
+                raise CheckpointError(f"{where}: {target} {name} is {shape}: a LoRA factor is 2-D ([rank, in] for "
+                                      "lora_A, [out, rank] for lora_B); the file is not a LoRA of this format")
+            if 0 in shape:
+                raise CheckpointError(f"{where}: {target} {name} is {shape}: every dimension must be at least 1")
+        if a[0] != math.prod(b[1:]):
+            raise CheckpointError(f"{where}: {target} lora_A is {a} (rank {a[0]}) but lora_B {b} (rank "
+                                  f"{math.prod(b[1:])}); the two factors of a pair share their rank: the file is "
+                                  "damaged or mixes two LoRAs")
+        if "alpha" in p and math.prod(p["alpha"][1]) != 1:
+            raise CheckpointError(f"{where}: {target} alpha is {p['alpha'][1]}, not one number")
+    return parts
+
+
+def check_loras(specs: Sequence[LoraSpec], weight_shapes: Mapping[str, Sequence[int]]) -> None:
+    """Check LoRA files against a DiT from their headers alone (no tensor data is read), as
+    :func:`load_loras` will use them: each pair's update ``B @ A`` must have its weight's shape.
+    Strength-0 LoRAs are skipped (they are not loaded). Deterministic, so a pool runs it on
+    every rank before any weight is read.
+
+    Args:
+        weight_shapes: prefix-less DiT key -> shape (``CheckpointInfo.shapes``).
+    Raises:
+        CheckpointError: as :func:`_lora_layout`, or an update of another shape than its weight.
+    """
+    aliases = _lora_aliases([k for k in weight_shapes if k.endswith(".weight")])
+    for spec in specs:
+        if spec.strength == 0:
+            continue
+        for target, p in sorted(_lora_layout(spec, aliases).items()):
+            update = (p["B"][1][0], math.prod(p["A"][1][1:]))
+            weight = tuple(weight_shapes[target])
+            if (update != weight) if len(weight) == 2 else (math.prod(update) != math.prod(weight)):
+                raise CheckpointError(f"LoRA {spec.path}: {target} gives a {update} update for a {weight} weight; "
+                                      "is it a LoRA for this model (LTX-2.0 vs 2.3, another size)?")
+
+
 def load_loras(specs: Sequence[LoraSpec], weight_keys: Sequence[str]) -> dict[str, list]:
     """DiT weight key -> [(A float32 [r, in], B float32 [out, r], scale)], on CPU.
 
     ``scale = strength * alpha / rank`` (``alpha`` optional, as in ComfyUI). Strength-0 LoRAs
-    are skipped. Raises CheckpointError for a missing file, a key that is not a LoRA key of
-    this DiT (never silently dropped) or an incomplete A/B pair.
+    are skipped. Raises CheckpointError for a missing or unreadable file, a key that is not a
+    LoRA key of this DiT (never silently dropped), an incomplete or malformed A/B pair (see
+    :func:`_lora_layout`; :func:`check_loras` also checks the shapes against the weights), or
+    values that are not finite.
     """
     aliases = _lora_aliases(weight_keys)
     out: dict[str, list] = {}
     for spec in specs:
         if spec.strength == 0:
             continue
-        if not Path(spec.path).is_file():
-            raise CheckpointError(f"no LoRA file at {spec.path}")
-        parts: dict[str, dict] = {}
-        unknown = []
+        layout = _lora_layout(spec, aliases)
         with safe_open(spec.path, framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
-                target = aliases.get(key[: -len(suffix)]) if suffix else None
-                if target is None:
-                    unknown.append(key)
-                    continue
-                parts.setdefault(target, {})[_LORA_SUFFIXES[suffix]] = f.get_tensor(key).float()
-        if unknown:
-            raise CheckpointError(
-                f"LoRA {spec.path}: {len(unknown)} key(s) match no weight of this LTX-2 transformer, e.g. "
-                f"{', '.join(unknown[:3])}. Is it a LoRA for this model version (LTX-2.0 vs 2.3)?"
-            )
-        for target, p in sorted(parts.items()):
-            if "A" not in p or "B" not in p:
-                raise CheckpointError(f"LoRA {spec.path}: {target} has only one of lora_A/lora_B (down/up)")
-            a, b = p["A"].flatten(1), p["B"].flatten(1)
-            alpha = float(p["alpha"]) / a.shape[0] if "alpha" in p else 1.0
-            out.setdefault(target, []).append((a, b, float(spec.strength) * alpha))
+            for target, p in sorted(layout.items()):
+                t = {part: f.get_tensor(key).float() for part, (key, _) in p.items()}
+                bad = next((part for part in ("A", "B", "alpha") if part in t and not bool(t[part].isfinite().all())),
+                           None)
+                if bad is not None:
+                    raise CheckpointError(f"LoRA {spec.path}: {target} {_LORA_PART_NAMES[bad]} holds NaN or infinite "
+                                          "values; the file is damaged: download it again or re-train it")
+                a, b = t["A"].flatten(1), t["B"].flatten(1)
+                alpha = float(t["alpha"].reshape(())) / a.shape[0] if "alpha" in t else 1.0
+                out.setdefault(target, []).append((a, b, float(spec.strength) * alpha))
     return out
 
 

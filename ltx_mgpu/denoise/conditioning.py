@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ltx_mgpu.denoise.latents import DEFAULT_FRAME_RATE, frame_rate_from_conditioning
+from ltx_mgpu.denoise.latents import DEFAULT_FRAME_RATE, FLOAT_DTYPES, frame_rate_from_conditioning
 
 __all__ = [
     "ConditioningError",
@@ -78,14 +78,18 @@ class PromptConditioning:
 
 
 def _check_attention_mask(mask: Any, tensor: torch.Tensor, name: str) -> None:
-    if not isinstance(mask, torch.Tensor) or mask.numel() == 0 or not bool((mask == 1).all()):
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.is_complex():
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ConditioningError(f"{name} conditioning's attention_mask must be [batch, tokens] (ComfyUI's layout), "
+                                f"got {shape}; drop the option or send the text encoder's own mask")
+    if mask.shape[-1] != tensor.shape[1]:
+        raise ConditioningError(f"{name} conditioning's attention_mask covers {mask.shape[-1]} tokens, "
+                                f"not {tensor.shape[1]}")
+    if mask.numel() == 0 or not bool((mask == 1).all()):
         raise ConditioningError(
             f"{name} conditioning has an 'attention_mask' that is not all ones; padded text tokens are not "
             "supported by the multi-GPU sampler. Trim the padding (ComfyUI's LTX-2 text encoder does) instead."
         )
-    if mask.shape[-1] != tensor.shape[1]:
-        raise ConditioningError(f"{name} conditioning's attention_mask covers {mask.shape[-1]} tokens, "
-                                f"not {tensor.shape[1]}")
 
 
 def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptConditioning:
@@ -96,8 +100,9 @@ def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptCondi
         name: "positive" / "negative", used in messages.
     Raises:
         ConditioningError: not a CONDITIONING, several entries (combined prompts), a tensor
-            that is not ``[B, T, D]`` float, an unsupported or unknown key, a non-ones
-            attention mask, or a bad frame rate.
+            that is not ``[B, T, D]`` float or has an empty dimension, an unsupported or unknown
+            key, an attention mask that is not ``[B, T]`` ones, an ``unprocessed_ltxav_embeds``
+            that is not a bool, or a bad frame rate.
     """
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
         raise ConditioningError(f"{name} must be a ComfyUI CONDITIONING: a list of [tensor, dict] entries")
@@ -110,12 +115,14 @@ def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptCondi
     if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], dict):
         raise ConditioningError(f"{name} conditioning entry must be [tensor, dict]")
     tensor, opts = entry
-    if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3 or not tensor.is_floating_point():
-        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+    if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3 or tensor.dtype not in FLOAT_DTYPES:
+        shape = (f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                 else type(tensor).__name__)
         raise ConditioningError(f"{name} conditioning tensor must be a float [batch, tokens, width] tensor, "
-                                f"got {shape}")
-    if tensor.shape[0] < 1 or tensor.shape[1] < 1:
-        raise ConditioningError(f"{name} conditioning tensor is empty: {tuple(tensor.shape)}")
+                                f"got {shape}; connect a text encoder's CONDITIONING")
+    if tensor.numel() == 0:
+        raise ConditioningError(f"{name} conditioning tensor is empty: {tuple(tensor.shape)}; every dimension "
+                                "must be at least 1 (encode a prompt)")
     for key in opts:
         if key in UNSUPPORTED_KEYS:
             raise ConditioningError(
@@ -129,6 +136,10 @@ def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptCondi
             )
     if opts.get("attention_mask") is not None:
         _check_attention_mask(opts["attention_mask"], tensor, name)
+    flag = opts.get("unprocessed_ltxav_embeds")
+    if flag is not None and not isinstance(flag, bool):
+        raise ConditioningError(f"{name} conditioning's 'unprocessed_ltxav_embeds' must be true or false, got "
+                                f"{flag!r:.40}; ComfyUI's LTX-2 text encoder sets it to true")
     fps = frame_rate_from_conditioning([entry], default=math.nan)  # raises ValueError for a bad value
     return PromptConditioning(tensor, bool(opts.get("unprocessed_ltxav_embeds", False)),
                               None if math.isnan(fps) else fps)

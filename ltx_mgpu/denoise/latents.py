@@ -39,6 +39,7 @@ from ltx_mgpu.nested import NestedTensorLike, is_nested  # noqa: F401 - re-expor
 
 __all__ = [
     "DEFAULT_FRAME_RATE",
+    "FLOAT_DTYPES",
     "LatentFormatError",
     "ModalityTokens",
     "NestedTensorLike",
@@ -53,6 +54,8 @@ __all__ = [
 #: ComfyUI's ``LTXVConditioning`` default frame rate (frames per second) and the model's
 #: fallback when a conditioning carries no ``frame_rate``.
 DEFAULT_FRAME_RATE = 25.0
+#: The dtypes a LATENT, noise mask or CONDITIONING tensor may have (ComfyUI's float types).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _VIDEO_PATCHIFIER = VideoLatentPatchifier(patch_size=1)
 
@@ -115,13 +118,42 @@ def frame_rate_from_conditioning(conditioning: Any, default: float = DEFAULT_FRA
         opts = entry[1] if isinstance(entry, (list, tuple)) and len(entry) > 1 else entry
         if isinstance(opts, dict) and opts.get("frame_rate") is not None:
             try:
+                if isinstance(opts["frame_rate"], bool):
+                    raise TypeError("a bool")
                 fps = float(opts["frame_rate"])
             except (TypeError, ValueError):
-                raise ValueError(f"conditioning frame_rate must be a number, got {opts['frame_rate']!r}") from None
+                raise ValueError(f"conditioning frame_rate must be a number (frames per second), got "
+                                 f"{opts['frame_rate']!r:.40}; set it on LTXVConditioning") from None
             if not (fps > 0 and math.isfinite(fps)):
                 raise ValueError(f"conditioning frame_rate must be positive, got {fps}; set it on LTXVConditioning")
             return fps
     return float(default)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_tensor(t: Any, what: str, layout: str) -> None:
+    """Raise LatentFormatError unless ``t`` is a float tensor (:data:`FLOAT_DTYPES`) with no empty
+    dimension (``layout`` names the expected one, for the message)."""
+    if not isinstance(t, torch.Tensor) or getattr(t, "is_nested", False):
+        raise LatentFormatError(f"{what} must be a tensor {layout}, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise LatentFormatError(f"{what} is {t.dtype}; LATENTs and noise masks are float16, bfloat16, float32 or "
+                                "float64 tensors")
+    if t.numel() == 0 or t.ndim == 0:
+        raise LatentFormatError(f"{what} has shape {tuple(t.shape)}, expected {layout} with every dimension at "
+                                "least 1 (an empty latent or mask has nothing to denoise); check the node that made it")
+
+
+def _check_batch_index(index: Any, batch: int) -> None:
+    """ComfyUI's ``batch_index`` (``prepare_noise``'s noise indices): one non-negative int per sample."""
+    if not isinstance(index, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in index):
+        raise LatentFormatError(f"latent batch_index must be a list of non-negative ints, got {index!r:.80}")
+    if len(index) != batch:
+        raise LatentFormatError(f"latent batch_index has {len(index)} entries; the latent's batch is {batch}: give "
+                                "one entry per sample (ComfyUI's noise indices) or none")
 
 
 # --------------------------------------------------------------------------- masks
@@ -146,8 +178,9 @@ def _video_token_mask(mask: torch.Tensor | None, shape: VideoLatentShape, device
     if mask is None:
         return torch.ones(shape.batch, shape.token_count(), dtype=torch.float32, device=device)
     m = mask.to(device=device, dtype=torch.float32)
-    if m.ndim < 2:
-        raise LatentFormatError(f"video noise_mask must have >= 2 dims ([..., H, W]), got shape {tuple(mask.shape)}")
+    if not 2 <= m.ndim <= 5:
+        raise LatentFormatError(f"video noise_mask must have 2 to 5 dims ([..., H, W] up to [B, C, F, H, W]), "
+                                f"got shape {tuple(mask.shape)}")
     if m.ndim < 5:
         m = m.reshape(1, 1, -1, m.shape[-2], m.shape[-1])
     m = m[:, :1]
@@ -180,9 +213,13 @@ def _audio_token_mask(mask: torch.Tensor | None, shape: AudioLatentShape, patchi
 # --------------------------------------------------------------------------- conversion
 
 
-def _video_tokens(samples: torch.Tensor, mask, frame_rate: float) -> ModalityTokens:
+def _video_tokens(samples: torch.Tensor, mask, frame_rate: float, what: str = "video latent",
+                  mask_what: str = "noise_mask") -> ModalityTokens:
+    _check_tensor(samples, what, "[B, 128, F, H, W]")
     if samples.ndim != 5:
         raise LatentFormatError(f"an LTX-2 video latent is [B, 128, F, H, W]; got shape {tuple(samples.shape)}")
+    if mask is not None:
+        _check_tensor(mask, mask_what, "[..., H, W]")
     shape = VideoLatentShape.from_torch_shape(samples.shape)
     coords = _VIDEO_PATCHIFIER.get_patch_grid_bounds(shape, device=samples.device)
     positions = get_pixel_coords(coords, VIDEO_SCALE_FACTORS, causal_fix=True).float()
@@ -196,9 +233,13 @@ def _video_tokens(samples: torch.Tensor, mask, frame_rate: float) -> ModalityTok
     )
 
 
-def _audio_tokens(samples: torch.Tensor, mask, patchifier: AudioPatchifier) -> ModalityTokens:
+def _audio_tokens(samples: torch.Tensor, mask, patchifier: AudioPatchifier, what: str = "audio latent",
+                  mask_what: str = "noise_mask") -> ModalityTokens:
+    _check_tensor(samples, what, "[B, 8, N, 16]")
     if samples.ndim != 4:
         raise LatentFormatError(f"an LTX-2 audio latent is [B, 8, N, 16]; got shape {tuple(samples.shape)}")
+    if mask is not None:
+        _check_tensor(mask, mask_what, "[..., N, mel_bins]")
     shape = AudioLatentShape.from_torch_shape(samples.shape)
     return ModalityTokens(
         tokens=patchifier.patchify(samples),
@@ -227,7 +268,9 @@ def latent_to_tokens(
         ``TokenLatents``; ``tokens_to_latent`` inverts it exactly.
     Raises:
         LatentFormatError: not a LATENT dict, a ``torch.nested`` tensor, a NestedTensor
-            that is not (video, audio), mismatched batch sizes, or a mask of the wrong rank.
+            that is not (video, audio), a latent or mask that is not a float tensor or has an
+            empty dimension, mismatched batch sizes, a mask of the wrong rank, or a
+            ``batch_index`` that is not one non-negative int per sample.
         ValueError: ``frame_rate`` not positive.
     """
     if not isinstance(latent, dict) or "samples" not in latent:
@@ -245,14 +288,18 @@ def latent_to_tokens(
                 "Build it with LTXVConcatAVLatent."
             )
         masks = list(mask.unbind()) if is_nested(mask) else [mask]
+        if len(masks) > 2:
+            raise LatentFormatError(f"an audio-video noise_mask nests (video mask, audio mask); got {len(masks)} "
+                                    "tensors")
         masks += [None] * (2 - len(masks))
-        video = _video_tokens(parts[0], masks[0], frame_rate)
-        audio = _audio_tokens(parts[1], masks[1], patchifier)
+        video = _video_tokens(parts[0], masks[0], frame_rate, "latent part 0 (video)", "noise_mask part 0 (video)")
+        audio = _audio_tokens(parts[1], masks[1], patchifier, "latent part 1 (audio)", "noise_mask part 1 (audio)")
         if video.shape.batch != audio.shape.batch:
             raise LatentFormatError(
                 f"video batch {video.shape.batch} and audio batch {audio.shape.batch} differ; "
                 "use the same batch size on both empty-latent nodes"
             )
+        _check_extras(latent, video.shape.batch)
         return TokenLatents(video, audio, float(frame_rate), type(samples), extras)
     if not isinstance(samples, torch.Tensor) or getattr(samples, "is_nested", False):
         raise LatentFormatError(
@@ -261,8 +308,16 @@ def latent_to_tokens(
     if is_nested(mask):
         raise LatentFormatError("a nested noise_mask needs a nested (audio-video) LATENT")
     if latent.get("type") == "audio":
-        return TokenLatents(None, _audio_tokens(samples, mask, patchifier), float(frame_rate), None, extras)
-    return TokenLatents(_video_tokens(samples, mask, frame_rate), None, float(frame_rate), None, extras)
+        state = TokenLatents(None, _audio_tokens(samples, mask, patchifier), float(frame_rate), None, extras)
+    else:
+        state = TokenLatents(_video_tokens(samples, mask, frame_rate), None, float(frame_rate), None, extras)
+    _check_extras(latent, samples.shape[0])
+    return state
+
+
+def _check_extras(latent: dict, batch: int) -> None:
+    if latent.get("batch_index") is not None:
+        _check_batch_index(latent["batch_index"], batch)
 
 
 def _restore(mod: ModalityTokens, tokens: torch.Tensor | None, unpatchify) -> torch.Tensor:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -53,8 +54,17 @@ from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning,
 from ltx_mgpu.denoise.latents import latent_to_tokens, repeat_to_batch, tokens_to_latent
 from ltx_mgpu.nested import is_nested
 
-__all__ = ["SAMPLERS", "SamplingCancelled", "comfy_noise", "ltx2_sigmas", "resolve_sigmas", "sample"]
+__all__ = ["SAMPLERS", "SCHEDULER_OPTIONS", "SamplingCancelled", "check_scheduler_options", "comfy_noise",
+           "ltx2_sigmas", "resolve_sigmas", "sample"]
 
+#: The ``LTXVScheduler`` options :func:`ltx2_sigmas` takes: name -> (kind, low, high), ComfyUI's
+#: ranges for the node's inputs (``comfy_extras/nodes_lt.py``).
+SCHEDULER_OPTIONS = {
+    "max_shift": ("number", 0.0, 100.0),
+    "base_shift": ("number", 0.0, 100.0),
+    "stretch": ("bool", None, None),
+    "terminal": ("number", 0.0, 0.99),
+}
 
 
 class SamplingCancelled(RuntimeError, Cancelled):
@@ -66,6 +76,36 @@ class SamplingCancelled(RuntimeError, Cancelled):
 
 
 # --------------------------------------------------------------------------- sigmas and noise
+
+
+def check_scheduler_options(options) -> dict:
+    """``options`` for :func:`ltx2_sigmas`, checked: a mapping of :data:`SCHEDULER_OPTIONS` names
+    to finite numbers in the node's range (``max_shift`` / ``base_shift`` 0..100, ``terminal``
+    0..0.99) or, for ``stretch``, a bool. Returns them as a dict.
+
+    Raises:
+        ValueError: not a mapping, an unknown name, or a value of the wrong type or range
+            (``"scheduler.<name> must be ..."``).
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"scheduler options must be an object of {list(SCHEDULER_OPTIONS)}, got {options!r:.80}")
+    unknown = sorted(set(options) - set(SCHEDULER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown scheduler option(s) {unknown}; known: {list(SCHEDULER_OPTIONS)}")
+    for name, value in options.items():
+        kind, low, high = SCHEDULER_OPTIONS[name]
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"scheduler.{name} must be true or false, got {value!r:.40}")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"scheduler.{name} must be a number in {low:g}..{high:g} (LTXVScheduler's range), "
+                             f"got {value!r:.40}")
+        if not low <= value <= high:
+            raise ValueError(f"scheduler.{name} must be in {low:g}..{high:g} (LTXVScheduler's range), got {value}")
+    return dict(options)
 
 
 def ltx2_sigmas(
@@ -81,30 +121,46 @@ def ltx2_sigmas(
 
     The shift is interpolated through (1024 tokens, base_shift) and (4096, max_shift) with
     tokens = ``prod(latent["samples"].shape[2:])`` (the video shape of an audio-video LATENT),
-    or 4096 without a latent. Raises ValueError for ``steps < 1``.
+    or 4096 without a latent. Raises ValueError for ``steps`` that is not an int >= 1, options
+    :func:`check_scheduler_options` refuses, or options that give sigmas the sampler cannot use
+    (an overflowing shift, non-finite values).
     """
-    if int(steps) < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r:.40}")
+    steps = int(steps)
+    options = check_scheduler_options({"max_shift": max_shift, "base_shift": base_shift, "stretch": stretch,
+                                       "terminal": terminal})
     shape = None
     if latent is not None:
         samples = latent["samples"]
         shape = samples.tensors[0].shape if is_nested(samples) else samples.shape
     ref = torch.empty(shape, device="meta") if shape is not None else None
-    return LTX2Scheduler().execute(int(steps), latent=ref, max_shift=max_shift, base_shift=base_shift,
-                                   stretch=stretch, terminal=terminal).to(torch.float32)
+    try:
+        sigmas = LTX2Scheduler().execute(steps, latent=ref, **options).to(torch.float32)
+    except (ArithmeticError, IndexError, RuntimeError) as e:  # math.exp overflow, an all-zero schedule...
+        raise ValueError(f"the LTX-2 scheduler cannot make {steps} sigmas with {options} for this latent "
+                         f"({type(e).__name__}: {e}); lower max_shift / base_shift") from None
+    if not bool(torch.isfinite(sigmas).all()):
+        raise ValueError(f"the LTX-2 scheduler gives non-finite sigmas for {steps} step(s) with {options}; "
+                         "use more steps, stretch=false, or lower max_shift / base_shift")
+    return sigmas
 
 
 def resolve_sigmas(latent: dict, sigmas=None, steps: int | None = None, **scheduler) -> torch.Tensor:
     """Float32 CPU sigmas from a ComfyUI SIGMAS input or, with ``steps``, :func:`ltx2_sigmas`.
 
     Raises ValueError unless exactly one of ``sigmas`` / ``steps`` is given, or for sigmas that
-    are not 1-D and finite, a zero sigma before the last, or a last sigma of 1 or more.
+    are not real, 1-D and finite, a zero sigma before the last, a last sigma of 1 or more, or
+    ``scheduler`` options :func:`ltx2_sigmas` refuses.
     """
     if (sigmas is None) == (steps is None):
         raise ValueError("give either sigmas (a ComfyUI SIGMAS tensor) or steps (for the LTX-2 scheduler), not both")
     if steps is not None:
-        return ltx2_sigmas(steps, latent, **scheduler)
-    s = torch.as_tensor(sigmas).detach().to(device="cpu", dtype=torch.float32)
+        return ltx2_sigmas(steps, latent, **check_scheduler_options(scheduler))
+    s = torch.as_tensor(sigmas).detach()
+    if s.is_complex():
+        raise ValueError(f"sigmas must be a real tensor (ComfyUI SIGMAS), got {s.dtype}")
+    s = s.to(device="cpu", dtype=torch.float32)
     if s.ndim != 1:
         raise ValueError(f"sigmas must be a 1-D tensor (ComfyUI SIGMAS), got shape {tuple(s.shape)}")
     if not bool(torch.isfinite(s).all()):
@@ -206,6 +262,7 @@ def sample(
     velocity_model: Callable | None = None,
     on_step: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> dict:
     """Sample an LTX-2 LATENT like ComfyUI's SamplerCustomAdvanced + CFGGuider + euler.
 
@@ -224,12 +281,16 @@ def sample(
         on_step: called as ``on_step(step, total)`` after each step (step counts from 1).
         should_stop: checked before every step; True raises :class:`SamplingCancelled`. Under
             SP it must answer identically on every rank (rank 0 decides, then broadcast).
+        on_ready: called once when every input is checked and the sampling state is on the
+            model's device, before the first step and before any ``should_stop`` or model call
+            (also when there is no step to make). Under SP, a failure until then is this rank's
+            alone: the pool agrees on the outcome there (``JobContext.agree``).
     Returns:
         A LATENT of the same structure: a copy of ``latent`` with denoised ``samples`` (the
         input's dtype and device; ``noise_mask`` and other keys kept, as ComfyUI does).
     Raises:
-        ValueError (incl. ConditioningError, LatentFormatError): bad inputs, before any model
-        call; SamplingCancelled: see ``should_stop``.
+        ValueError (incl. ConditioningError, LatentFormatError): bad inputs, before
+        ``on_ready`` and any model call; SamplingCancelled: see ``should_stop``.
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler {sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
@@ -241,6 +302,8 @@ def sample(
     state = latent_to_tokens(latent, sampling_frame_rate(pos, neg))
     sig = resolve_sigmas(latent, sigmas, steps, **(scheduler or {}))
     if sig.numel() == 0:
+        if on_ready is not None:
+            on_ready()
         return dict(latent)
     noise_tokens = latent_to_tokens({**latent, "samples": _like(latent["samples"], comfy_noise(latent, seed))},
                                     state.frame_rate)
@@ -266,6 +329,8 @@ def sample(
             contexts=[repeat_to_batch(c[0 if k == "video" else 1], b) for c in ctxs],
         )
     velocity = velocity_model if velocity_model is not None else model.transformer
+    if on_ready is not None:
+        on_ready()
     total = sig.numel() - 1
     for i in range(total):
         if should_stop is not None and should_stop():

@@ -15,37 +15,44 @@ seed; the SP transformer exchanges activations over the data group. A progress e
 per step, cancel is decided at every step boundary by rank 0 (``ctx.check_cancel``), and rank
 0 returns the denoised latent parts.
 
-Errors: the denoise modules raise ``ValueError`` subclasses (``CheckpointError``,
-``ConditioningError``, ``LatentFormatError``, ``SequenceParallelConfigError``) for wrong
-requests; raised before the first transformer forward they are deterministic on every rank
-and become :class:`~ltx_mgpu.pool.engines.BadInput` (the pool keeps serving). Anything later
-is fatal.
+Errors: every field is typed, ranged and shape-checked before any work: the schemas
+(``ltx_mgpu.wire.messages``, with the protocol's request limits) at receipt, then on every rank
+alike the nested params (``ltx_mgpu.wire.codec``), the sizes they imply, the checkpoint's and
+the LoRA files' headers. The denoise modules raise ``ValueError`` subclasses
+(``CheckpointError``, ``ConditioningError``, ``LatentFormatError``,
+``SequenceParallelConfigError``) for wrong requests. What only a rank's device can tell (an
+attention backend that cannot run, out of memory, LoRA values, a failure while the sampler
+prepares its inputs) is *agreed* before any data collective (``JobContext.agree``), so every
+rank raises the same :class:`~ltx_mgpu.pool.engines.BadInput` and the pool keeps serving.
+A failure after that agreement, inside the denoising loop, is fatal.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
 import torch
 
 from ltx_mgpu.choices import SAMPLERS
-from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, inspect_checkpoint
+from ltx_mgpu.denoise.checkpoint import CheckpointError, CheckpointInfo, LoraSpec, check_loras, inspect_checkpoint
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
-from ltx_mgpu.denoise.sampler import sample
+from ltx_mgpu.denoise.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
 from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, check_token_budget, valid_world_sizes
 from ltx_mgpu.nested import NestedTensorLike, is_nested
-from ltx_mgpu.pool.engines import BadInput, JobContext, free_memory, register_engine
+from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.wire import codec
+from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS
 
-__all__ = ["DTYPES", "ResidentTransformer", "load_transformer", "sample_job"]
+__all__ = ["DTYPES", "SCHEDULER_OPTIONS", "ResidentTransformer", "load_transformer", "sample_job"]
 
 #: ``load_transformer`` dtype names -> torch dtypes.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: ``LTX2Scheduler`` options a ``sample`` request may set (``ltx_mgpu.denoise.sampler.ltx2_sigmas``).
-SCHEDULER_OPTIONS = ("max_shift", "base_shift", "stretch", "terminal")
+#: A LoRA's ``strength`` range (ComfyUI's LoraLoader).
+LORA_STRENGTH = (-100.0, 100.0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,16 +77,55 @@ def _file_identity(path: str) -> dict:
 
 
 def _parse_loras(raw) -> tuple[LoraSpec, ...]:
+    """``loras`` ([{"path": str, "strength": number}], at most ``MAX_LORAS`` by the schema).
+
+    Raises:
+        BadInput: an item with other fields, a path that is not a string or no file, a strength
+            that is not a number in :data:`LORA_STRENGTH`.
+    """
     specs = []
     for i, item in enumerate(raw or []):
+        unknown = sorted(set(item) - {"path", "strength"})
+        if unknown:
+            raise BadInput(f"loras[{i}] has unknown field(s) {unknown}; known: ['path', 'strength']")
         strength = item.get("strength", 1.0)
         if (not isinstance(item.get("path"), str) or isinstance(strength, bool)
                 or not isinstance(strength, (int, float))):
             raise BadInput(f"loras[{i}] must be {{\"path\": str, \"strength\": number}}, got {item!r:.120}")
+        low, high = LORA_STRENGTH
+        if not (math.isfinite(strength) and low <= strength <= high):
+            raise BadInput(f"loras[{i}].strength must be in {low:g}..{high:g} (ComfyUI's LoRA strength range), "
+                           f"got {strength!r:.40}")
         if not Path(item["path"]).is_file():
             raise BadInput(f"no LoRA file at {item['path']}; pick a file from models/loras")
         specs.append(LoraSpec(item["path"], float(strength)))
     return tuple(specs)
+
+
+def _attention_error(attention_type: str | None, info: CheckpointInfo, ctx: JobContext,
+                     dtype: torch.dtype) -> str | None:
+    """Why this rank cannot run ``attention_type`` (or the checkpoint's own, when None), or None.
+
+    The backend runs once on a tiny input of the model's head sizes and dtype on this rank's
+    device (xformers and FlashAttention 3 need their packages and a GPU that they support), so a
+    backend the pool cannot run is refused at load, not at the first ``sample``.
+    """
+    from ltx_core.model.transformer.attention import AttentionFunction  # ltx-core: heavy, loaded on use
+
+    t = info.config["transformer"]
+    name = attention_type if attention_type is not None else t.get("attention_type", "default")
+    try:
+        fn = AttentionFunction(name)
+        for head_dim in sorted({int(t.get("attention_head_dim", 64)), int(t.get("audio_attention_head_dim", 64))}):
+            q = torch.zeros(1, 8, 2 * head_dim, device=ctx.device, dtype=dtype)
+            fn(q, q, q, 2)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+    except Exception as e:  # noqa: BLE001 - any failure means this backend cannot serve here
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return (f"attention_type '{name}' cannot run on {ctx.device.type} ({type(e).__name__}: {first}); load the "
+                f"model with attention_type 'pytorch' (or 'default')")
+    return None
 
 
 def _model_bytes(m: LTXDenoiser) -> int:
@@ -114,8 +160,11 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     Raises:
         BadInput (identically on every rank, before any collective): no such file, not an
         LTX-2 checkpoint, heads the world size does not divide (naming the GPU counts that
-        work), a missing or foreign LoRA, ``max_tokens < 1``; after a control-group agreement:
-        a ``name`` held by a non-transformer model, out of memory while loading (on any rank).
+        work), a LoRA item or file that :func:`_parse_loras` / ``check_loras`` refuses (not
+        safetensors, truncated, foreign keys, factors of the wrong rank or shape),
+        ``max_tokens < 1``; after a control-group agreement: a ``name`` held by a
+        non-transformer model, an ``attention_type`` this rank cannot run, or a load that
+        failed on any rank (out of memory, LoRA values that are not finite, ...).
     """
     name = params.get("name", codec.DEFAULT_MODEL)
     dtype_name = params.get("dtype", "bf16")
@@ -133,6 +182,10 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         check_world_size(info, ctx.world_size)  # from the config alone: no weight read yet
     except (CheckpointError, SequenceParallelConfigError) as e:
         raise BadInput(f"{Path(path).name}: {e}") from None
+    try:
+        check_loras(loras, info.shapes)  # from the LoRA files' headers: no tensor read yet
+    except CheckpointError as e:
+        raise BadInput(str(e)) from None
     identity = {"checkpoint": _file_identity(path), "dtype": dtype_name, "max_tokens": max_tokens,
                 "attention_type": attention_type,
                 "loras": [{**_file_identity(s.path), "strength": s.strength} for s in loras]}
@@ -143,6 +196,8 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     if resident is not None and not isinstance(resident, ResidentTransformer):
         clash = (f"the name '{name}' belongs to another resident model ({type(resident).__name__}); "
                  "load the transformer under another name")
+    if clash is None and not (isinstance(resident, ResidentTransformer) and resident.identity == identity):
+        clash = _attention_error(attention_type, info, ctx, DTYPES[dtype_name])
     ctx.agree(clash)
     if isinstance(resident, ResidentTransformer) and resident.identity == identity:
         return _describe(name, resident, ctx.world_size, reused=True), {}
@@ -153,12 +208,14 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     try:
         m = load_ltx_model(path, ctx.device, DTYPES[dtype_name], loras, max_tokens, attention_type=attention_type)
         velocity = m.velocity_model(ctx.data_group)
-    except (FileNotFoundError, ValueError) as e:  # CheckpointError & co (identical on every rank)
-        error = f"{Path(path).name}: {e}"
     except (torch.OutOfMemoryError, MemoryError):
         error = (f"out of memory loading {Path(path).name} ({dtype_name}) on {ctx.device}: every GPU holds a "
                  "full replica; free memory first (unload other models, e.g. the text encoder) or use a "
                  "smaller file (fp8)")
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError & co (identical on every rank)
+        error = f"{Path(path).name}: {e}"
+    except Exception as e:  # noqa: BLE001 - the load runs no collective: any failure is this request's, agreed
+        error = failure_message(e, f"loading {Path(path).name}")
     if error is not None:
         m = velocity = None
         free_memory(ctx.device)
@@ -171,14 +228,61 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     return _describe(name, resident, ctx.world_size, reused=False), {}
 
 
-def _video_tokens(latent: dict) -> int:
-    """Video tokens (frames x height x width) of a LATENT (0 for audio-only)."""
+def _token_counts(latent: dict) -> tuple[int, int]:
+    """(video tokens per sample, audio tokens per sample) of a LATENT (0 for a missing modality):
+    frames x height x width of the video, frames of the audio; 0 for a shape that is not LTX-2's
+    (``latent_to_tokens`` refuses it)."""
     samples = latent["samples"]
-    if is_nested(samples):
-        samples = samples.tensors[0]
-    elif latent.get("type") == "audio":
-        return 0
-    return int(samples.shape[2] * samples.shape[3] * samples.shape[4]) if samples.ndim == 5 else 0
+    parts = list(samples.tensors) if is_nested(samples) else [samples]
+    video = audio = 0
+    for i, t in enumerate(parts):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.ndim == 5 and i == 0 and (len(parts) > 1 or latent.get("type") != "audio"):
+            video = math.prod(t.shape[2:])
+        elif t.ndim == 4 and (i == 1 or latent.get("type") == "audio"):
+            audio = int(t.shape[2])
+    return video, audio
+
+
+def _check_sizes(m: LTXDenoiser, params: dict, tensors: dict, latent: dict, conditionings: dict) -> None:
+    """The sizes a ``sample`` implies, against the protocol's limits and the model's token
+    budget, before any work (identically on every rank).
+
+    Raises:
+        BadInput: tensors the params do not name; a LATENT or CONDITIONING batch over
+            ``MAX_BATCH``; conditioning tokens over ``MAX_TEXT_TOKENS``; more than
+            ``MAX_STEPS + 1`` sigmas.
+        SequenceParallelConfigError: video or audio tokens over the model's ``max_tokens``.
+    """
+    extra = sorted(set(tensors) - codec.sample_tensor_names(params))
+    if extra:
+        raise BadInput(f"the sample request carries unexpected tensor(s) {extra[:5]}; send only the tensors "
+                       "params.latent, positive and negative name, and 'sigmas'")
+    samples = latent["samples"]
+    first = samples.tensors[0] if is_nested(samples) else samples
+    if isinstance(first, torch.Tensor) and first.ndim and first.shape[0] > MAX_BATCH:
+        raise BadInput(f"the latent's batch is {first.shape[0]}, more than {MAX_BATCH} (ComfyUI's largest batch); "
+                       "sample fewer latents at once")
+    for side, conditioning in conditionings.items():
+        for entry in conditioning:
+            t = entry[0]
+            if isinstance(t, torch.Tensor) and t.ndim == 3 and t.shape[0] > MAX_BATCH:
+                raise BadInput(f"{side} conditioning's batch is {t.shape[0]}, more than {MAX_BATCH}")
+            if isinstance(t, torch.Tensor) and t.ndim == 3 and t.shape[1] > MAX_TEXT_TOKENS:
+                raise BadInput(f"{side} conditioning has {t.shape[1]} tokens, more than {MAX_TEXT_TOKENS} (the "
+                               f"protocol's MAX_TEXT_TOKENS; LTX-2's text encoder gives at most 1024): encode a "
+                               "shorter prompt")
+    sigmas = tensors.get("sigmas")
+    if sigmas is not None and sigmas.numel() > MAX_STEPS + 1:
+        raise BadInput(f"sigmas holds {sigmas.numel()} values, at most {MAX_STEPS + 1} ({MAX_STEPS} steps): "
+                       "sample with fewer steps")
+    video, audio = _token_counts(latent)
+    check_token_budget(video, m.max_tokens)
+    if audio > m.max_tokens:
+        raise SequenceParallelConfigError(
+            f"the audio latent has {audio} tokens (latent frames), more than max_tokens={m.max_tokens}; use a "
+            "shorter clip, or raise the budget when loading the model (load_transformer's max_tokens)")
 
 
 @register_engine("sample")
@@ -189,12 +293,21 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
     ``positive``, ``negative``, ``latent``, ``sigmas`` tensor or ``steps`` + ``scheduler``,
     ``cfg``, ``seed``, ``sampler``). Progress: phase ``"denoise"``, once per step.
 
+    Every input is checked before any work: the params and the sizes they imply
+    (:func:`_check_sizes`) identically on every rank; then the sampler checks the LATENT /
+    CONDITIONING / SIGMAS and moves them to the device, and the ranks agree on that outcome
+    (``JobContext.agree``, at the sampler's ``on_ready``) before the first step, so a failure
+    there, even one only some ranks see (out of memory), is every rank's ``BadInput``.
+
     Returns:
         On rank 0: ``({"latent": {"samples", "parts"}, "steps": n}, {"latent" | "latent.i": ...})``
         (the denoised parts in the input dtype, on CPU); on the other ranks ``({}, {})``.
     Raises:
-        BadInput: no such model, a malformed request, unsupported conditioning keys, a LATENT
-            that is not LTX-2's, bad sigmas, more video tokens than ``max_tokens``.
+        BadInput: no such model, a malformed request, scheduler options of the wrong type or
+            range, unsupported conditioning keys, a LATENT that is not LTX-2's (or has an empty
+            dimension, or a ``batch_index`` that is not one index per sample), bad sigmas, sizes
+            over the protocol's limits, more video or audio tokens than ``max_tokens``; any
+            failure before the first step (agreed).
         JobCancelled: cancelled at a step boundary (on every rank together).
     """
     name = params.get("model", codec.DEFAULT_MODEL)
@@ -205,29 +318,27 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
     sampler = params.get("sampler", "euler")
     if sampler not in SAMPLERS:
         raise BadInput(f"sampler '{sampler}' is not supported; use one of {', '.join(SAMPLERS)}")
-    scheduler = params.get("scheduler") or {}
-    unknown = sorted(set(scheduler) - set(SCHEDULER_OPTIONS))
-    if unknown:
-        raise BadInput(f"unknown scheduler option(s) {unknown}; known: {list(SCHEDULER_OPTIONS)}")
     seed = int(params.get("seed", 0))
     if not 0 <= seed < 1 << 64:
         raise BadInput(f"seed must be in 0..2**64-1 (ComfyUI's range), got {seed}")
     m = resident.denoiser
     try:
+        scheduler = check_scheduler_options(params.get("scheduler"))
         latent = codec.latent_from_request(params["latent"], tensors, NestedTensorLike)
-        positive = codec.conditioning_from_request(params["positive"], tensors, "positive")
-        negative = (codec.conditioning_from_request(params["negative"], tensors, "negative")
-                    if params.get("negative") is not None else None)
-        check_token_budget(_video_tokens(latent), m.max_tokens)
+        conditionings = {"positive": codec.conditioning_from_request(params["positive"], tensors, "positive")}
+        if params.get("negative") is not None:
+            conditionings["negative"] = codec.conditioning_from_request(params["negative"], tensors, "negative")
+        _check_sizes(m, params, tensors, latent, conditionings)
     except ValueError as e:
         raise BadInput(str(e)) from None
 
-    forwards = done = 0
+    done = 0
+    ready = False
 
-    def velocity(video, audio, perturbations):
-        nonlocal forwards
-        forwards += 1
-        return resident.velocity(video, audio, perturbations)
+    def on_ready() -> None:  # every input checked and on the device, on this rank
+        nonlocal ready
+        ready = True
+        ctx.agree(None)  # raises BadInput when another rank failed before this point
 
     def on_step(step: int, total: int) -> None:
         nonlocal done
@@ -238,16 +349,26 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
         ctx.check_cancel()  # raises JobCancelled on every rank together
         return False
 
+    error = out = None
     try:
-        out = sample(m, positive, negative, latent, sigmas=tensors.get("sigmas"), steps=params.get("steps"),
-                     cfg=float(params.get("cfg", 1.0)), seed=seed, sampler=sampler, scheduler=scheduler,
-                     velocity_model=velocity, should_stop=should_stop, on_step=on_step)
-    except SequenceParallelConfigError as e:  # raised inside forward before its first collective
-        raise BadInput(str(e)) from None
-    except ValueError as e:
-        if forwards:  # a collective may have run: not a clean request error
+        out = sample(m, conditionings["positive"], conditionings.get("negative"), latent,
+                     sigmas=tensors.get("sigmas"), steps=params.get("steps"), cfg=float(params.get("cfg", 1.0)),
+                     seed=seed, sampler=sampler, scheduler=scheduler, velocity_model=resident.velocity,
+                     should_stop=should_stop, on_step=on_step, on_ready=on_ready)
+    except BadInput:
+        raise
+    except SequenceParallelConfigError as e:  # raised inside forward before its first collective, on every rank
+        if ready:
+            raise BadInput(str(e)) from None
+        error = str(e)
+    except Exception as e:
+        if ready:  # after the agreement collectives may have run: not a clean request error (fatal)
             raise
-        raise BadInput(str(e)) from None
+        error = str(e) if isinstance(e, ValueError) else failure_message(e, "preparing the sample")
+    if error is not None:
+        # Before on_ready nothing collective ran: the ranks agree here (the others wait in
+        # on_ready's agreement, or failed too) and every rank raises the same BadInput.
+        ctx.agree(error)
     if not ctx.is_main:
         return {}, {}
     spec, out_tensors = codec.latent_to_result(out)

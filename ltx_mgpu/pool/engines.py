@@ -18,8 +18,14 @@ Error contract (after the LTX-2 reference's ``RunnerError``):
   collective, and all raise the same :class:`BadInput` when any rank failed;
 * call ``ctx.check_cancel()`` at step boundaries: it is a collective decision (rank 0 decides,
   the control group broadcasts it) and raises :class:`JobCancelled` on every rank together;
-* anything else is fatal: the client gets ``error{fatal}`` and the pool exits (a collective
-  that one rank abandoned cannot be unwound).
+* every exception raised while a handler checks or prepares a request's inputs (parsing,
+  files, tokenizers, shapes) is that request's :class:`BadInput`, identical on every rank:
+  raised before any collective, or agreed. What a request can make the pool do is bounded up
+  front by the protocol's request limits (``ltx_mgpu.wire.messages``: ``MAX_STEPS`` ...), so
+  no request holds the pool in work that ignores cancel;
+* ``fatal`` is kept for what cannot be unwound: a dead rank, a collective that one rank
+  abandoned or that desynced, a timeout, a failure after the ranks started exchanging data.
+  The client gets ``error{fatal}`` and the pool exits.
 
 Engines register with :func:`register_engine`; the job types of other packages
 (``ENGINE_MODULES``) are imported on first use, so the pool runs without them.
@@ -213,8 +219,11 @@ class JobContext:
             self._emit_progress(phase, step, total)
 
     def log(self, message: str, level: str = "info") -> None:
-        """A log line: to the client from rank 0, to ``pool.log`` from every rank."""
-        print(f"[rank {self.rank}] {level}: {message}", flush=True)
+        """A log line: to the client from rank 0, to ``pool.log`` from every rank (a request's
+        text, e.g. a path of non-UTF-8 bytes, is written with backslash escapes where it is not
+        UTF-8, never failing the job)."""
+        line = f"[rank {self.rank}] {level}: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
+        print(line, flush=True)
         if self._emit_log is not None:
             self._emit_log(level, message)
 
@@ -320,6 +329,10 @@ def broadcast_json(value: Any, src: int, group: Any, rank: int) -> Any:
 
 # --------------------------------------------------------------------------- built-in engines
 
+#: The longest ``selftest`` step sleep (seconds): a cancel waits for the sleep to end.
+MAX_STEP_SECONDS = 60.0
+
+
 @register_engine("selftest")
 def selftest(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Communication self-test and test driver.
@@ -335,15 +348,15 @@ def selftest(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     optional ``blob`` / echoed tensors.
 
     Raises:
-        BadInput: ``steps < 0``, ``step_seconds < 0``, ``numel`` outside 1..2**28 or
+        BadInput: ``steps < 0``, ``step_seconds`` outside 0..MAX_STEP_SECONDS, ``numel`` outside 1..2**28 or
             ``result_bytes`` outside 0..2**34.
     """
     steps, step_seconds = params["steps"], float(params.get("step_seconds", 0.0))
     numel, result_bytes = params.get("numel", 1024), params.get("result_bytes", 0)
     if steps < 0:
         raise BadInput(f"selftest steps must be >= 0, got {steps}")
-    if step_seconds < 0:
-        raise BadInput(f"selftest step_seconds must be >= 0, got {step_seconds}")
+    if not 0 <= step_seconds <= MAX_STEP_SECONDS:  # a sleep ignores cancel: bounded
+        raise BadInput(f"selftest step_seconds must be in 0..{MAX_STEP_SECONDS:g}, got {step_seconds}")
     if not 1 <= numel <= 1 << 28:
         raise BadInput(f"selftest numel must be in 1..2**28, got {numel}")
     if not 0 <= result_bytes <= 1 << 34:

@@ -35,6 +35,7 @@ from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_me
 from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text.config import COMPILE_NF4, MAX_KEY, TextEncoderConfig
 from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.gemma.tokenizer import check_prompts
 from ltx_mgpu.text.sharding import describe_device_map
 
 TEXT_ENCODER = "text_encoder"
@@ -95,6 +96,9 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
         tp.check_pairing(gemma, proj, config.gemma, config.projection)
     except (OSError, ValueError) as e:  # FileNotFoundError, GemmaFormatError, ProjectionFormatError, pairing
         raise BadInput(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a header nothing above expected (a hostile file): identical on every rank
+        raise BadInput(f"{type(e).__name__} reading the text encoder's files: {e}; give a Gemma 3 source and an "
+                       "LTX-2 checkpoint") from None
     weights_mode = "nf4" if gemma.format == "nf4_artifact" else config.weights
     if weights_mode == "nf4" and config.dtype != "bfloat16":
         raise BadInput(f"NF4 weights compute in bfloat16 (fp16 gives empty outputs for Gemma 3); got dtype "
@@ -216,7 +220,12 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
         raise BadInput(f"batch_size must be >= 1 (prompts per Gemma forward), got {batch_size}")
     if not isinstance(keep, bool) or not isinstance(verify, bool):
         raise BadInput(f"keep and verify must be true or false, got {keep!r} and {verify!r}")
-    return state, list(params["prompts"]), batch_size, keep, verify
+    prompts = list(params["prompts"])
+    try:
+        check_prompts(prompts)  # the tokenizer cannot take a lone surrogate
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    return state, prompts, batch_size, keep, verify
 
 
 def _compile_error() -> type:
@@ -277,8 +286,11 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     ``embeddings_from_result`` restores exactly), prompt order.
 
     Raises:
-        BadInput: no encoder loaded, an ``expect`` mismatch, bad parameters; a prompt over the
-            token budget with ``truncate=False`` or out of memory on any rank (agreed).
+        BadInput: no encoder loaded, an ``expect`` mismatch, bad parameters (more than
+            ``MAX_PROMPTS`` prompts or a ``batch_size`` over it: refused at receipt), a prompt
+            that is not valid Unicode text (a lone surrogate, from a non-UTF-8 command-line
+            argument); a prompt over the token budget with ``truncate=False``, out of memory or
+            any other failure of a holder's encode, on any rank (agreed).
         JobCancelled: at a sub-batch boundary.
     """
     state, prompts, batch_size, keep, verify = _encode_params(ctx, params)
@@ -299,7 +311,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     if ctx.world_size == 1 and not keep:
         try:
             dest = _HandOverRows(ctx, state.encoder.token_counts(prompts), req.width)
-        except ValueError as e:  # PromptTooLongError: reported as the encode would
+        except Exception as e:  # noqa: BLE001 - PromptTooLongError, the tokenizer: reported as the encode would
             error = failure_message(e, "encoding")
     for k in range(rounds):
         ctx.check_cancel()
@@ -308,9 +320,11 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
             try:
                 out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size, out_dtype=out_dtype,
                                            out=None if dest is None else (lambda j, chunk=chunk: dest(chunk[j])))
-            except (ValueError, torch.OutOfMemoryError, _compile_error()) as e:  # PromptTooLongError: a ValueError
+            except Exception as e:  # noqa: BLE001 - a holder's encode runs no collective: agreed below
+                # PromptTooLongError (a ValueError), out of memory, the tokenizer, or the compiler on
+                # a new kind of batch
                 error = failure_message(e, "encoding")
-                if not isinstance(e, (ValueError, torch.OutOfMemoryError)):  # the compiler, on a new kind of batch
+                if isinstance(e, _compile_error()):
                     error = error.splitlines()[0] + " (load the text encoder with compile off)"
                 local.clear()
                 free_memory(ctx.device)

@@ -26,7 +26,7 @@ from ltx_mgpu.text.config import TOKEN_BUDGET, canonical_dtype
 from ltx_mgpu.text.features import Projection, PromptEmbedding
 from ltx_mgpu.text.gemma import graphs
 from ltx_mgpu.text.gemma.forward import compile_text_tower, run_tower
-from ltx_mgpu.text.gemma.tokenizer import tokenize
+from ltx_mgpu.text.gemma.tokenizer import check_prompts, tokenize
 from ltx_mgpu.text.tower import GemmaTextTower
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,8 @@ class PromptEncoder:
         embedding will have: the ``T_valid`` of :meth:`encode`'s rows, known before encoding.
 
         Raises:
-            ValueError: a non-string prompt; PromptTooLongError: as :meth:`encode`.
+            ValueError: a non-string prompt or one that is not valid Unicode text;
+                PromptTooLongError: as :meth:`encode`.
         """
         self._check_prompts(prompts)
         if not prompts:
@@ -133,9 +134,7 @@ class PromptEncoder:
 
     @staticmethod
     def _check_prompts(prompts: Sequence[str]) -> None:
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise ValueError(f"prompt {i} is {type(p).__name__}, expected str")
+        check_prompts(prompts)
 
     @torch.inference_mode()
     def encode(self, prompts: Sequence[str], batch_size: int = 8, out_dtype: torch.dtype = torch.float32,
@@ -158,8 +157,8 @@ class PromptEncoder:
             or the tensors ``out`` gave.
 
         Raises:
-            ValueError: ``batch_size < 1``, a non-string prompt, or a tensor from ``out`` of the
-                wrong shape, dtype or device.
+            ValueError: ``batch_size < 1``, a non-string prompt or one that is not valid Unicode
+                text (a lone surrogate), or a tensor from ``out`` of the wrong shape, dtype or device.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
         """
         if batch_size < 1:

@@ -15,6 +15,8 @@ Wire layout of a ``sample`` request (``params`` JSON + tensors):
   tensors ``latent`` (plain) or ``latent.0`` .. ``latent.{n-1}`` (nested: video, audio), and
   ``noise_mask`` or ``noise_mask.0`` ... Other LATENT keys do not affect sampling and stay
   on the client, which copies them into the result (as ComfyUI's samplers copy the input).
+  The pool refuses part counts over ``MAX_LATENT_PARTS`` and ``batch_index`` values from
+  ``MAX_BATCH`` on (:mod:`ltx_mgpu.wire.messages`), before building anything.
 * CONDITIONING: ``params["positive"]`` (and ``"negative"``) = one ``{"options": {...},
   "tensor_options": [key, ...]}`` per entry; tensors ``positive.{i}`` (the ``[B, T, D]``
   embedding) and ``positive.{i}.{key}`` for tensor-valued options (``attention_mask``).
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from ltx_mgpu.nested import is_nested
+from ltx_mgpu.wire.messages import MAX_BATCH, MAX_LATENT_PARTS
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -48,10 +51,13 @@ __all__ = [
     "latent_from_result",
     "latent_to_request",
     "latent_to_result",
+    "sample_tensor_names",
 ]
 
 #: The resident-model name ``load_transformer`` / ``sample`` use when none is given.
 DEFAULT_MODEL = "ltx"
+#: The fields of ``params["latent"]``.
+LATENT_FIELDS = ("samples", "parts", "noise_mask", "mask_parts", "type", "batch_index")
 
 
 class RequestFormatError(ValueError):
@@ -78,19 +84,32 @@ def _pack(value: Any, name: str, tensors: dict) -> tuple[str, int]:
     return "tensor", 1
 
 
-def _unpack(tag: Any, parts: Any, name: str, tensors: Mapping[str, torch.Tensor], nested_type) -> Any:
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _part_names(tag: Any, parts: Any, name: str, count_field: str) -> list[str]:
+    """The tensor names a ``tag`` / part count describes, checked before any is looked up:
+    ``[name]`` for ``"tensor"``, ``[name.0 .. name.{parts-1}]`` for ``"nested"`` (at most
+    :data:`~ltx_mgpu.wire.messages.MAX_LATENT_PARTS` parts)."""
     if tag == "tensor":
-        if name not in tensors:
-            raise RequestFormatError(f"the request has no '{name}' tensor")
-        return tensors[name]
+        return [name]
     if tag == "nested":
-        if not isinstance(parts, int) or parts < 1:
-            raise RequestFormatError(f"{name}: a nested tensor needs a positive part count, got {parts!r}")
-        missing = [f"{name}.{i}" for i in range(parts) if f"{name}.{i}" not in tensors]
-        if missing:
-            raise RequestFormatError(f"the request lacks the tensors {missing}")
-        return nested_type([tensors[f"{name}.{i}"] for i in range(parts)])
-    raise RequestFormatError(f"{name} must be tagged 'tensor' or 'nested', got {tag!r}")
+        if not _is_int(parts) or not 1 <= parts <= MAX_LATENT_PARTS:
+            raise RequestFormatError(f"latent.{count_field} must be 1..{MAX_LATENT_PARTS} for a nested {name} "
+                                     f"(LTX-2 nests video and audio), got {parts!r:.40}")
+        return [f"{name}.{i}" for i in range(parts)]
+    raise RequestFormatError(f"{name} must be tagged 'tensor' or 'nested', got {tag!r:.40}")
+
+
+def _unpack(tag: Any, parts: Any, name: str, count_field: str, tensors: Mapping[str, torch.Tensor], nested_type) -> Any:
+    names = _part_names(tag, parts, name, count_field)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise RequestFormatError(f"the request lacks the tensor(s) {missing}")
+    if tag == "tensor":
+        return tensors[name]
+    return nested_type([tensors[n] for n in names])
 
 
 def latent_to_request(latent: Mapping) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -117,21 +136,46 @@ def latent_to_request(latent: Mapping) -> tuple[dict, dict[str, torch.Tensor]]:
 def latent_from_request(spec: Mapping, tensors: Mapping[str, torch.Tensor], nested_type) -> dict:
     """The LATENT a :func:`latent_to_request` spec describes, nested parts in ``nested_type``.
 
+    Every field is checked before anything is built: the part counts against
+    :data:`~ltx_mgpu.wire.messages.MAX_LATENT_PARTS`, the ``batch_index`` values against
+    :data:`~ltx_mgpu.wire.messages.MAX_BATCH` (a noise index is a draw the sampler makes first).
+
     Raises:
-        RequestFormatError: a malformed spec or missing tensors.
+        RequestFormatError: a malformed spec (unknown field, bad tag or part count, a
+            ``batch_index`` that is not a list of 0..MAX_BATCH-1, a ``type`` that is not a
+            string) or missing tensors.
     """
     if not isinstance(spec, Mapping):
         raise RequestFormatError("params.latent must be an object")
-    out = {"samples": _unpack(spec.get("samples"), spec.get("parts"), "latent", tensors, nested_type)}
-    if spec.get("noise_mask") is not None:
-        out["noise_mask"] = _unpack(spec["noise_mask"], spec.get("mask_parts"), "noise_mask", tensors, nested_type)
-    if spec.get("type") is not None:
-        out["type"] = spec["type"]
+    unknown = sorted(set(spec) - set(LATENT_FIELDS))
+    if unknown:
+        raise RequestFormatError(f"params.latent has unknown field(s) {unknown}; known: {list(LATENT_FIELDS)}")
     index = spec.get("batch_index")
     if index is not None:
-        if not isinstance(index, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                  for i in index):
-            raise RequestFormatError(f"latent batch_index must be a list of non-negative ints, got {index!r:.80}")
+        if not isinstance(index, list) or not all(_is_int(i) for i in index):
+            raise RequestFormatError(f"latent.batch_index must be a list of ints (ComfyUI's noise indices), "
+                                     f"got {index!r:.80}")
+        bad = next((i for i in index if not 0 <= i < MAX_BATCH), None)
+        if bad is not None:
+            raise RequestFormatError(f"latent.batch_index values must be in 0..{MAX_BATCH - 1} (ComfyUI's largest "
+                                     f"batch is {MAX_BATCH}), got {bad}; number the batch from 0")
+        if len(index) > MAX_BATCH:
+            raise RequestFormatError(f"latent.batch_index holds {len(index)} values, at most {MAX_BATCH} (ComfyUI's "
+                                     "largest batch); one per sample of the latent")
+    if spec.get("type") is not None and not isinstance(spec["type"], str):
+        raise RequestFormatError(f"latent.type must be a string or null, got {spec['type']!r:.40}")
+    for count in ("parts", "mask_parts"):
+        value = spec.get(count)
+        if value is not None and not (_is_int(value) and 0 <= value <= MAX_LATENT_PARTS):
+            raise RequestFormatError(f"latent.{count} must be a part count of at most {MAX_LATENT_PARTS} (LTX-2 "
+                                     f"nests video and audio), got {value!r:.40}")
+    out = {"samples": _unpack(spec.get("samples"), spec.get("parts"), "latent", "parts", tensors, nested_type)}
+    if spec.get("noise_mask") is not None:
+        out["noise_mask"] = _unpack(spec["noise_mask"], spec.get("mask_parts"), "noise_mask", "mask_parts", tensors,
+                                    nested_type)
+    if spec.get("type") is not None:
+        out["type"] = spec["type"]
+    if index is not None:
         out["batch_index"] = index
     return out
 
@@ -227,8 +271,25 @@ def conditioning_from_request(entries: Any, tensors: Mapping[str, torch.Tensor],
         names = [f"{name}.{i}"] + [f"{name}.{i}.{k}" for k in keys]
         missing = [n for n in names if n not in tensors]
         if missing:
-            raise RequestFormatError(f"the request lacks the tensors {missing}")
+            raise RequestFormatError(f"the request lacks the tensor(s) {missing}")
         options = dict(entry.get("options", {}))
         options.update({k: tensors[f"{name}.{i}.{k}"] for k in keys})
         out.append([tensors[f"{name}.{i}"], options])
     return out
+
+
+def sample_tensor_names(params: Mapping[str, Any]) -> set[str]:
+    """The tensor names a ``sample`` request's ``params`` describe (``latent``, ``noise_mask``,
+    ``positive`` / ``negative`` and their tensor options, ``sigmas``), so the pool can refuse
+    any other. Call it after :func:`latent_from_request` and :func:`conditioning_from_request`
+    accepted the params."""
+    spec = params["latent"]
+    names = set(_part_names(spec.get("samples"), spec.get("parts"), "latent", "parts"))
+    if spec.get("noise_mask") is not None:
+        names.update(_part_names(spec["noise_mask"], spec.get("mask_parts"), "noise_mask", "mask_parts"))
+    for side in ("positive", "negative"):
+        for i, entry in enumerate(params.get(side) or []):
+            names.add(f"{side}.{i}")
+            names.update(f"{side}.{i}.{k}" for k in entry.get("tensor_options", []))
+    names.add("sigmas")
+    return names

@@ -3,7 +3,9 @@ registry and validation.
 
 Requests carry ``{"type", "id", "params"}``; events carry ``{"event", "id", ...}`` (``id`` =
 the request they answer). Both are validated on receipt against the schemas below (type,
-required fields, field types); :func:`register_request` adds request types.
+required fields, field types, ranges and list lengths); :func:`register_request` adds request
+types. The request limits (``MAX_STEPS``, ``MAX_PROMPTS`` ...) bound the work a request may ask
+for; the schemas check its top-level fields, the pool's parsers the nested ones.
 
 Related modules: :mod:`ltx_mgpu.wire.frames` (the byte layout and socket I/O that carry these
 headers, ``ProtocolError`` and request ids), :mod:`ltx_mgpu.wire` (the protocol's overview
@@ -24,9 +26,35 @@ from ltx_mgpu.wire.frames import ProtocolError, check_id, valid_id
 __all__ = [
     "ERROR_KINDS", "SchemaError", "F", "MessageSchema", "REQUESTS", "EVENTS", "register_request", "Request",
     "parse_request", "make_request", "make_event", "parse_event", "job_types",
+    "MAX_STEPS", "MAX_PROMPTS", "MAX_TEXT_TOKENS", "MAX_VIDEO_TOKENS", "MAX_LATENT_PARTS", "MAX_BATCH", "MAX_LORAS",
 ]
 
 ERROR_KINDS = ("bad_input", "cancelled", "fatal")
+
+# --------------------------------------------------------------------------- request limits
+# The sizes one request may imply, stated once for both sides. A request's bytes are bounded by
+# the frame limits (``ltx_mgpu.wire.frames``); these bound the work a few bytes can ask for
+# (a count, an index, a length), so that the pool refuses it up front, before allocating anything
+# (the schemas below check the top-level fields at receipt; the pool's parsers, ``ltx_mgpu.wire.codec``
+# and ``ltx_mgpu.pool``, check the nested ones). Every refusal is ``bad_input`` naming the field.
+
+#: Denoising steps of one ``sample``: ``steps`` is 1..MAX_STEPS, a ``sigmas`` tensor holds at most
+#: MAX_STEPS + 1 values.
+MAX_STEPS = 10_000
+#: Prompts in one ``encode`` request, and its ``batch_size`` (prompts per Gemma forward).
+MAX_PROMPTS = 4096
+#: Tokens of one prompt: ``load_text_encoder.token_budget`` and the tokens of a ``sample``
+#: conditioning tensor (LTX-2 uses 1024).
+MAX_TEXT_TOKENS = 8192
+#: ``load_transformer.max_tokens``: the largest video-token budget a model may be loaded with.
+MAX_VIDEO_TOKENS = 1 << 20
+#: Parts of a nested (audio-video) LATENT or noise mask: LTX-2 nests (video, audio).
+MAX_LATENT_PARTS = 2
+#: The batch of a LATENT or CONDITIONING, and one more than the largest ``batch_index`` value
+#: (ComfyUI's largest batch).
+MAX_BATCH = 4096
+#: LoRAs one ``load_transformer`` fuses.
+MAX_LORAS = 64
 
 
 class SchemaError(ProtocolError):
@@ -45,15 +73,21 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 @dataclass(frozen=True)
 class F:
     """One field of a message: ``types`` are JSON type names (``str int number bool list object
-    null``); ``items`` the element type name for lists; ``choices`` allowed values."""
+    null``); ``items`` the element type name for lists; ``choices`` allowed values; ``bounds`` the
+    inclusive ``(low, high)`` range of a number; ``max_items`` the longest list; ``hint`` the fix,
+    added to a range or length refusal."""
 
     name: str
     types: tuple[str, ...]
     required: bool = True
     items: str | None = None
     choices: tuple | None = None
+    bounds: tuple[float, float] | None = None
+    max_items: int | None = None
+    hint: str = ""
 
     def check(self, value: Any, where: str) -> None:
+        """Raise :class:`SchemaError` naming ``<where>.<name>`` unless ``value`` fits this field."""
         ok = any(isinstance(value, _JSON_TYPES[t]) and not (t in ("int", "number") and isinstance(value, bool))
                  for t in self.types)
         if not ok:
@@ -61,11 +95,18 @@ class F:
                               f"got {type(value).__name__} {value!r:.80}")
         if isinstance(value, float) and not math.isfinite(value):
             raise SchemaError(f"{where}.{self.name} must be finite, got {value}")
+        hint = f"; {self.hint}" if self.hint else ""
+        if self.max_items is not None and isinstance(value, list) and len(value) > self.max_items:
+            raise SchemaError(f"{where}.{self.name} holds {len(value)} items, at most {self.max_items}{hint}")
         if self.items and isinstance(value, list):
             for i, v in enumerate(value):
                 F(f"{self.name}[{i}]", (self.items,)).check(v, where)
         if self.choices is not None and value is not None and value not in self.choices:
             raise SchemaError(f"{where}.{self.name} must be one of {list(self.choices)}, got {value!r}")
+        if (self.bounds is not None and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and not self.bounds[0] <= value <= self.bounds[1]):
+            raise SchemaError(f"{where}.{self.name} must be in {self.bounds[0]}..{self.bounds[1]}, "
+                              f"got {value!r:.80}{hint}")
 
 
 @dataclass(frozen=True)
@@ -115,11 +156,14 @@ for _s in (
         F("source", ("str",)), F("projection", ("str", "null"), False),
         F("weights", ("str",), False, choices=WEIGHTS),
         F("placement", ("str",), False, choices=PLACEMENTS),
-        F("dtype", ("str",), False), F("max_memory", ("object", "null"), False), F("token_budget", ("int",), False),
+        F("dtype", ("str",), False), F("max_memory", ("object", "null"), False),
+        F("token_budget", ("int",), False, bounds=(1, MAX_TEXT_TOKENS), hint="LTX-2 uses 1024 tokens per prompt"),
         F("truncate", ("bool",), False), F("compile", ("bool",), False), F("key", ("str", "null"), False)),
         doc="load Gemma 3 (+ the LTX-2 text projection) into the pool (ltx_mgpu.pool.text_jobs checks the values)"),
     MessageSchema("encode", (
-        F("prompts", ("list",), items="str"), F("batch_size", ("int",), False), F("expect", ("str", "null"), False),
+        F("prompts", ("list",), items="str", max_items=MAX_PROMPTS, hint="send the prompts in several requests"),
+        F("batch_size", ("int",), False, bounds=(1, MAX_PROMPTS), hint="prompts per Gemma forward (default 8)"),
+        F("expect", ("str", "null"), False),
         F("keep", ("bool",), False), F("verify", ("bool",), False)),
         doc="encode prompts; every rank ends holding every embedding"),
     MessageSchema("unload", (F("names", ("list", "null"), False, items="str"),),
@@ -136,14 +180,17 @@ for _s in (
 # ltx_mgpu.wire.codec's).
 register_request(MessageSchema("load_transformer", (
     F("checkpoint", ("str",)), F("dtype", ("str",), False, choices=TRANSFORMER_DTYPES),
-    F("loras", ("list",), False, items="object"), F("max_tokens", ("int",), False),
+    F("loras", ("list",), False, items="object", max_items=MAX_LORAS, hint="merge LoRAs, or fuse fewer"),
+    F("max_tokens", ("int",), False, bounds=(1, MAX_VIDEO_TOKENS),
+      hint="the video tokens one sample may have (default 32768)"),
     F("attention_type", ("str", "null"), False, choices=("default", "pytorch", "xformers", "flash_attention_3")),
     F("name", ("str",), False)),
     doc="load an LTX-2 transformer (+ connectors, LoRAs fused) on every rank for sequence parallelism"))
 register_request(MessageSchema("sample", (
     F("model", ("str",), False), F("positive", ("list",), items="object"),
     F("negative", ("list", "null"), False, items="object"), F("latent", ("object",)),
-    F("steps", ("int", "null"), False), F("cfg", ("number",), False), F("seed", ("int",), False),
+    F("steps", ("int", "null"), False, bounds=(1, MAX_STEPS), hint="sample with fewer steps"),
+    F("cfg", ("number",), False, bounds=(0, 100), hint="ComfyUI's CFG range"), F("seed", ("int",), False),
     F("sampler", ("str",), False), F("scheduler", ("object", "null"), False)),
     tensors=True, doc="denoise a ComfyUI LTX-2 LATENT with the SP sampler; progress every step"))
 

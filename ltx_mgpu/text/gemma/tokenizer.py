@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ltx_mgpu.text.tower import GemmaTextTower
 
 __all__ = ["PromptTooLongError", "prompt_too_long", "GEMMA_TOKENIZER_KWARGS", "tokenizer_from_spm", "load_tokenizer",
-           "tokenize"]
+           "check_prompts", "tokenize"]
 
 #: How LTX-2 / ComfyUI use Gemma 3's tokenizer: BOS first, no EOS, left padding.
 GEMMA_TOKENIZER_KWARGS = {"add_bos_token": True, "add_eos_token": False, "padding_side": "left"}
@@ -138,6 +138,29 @@ def check_tokenizer(tok: Any, source: Path) -> Any:
     return tok
 
 
+def check_prompts(prompts: Sequence[str], what: str = "prompts") -> None:
+    """Raise unless every prompt is a ``str`` of valid Unicode text, which the tokenizer takes.
+
+    A lone surrogate (U+D800..U+DFFF) is not text: Python makes one of each byte of a command-line
+    argument that is not UTF-8 (``$'caf\\xff'`` reaches ``sys.argv`` as ``'caf\\udcff'``), and
+    a JSON string may carry one (``"\\udcff"``); the tokenizer cannot encode it.
+
+    Raises:
+        ValueError: ``"<what>[i] is <type>, expected str"`` or ``"<what>[i] is not valid Unicode text ..."``
+            naming the position and the fix.
+    """
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise ValueError(f"{what}[{i}] is {type(p).__name__}, expected str")
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{what}[{i}] is not valid Unicode text: a lone surrogate {p[e.start]!r} at character {e.start} "
+                "(bytes that are not UTF-8, e.g. in a command-line argument or a file); send the prompt as UTF-8 text"
+            ) from None
+
+
 def _comfy_unescape(text: str) -> str:
     """ComfyUI's ``unescape_important(escape_important(text))`` (``comfy/sd1_clip.py``)."""
     text = text.replace("\\)", "\0\1").replace("\\(", "\0\2")
@@ -176,7 +199,8 @@ def tokenize(
         the number of tokens dropped per prompt.
 
     Raises:
-        ValueError: no prompts, a non-string prompt, or ``max_length < 1``.
+        ValueError: no prompts, a non-string prompt or one that is not valid Unicode text
+            (:func:`check_prompts`), or ``max_length < 1``.
         PromptTooLongError: ``truncate=False`` and a prompt exceeds ``max_length`` (names its index,
             token count and the budget).
     """
@@ -184,6 +208,7 @@ def tokenize(
         raise ValueError("prompts must be a non-empty list of strings")
     if any(not isinstance(p, str) for p in prompts):
         raise ValueError(f"every prompt must be a str, got {[type(p).__name__ for p in prompts]}")
+    check_prompts(prompts)
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     texts = [_comfy_unescape(p) for p in prompts]
