@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "LIFETIMES", "SAMPLERS", "check_choice",
-           "spell"]
+__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "LIFETIMES", "SAMPLERS",
+           "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
 
 #: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
 WEIGHTS = ("bf16", "nf4")
@@ -26,6 +26,10 @@ TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32")
 LIFETIMES = ("with-owner", "detached")
 #: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.sampler``).
 SAMPLERS = ("euler",)
+#: How the MODEL path feeds LTX-2's audio-video cross-attention AdaLNs: ``"scaled"`` (sigma x 1000,
+#: as ltx-core and ComfyUI after Comfy-Org/ComfyUI#14097) or ``"raw"`` (the sigma, as ComfyUI up
+#: to 0.20.1), to equal the installed ComfyUI's own model.
+AV_TIMESTEP_CONVENTIONS = ("scaled", "raw")
 
 
 def check_choice(value: Any, choices: Sequence[str], what: str) -> str:

@@ -40,7 +40,12 @@ class PoolFatalError(PoolError):
 
 
 class BadInputError(PoolError, ValueError):
-    """The pool rejected the request (``error{bad_input}``); it keeps serving."""
+    """The pool rejected the request (``error{bad_input}``); it keeps serving. ``reason`` is the
+    event's machine-readable cause (``ltx_mgpu.wire.messages.BAD_INPUT_REASONS``) or None."""
+
+    def __init__(self, message: str = "", reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 class JobCancelledError(PoolError, Cancelled):

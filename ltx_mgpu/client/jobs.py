@@ -112,7 +112,7 @@ class Job:
             return ev["result"], tensors
         kind, msg = ev["kind"], ev["message"]
         if kind == "bad_input":
-            raise BadInputError(msg)
+            raise BadInputError(msg, reason=ev.get("reason"))
         if kind == "cancelled":
             if timed_out:
                 raise PoolTimeoutError(f"{self.type} job {self.id} timed out and was cancelled ({msg})")

@@ -60,6 +60,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_ltx_model",
     "meta_transformer",
+    "transformer_sd_ops",
 ]
 
 # --------------------------------------------------------------------------- the denoiser
@@ -169,10 +170,7 @@ def load_ltx_model(
     specs = tuple(s if isinstance(s, LoraSpec) else LoraSpec(str(s[0]), float(s[1])) for s in loras)
     deltas = load_loras(specs, [k for k in info.shapes if k.endswith(".weight")])
     loader = StateDictLoader(info, dtype, deltas, exclude=tuple(c + "." for c in CONNECTORS))
-    prefix = info.prefix
-    sd_ops = LTXV_MODEL_COMFY_RENAMING_MAP if prefix == MONOLITH_PREFIX else (
-        SDOps("LTX2_DIT_PREFIX").with_matching(prefix=prefix).with_replacement(prefix, "") if prefix else None
-    )
+    sd_ops = transformer_sd_ops(info)
     builder = SingleGPUModelBuilder(
         model_class_configurator=LTXModelConfigurator, model_path=info.path, model_sd_ops=sd_ops, model_loader=loader
     )
@@ -195,6 +193,16 @@ def load_ltx_model(
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
     return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device,
                        int(max_tokens), info.path, specs)
+
+
+def transformer_sd_ops(info: CheckpointInfo) -> SDOps | None:
+    """The key renaming from the checkpoint's keys to ltx-core ``LTXModel`` parameter names:
+    ``LTXV_MODEL_COMFY_RENAMING_MAP`` for the monolith prefix, the prefix stripped for another,
+    None (keys as stored) without one."""
+    prefix = info.prefix
+    if prefix == MONOLITH_PREFIX:
+        return LTXV_MODEL_COMFY_RENAMING_MAP
+    return SDOps("LTX2_DIT_PREFIX").with_matching(prefix=prefix).with_replacement(prefix, "") if prefix else None
 
 
 def meta_transformer(info: CheckpointInfo) -> LTXModel:

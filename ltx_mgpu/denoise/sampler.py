@@ -46,11 +46,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from ltx_core.components.schedulers import LTX2Scheduler
-from ltx_core.model.transformer.modality import Modality
 
 from ltx_mgpu.cancellation import Cancelled
 from ltx_mgpu.choices import SAMPLERS
 from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning, sampling_frame_rate
+from ltx_mgpu.denoise.forward import ModalityInput, transformer_call
 from ltx_mgpu.denoise.latents import latent_to_tokens, repeat_to_batch, tokens_to_latent
 from ltx_mgpu.nested import is_nested
 
@@ -221,16 +221,13 @@ def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype,
     timesteps = {k: s.timestep_mask * sigma for k, s in streams.items()}
     passes = len(next(iter(streams.values())).contexts)
 
-    def modality(k: str, idx: list[int]) -> Modality:
+    def modality(k: str, idx: list[int]) -> ModalityInput:
         s, n = streams[k], len(idx)
-        ts = timesteps[k].repeat(n, 1)
-        return Modality(latent=inputs[k].to(dtype).repeat(n, 1, 1), sigma=ts.amax(dim=1), timesteps=ts,
-                        positions=s.positions.repeat(n, 1, 1, 1), context=torch.cat([s.contexts[i] for i in idx]))
+        return ModalityInput(tokens=inputs[k].to(dtype).repeat(n, 1, 1), timesteps=timesteps[k].repeat(n, 1),
+                             positions=s.positions.repeat(n, 1, 1, 1), context=torch.cat([s.contexts[i] for i in idx]))
 
     def run(idx: list[int]) -> dict:
-        mods = {k: modality(k, idx) for k in streams}
-        vx, ax = velocity(mods.get("video"), mods.get("audio"), None)
-        outs = {"video": vx, "audio": ax}
+        outs = transformer_call(velocity, {k: modality(k, idx) for k in streams})
         return {k: (inputs[k].repeat(len(idx), 1, 1) - outs[k].float() * sigma).chunk(len(idx)) for k in streams}
 
     batchable = all(len({tuple(c.shape) for c in s.contexts}) == 1 for s in streams.values())

@@ -29,6 +29,7 @@ A failure after that agreement, inside the denoising loop, is fatal.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -39,15 +40,17 @@ import torch
 from ltx_mgpu.choices import SAMPLERS
 from ltx_mgpu.denoise.checkpoint import CheckpointError, CheckpointInfo, LoraSpec, check_loras, inspect_checkpoint
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
+from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
 from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, check_token_budget, valid_world_sizes
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.wire import codec
-from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS
+from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS, NO_PATCHES
 
-__all__ = ["DTYPES", "SCHEDULER_OPTIONS", "ResidentTransformer", "load_transformer", "sample_job"]
+__all__ = ["DTYPES", "SCHEDULER_OPTIONS", "ResidentTransformer", "load_transformer",
+           "resident_transformer", "sample_job", "set_weight_patches"]
 
 #: ``load_transformer`` dtype names -> torch dtypes.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -64,11 +67,62 @@ class ResidentTransformer:
         velocity: its SP wrapper over the pool's data group (built once, at load).
         identity: what was loaded (resolved paths, sizes and mtimes, options); a request with
             the same identity keeps this model.
+        patches: the id of the ComfyUI weight patches merged into the weights (``NO_PATCHES``:
+            the loaded weights), ``patched_keys`` the ComfyUI keys they touch, ``adapters`` the
+            patch tensors by adapter id (CPU), all kept by :mod:`ltx_mgpu.pool.model_jobs`.
+        contexts: processed text contexts of the MODEL path by id, oldest first
+            (``ltx_mgpu.pool.model_jobs.CONTEXT_SLOTS`` at most).
     """
 
     denoiser: LTXDenoiser
     velocity: SequenceParallelTransformer
     identity: dict
+    patches: str = NO_PATCHES
+    patched_keys: frozenset = frozenset()
+    adapters: dict = dataclasses.field(default_factory=dict)
+    contexts: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+
+
+def resident_transformer(ctx: JobContext, name: str) -> ResidentTransformer:
+    """The transformer resident as ``name``.
+
+    Raises:
+        BadInput (reason ``no_model``): none of that name (never loaded, freed, or the pool
+            restarted).
+    """
+    resident = ctx.models.get(name)
+    if not isinstance(resident, ResidentTransformer):
+        raise BadInput(f"no LTX-2 transformer named '{name}' is loaded in the pool; load one first "
+                       "(load_transformer / the Model Loader node)", reason="no_model")
+    return resident
+
+
+def set_weight_patches(ctx: JobContext, name: str, resident: ResidentTransformer,
+                       patches: dict[str, list[WeightPatch]], patches_id: str) -> None:
+    """Merge ComfyUI weight ``patches`` (ComfyUI key -> patch list) into the resident model on
+    every rank, in place of the ones merged before (:func:`ltx_mgpu.denoise.patches.apply_patches`);
+    ``{}`` with :data:`NO_PATCHES` restores the loaded weights.
+
+    Raises:
+        BadInput: a key or patch that does not fit the model (identically on every rank, before
+            any weight changes); a merge that failed on any rank midway (agreed): the half-merged
+            model is then dropped from the pool, so the next request loads it again.
+    """
+    m, error, keys = resident.denoiser, None, None
+    try:
+        keys = apply_patches(m, patches, resident.patched_keys)
+    except PatchError as e:  # raised before any weight changed, from the request alone
+        raise BadInput(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a failure midway (memory, the file): agreed, then the model is dropped
+        error = failure_message(e, "merging the weight patches")
+    try:
+        ctx.agree(error)
+    except BadInput as e:
+        ctx.models.pop(name)
+        free_memory(ctx.device)
+        raise BadInput(f"{e}; the model was unloaded, the next run loads it again") from None
+    resident.patches, resident.patched_keys = patches_id, frozenset(keys)
+    ctx.log(f"'{name}': {len(keys)} weight(s) patched ({patches_id})")
 
 
 def _file_identity(path: str) -> dict:
@@ -311,10 +365,7 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
         JobCancelled: cancelled at a step boundary (on every rank together).
     """
     name = params.get("model", codec.DEFAULT_MODEL)
-    resident = ctx.models.get(name)
-    if not isinstance(resident, ResidentTransformer):
-        raise BadInput(f"no LTX-2 transformer named '{name}' is loaded in the pool; load one first "
-                       "(load_transformer / the Model Loader node)")
+    resident = resident_transformer(ctx, name)
     sampler = params.get("sampler", "euler")
     if sampler not in SAMPLERS:
         raise BadInput(f"sampler '{sampler}' is not supported; use one of {', '.join(SAMPLERS)}")
@@ -332,6 +383,8 @@ def sample_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict
     except ValueError as e:
         raise BadInput(str(e)) from None
 
+    if resident.patches != NO_PATCHES:  # a MODEL-path run left ComfyUI's LoRA patches merged
+        set_weight_patches(ctx, name, resident, {}, NO_PATCHES)
     done = 0
     ready = False
 

@@ -54,7 +54,14 @@ Handler = Callable[["JobContext", dict, dict], "tuple[dict, dict]"]
 
 
 class BadInput(Exception):
-    """The request is wrong; raise it identically on every rank before any collective."""
+    """The request is wrong; raise it identically on every rank before any collective.
+
+    ``reason`` (one of ``ltx_mgpu.wire.messages.BAD_INPUT_REASONS``, or None) tells the client
+    a remedy it can apply and retry (the error event's ``reason``)."""
+
+    def __init__(self, message: str = "", reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 class JobCancelled(Cancelled):
@@ -70,6 +77,9 @@ ENGINE_MODULES: dict[str, str] = {
     "encode": "ltx_mgpu.pool.text_jobs",
     "load_transformer": "ltx_mgpu.pool.denoise_jobs",
     "sample": "ltx_mgpu.pool.denoise_jobs",
+    "text_contexts": "ltx_mgpu.pool.model_jobs",
+    "forward": "ltx_mgpu.pool.model_jobs",
+    "model_patches": "ltx_mgpu.pool.model_jobs",
 }
 
 

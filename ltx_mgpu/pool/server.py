@@ -300,10 +300,11 @@ class Server:
         job.conn.send(header, payload)
         self._done(job)
 
-    def fail(self, job: Job, kind: str, message: str, rank: int | None = None) -> None:
-        """Send the job's terminal ``error`` and mark it done."""
+    def fail(self, job: Job, kind: str, message: str, rank: int | None = None, reason: str | None = None) -> None:
+        """Send the job's terminal ``error`` (with a ``bad_input`` ``reason`` when given) and mark it done."""
+        fields = {"reason": reason} if reason is not None else {}
         job.conn.send(wire.make_event("error", job.id, kind=kind, message=message,
-                                          progress=job.progress, rank=rank))
+                                          progress=job.progress, rank=rank, **fields))
         self._done(job)
 
     def _done(self, job: Job) -> None:

@@ -172,13 +172,13 @@ def run_job(state: Rank, spec: dict, tensors: dict, server: Server | None = None
         ctx._emit_log = lambda level, message: server.emit_log(job, level, message)
         ctx._cancel_requested = lambda: server.cancel_requested(job)
         ctx._reserve_result = lambda nbytes: server.reserve_result(job, nbytes)
-    code, message, result, out = _OK, "", {}, {}
+    code, message, result, out, reason = _OK, "", {}, {}, None
     try:
         handler = resolve_engine(spec["type"])
         with state.profiler.job(spec, state.rank, state.device, state.dir):
             result, out = handler(ctx, dict(spec["params"]), dict(tensors))
     except BadInput as e:
-        code, message = _BAD_INPUT, str(e) or type(e).__name__
+        code, message, reason = _BAD_INPUT, str(e) or type(e).__name__, e.reason
     except JobCancelled:
         code, message = _CANCELLED, f"{spec['type']} job {spec['id']} cancelled after {ctx.checks} step boundaries"
     if state.world_size == 1:
@@ -191,6 +191,8 @@ def run_job(state: Rank, spec: dict, tensors: dict, server: Server | None = None
         raise RuntimeError(f"ranks disagreed on the outcome of {spec['type']} job {spec['id']}: "
                            + ", ".join(f"rank {r} {_OUTCOME.get(o, o)}" for r, o in enumerate(outcomes))
                            + " (BadInput must be raised identically on every rank, before any collective)")
+    if code == _BAD_INPUT and reason is not None:
+        result = {"reason": reason}
     return code, message, result or {}, out or {}
 
 
@@ -211,7 +213,7 @@ def _rank0_loop(state: Rank, server: Server) -> None:
         if code == _OK:
             server.finish(job, result, out)
         elif code == _BAD_INPUT:
-            server.fail(job, "bad_input", message)
+            server.fail(job, "bad_input", message, reason=result.get("reason"))
         else:
             server.fail(job, "cancelled", message)
         del job, result, out  # a result's tensors may be shared memory handed to the client (result_buffers)

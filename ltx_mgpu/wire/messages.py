@@ -20,16 +20,25 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ltx_mgpu.choices import PLACEMENTS, TRANSFORMER_DTYPES, WEIGHTS
+from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS, PLACEMENTS, TRANSFORMER_DTYPES, WEIGHTS
 from ltx_mgpu.wire.frames import ProtocolError, check_id, valid_id
 
 __all__ = [
+    "BAD_INPUT_REASONS",
     "ERROR_KINDS", "SchemaError", "F", "MessageSchema", "REQUESTS", "EVENTS", "register_request", "Request",
     "parse_request", "make_request", "make_event", "parse_event", "job_types",
     "MAX_STEPS", "MAX_PROMPTS", "MAX_TEXT_TOKENS", "MAX_VIDEO_TOKENS", "MAX_LATENT_PARTS", "MAX_BATCH", "MAX_LORAS",
+    "FORWARD_KWARGS",
+    "NO_PATCHES",
+    "MAX_ADAPTERS",
+    "MAX_PATCH_KEYS",
 ]
 
 ERROR_KINDS = ("bad_input", "cancelled", "fatal")
+#: Machine-readable causes of a ``bad_input`` (the error event's ``reason``) that a client can
+#: remedy and retry: the model is not resident (load it again), a text context or weight adapter
+#: the pool does not hold (send it), weight patches other than the ones merged (send them).
+BAD_INPUT_REASONS = ("no_model", "unknown_context", "unknown_adapter", "stale_patches")
 
 # --------------------------------------------------------------------------- request limits
 # The sizes one request may imply, stated once for both sides. A request's bytes are bounded by
@@ -55,6 +64,17 @@ MAX_LATENT_PARTS = 2
 MAX_BATCH = 4096
 #: LoRAs one ``load_transformer`` fuses.
 MAX_LORAS = 64
+#: Weight keys one ``model_patches`` request may patch (an LTX-2 transformer has about 2,000),
+#: and the adapters (LoRA factor pairs, diffs) it may reference.
+MAX_PATCH_KEYS = 16384
+MAX_ADAPTERS = 65536
+#: The keyword arguments of ComfyUI's LTXAV model call a ``forward`` implements (its ``kwargs``
+#: names those present): the denoise masks, which ComfyUI has already folded into the per-token
+#: timesteps (``LTXAV.process_timestep``). Any other (keyframe guides, reference audio, ...) is
+#: refused by name, never ignored.
+FORWARD_KWARGS = ("denoise_mask", "audio_denoise_mask")
+#: The ``patches`` id of a transformer with its loaded weights (no ComfyUI weight patches merged).
+NO_PATCHES = "none"
 
 
 class SchemaError(ProtocolError):
@@ -194,13 +214,31 @@ register_request(MessageSchema("sample", (
     F("sampler", ("str",), False), F("scheduler", ("object", "null"), False)),
     tensors=True, doc="denoise a ComfyUI LTX-2 LATENT with the SP sampler; progress every step"))
 
+# The MODEL path (ltx_mgpu.pool.model_jobs): ComfyUI's sampler runs its loop and calls the model.
+register_request(MessageSchema("text_contexts", (
+    F("model", ("str",), False), F("unprocessed", ("bool",), False)),
+    tensors=True, doc="the text connectors (ComfyUI's preprocess_text_embeds) on tensor 'context' [B, L, D]"))
+register_request(MessageSchema("forward", (
+    F("model", ("str",), False), F("context_id", ("str",)),
+    F("frame_rate", ("number",), False, bounds=(1e-3, 1e4), hint="frames per second of the video"),
+    F("av_timestep", ("str",), False, choices=AV_TIMESTEP_CONVENTIONS),
+    F("patches", ("str",), False), F("kwargs", ("list",), False, items="str", max_items=16)),
+    tensors=True, doc="one call of the transformer on ComfyUI's tensors: 'x.0' video, 'x.1' audio latent, "
+                      "'t.0' / 't.1' their timesteps, 'context' (when new), 'attention_mask'"))
+register_request(MessageSchema("model_patches", (
+    F("model", ("str",), False), F("patches", ("str",)),
+    F("entries", ("list",), items="object", max_items=MAX_PATCH_KEYS, hint="apply fewer LoRAs"),
+    F("adapters", ("list",), False, items="object", max_items=MAX_ADAPTERS, hint="apply fewer LoRAs")),
+    tensors=True, doc="merge ComfyUI's weight patches (LoRA loaders) into a resident transformer, by content id"))
+
 for _s in (
     MessageSchema("accepted", (F("job", ("str",)), F("position", ("int",)))),
     MessageSchema("progress", (F("phase", ("str",)), F("step", ("int",)), F("total", ("int",)))),
     MessageSchema("log", (F("level", ("str",)), F("message", ("str",)), F("rank", ("int",)))),
     MessageSchema("result", (F("result", ("object",)),), tensors=True),
     MessageSchema("error", (F("kind", ("str",), choices=ERROR_KINDS), F("message", ("str",)),
-                            F("progress", ("object", "null"), False), F("rank", ("int", "null"), False))),
+                            F("progress", ("object", "null"), False), F("rank", ("int", "null"), False),
+                            F("reason", ("str", "null"), False, choices=BAD_INPUT_REASONS))),
 ):
     EVENTS[_s.name] = _s
 

@@ -1,0 +1,310 @@
+"""The MODEL path's client side: ComfyUI's own sampler runs its loop and calls the model; the
+pool runs the LTX-2 transformer, sequence-parallel over its ranks (``ltx_mgpu.pool.model_jobs``).
+
+A :class:`PoolModel` stands for one transformer resident in a pool (``load_transformer``) and
+makes the three calls ComfyUI's ``LTXAV`` model makes of its diffusion model:
+
+* :meth:`PoolModel.text_contexts`: ``preprocess_text_embeds`` (the text connectors), once per
+  conditioning when a sampling run starts;
+* :meth:`PoolModel.forward`: the transformer call, once per model evaluation of the sampler.
+  Per call it sends the latent parts and their timesteps and receives the velocities. The text
+  context is sent once: the client keeps (at most :data:`CONTEXTS_KEPT`) the contexts it sent
+  and compares each call's with them (``torch.equal``: by content, as ComfyUI concatenates a
+  fresh batch every step), the pool keeps them under the id;
+* :meth:`PoolModel.sync_patches`: ComfyUI's weight patches (what its LoRA loaders add to a
+  MODEL), merged in the pool when they differ from the merged ones. Each adapter (a LoRA's
+  factor pair, a diff tensor) gets an id from its object's identity and its tensors are sent
+  once per pool model; a strength change sends only the new strengths.
+
+Whatever the pool cannot hold any more (it restarted, the model was freed and loaded again,
+another graph merged other patches) it reports with a ``reason`` (``no_model``,
+``unknown_context``, ``stale_patches``, ``unknown_adapter``) and the call is remedied (load,
+resend) and retried. Patches ComfyUI can build but the pool cannot merge exactly (LoHa, LoKr,
+DoRA, OFT, offsets, functions) are refused by key and kind, before any pool work.
+
+Only torch and the wire are imported (no ltx-core, no ComfyUI): ComfyUI's process stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ltx_mgpu.client.errors import BadInputError
+from ltx_mgpu.wire.codec import DEFAULT_MODEL
+from ltx_mgpu.wire.messages import FORWARD_KWARGS, NO_PATCHES
+
+__all__ = ["CONTEXTS_KEPT", "PatchFormatError", "PoolModel", "WirePatches", "wire_patches"]
+
+#: Text contexts the client remembers having sent (the pool keeps as many; see
+#: ``ltx_mgpu.pool.model_jobs.CONTEXT_SLOTS``).
+CONTEXTS_KEPT = 4
+#: Tries of one call when the pool reports something it can be given (module doc).
+_TRIES = 4
+
+
+class PatchFormatError(ValueError):
+    """A ComfyUI weight patch the pool cannot merge exactly (names the key and the patch kind)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WirePatches:
+    """A ComfyUI patch set in the ``model_patches`` request's terms.
+
+    Attributes:
+        entries: ``[{"key", "patches": [{"adapter", "strength", "strength_model"}]}]``.
+        adapters: adapter id -> ``({"id", "kind", "alpha"}, {tensor name: tensor})``.
+    """
+
+    entries: list
+    adapters: dict
+
+
+class _AdapterIds:
+    """Ids for adapter objects by identity (a weak reference tells a reused ``id()`` apart)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, tuple[Any, str]] = {}
+
+    def __call__(self, obj: Any) -> str:
+        entry = self._ids.get(id(obj))
+        if entry is not None and entry[0]() is obj:
+            return entry[1]
+        aid = uuid.uuid4().hex[:16]
+        key = id(obj)
+        self._ids[key] = (weakref.ref(obj, lambda _r, k=key: self._ids.pop(k, None)), aid)
+        return aid
+
+
+def _tensor(value: Any, key: str, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise PatchFormatError(f"{key}: the {what} of its patch is {type(value).__name__}, not a tensor")
+    return value.detach().to("cpu").contiguous()
+
+
+def _adapter(v: Any, key: str, ids: _AdapterIds) -> tuple[str, dict, dict]:
+    """``(id, description, tensors)`` of one patch's adapter ``v`` (ComfyUI's forms, by duck typing)."""
+    name = getattr(v, "name", None)
+    weights = getattr(v, "weights", None)
+    if name is not None and weights is not None:  # comfy.weight_adapter.WeightAdapterBase
+        if name != "lora":
+            raise PatchFormatError(f"{key}: a {name!r} adapter (LyCORIS) cannot be merged in the pool; only plain "
+                                   "LoRAs and diffs can: convert the file to a LoRA (lora_up / lora_down)")
+        up, down, alpha, mid, dora, reshape = (tuple(weights) + (None,) * 6)[:6]
+        for what, value in (("LoCon mid weights", mid), ("DoRA scale", dora), ("reshape", reshape)):
+            if value is not None:
+                raise PatchFormatError(f"{key}: LoRAs with {what} cannot be merged in the pool; use a plain LoRA")
+        aid = ids(v)
+        alpha = None if alpha is None else float(alpha)
+        tensors = {f"{aid}.up": _tensor(up, key, "up matrix"), f"{aid}.down": _tensor(down, key, "down matrix")}
+        return aid, {"id": aid, "kind": "lora", "alpha": alpha}, tensors
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
+        kind, data = v
+        if kind != "diff":
+            raise PatchFormatError(f"{key}: a {kind!r} patch cannot be merged in the pool (only LoRAs and diffs)")
+        if len(data) > 1 and isinstance(data[1], dict) and data[1].get("pad_weight"):
+            raise PatchFormatError(f"{key}: a diff that pads the weight (a changed shape) cannot be merged in the pool")
+        v = data
+    if isinstance(v, tuple) and len(v) >= 1 and isinstance(v[0], torch.Tensor):
+        aid = ids(v[0])
+        return aid, {"id": aid, "kind": "diff", "alpha": None}, {f"{aid}.diff": _tensor(v[0], key, "diff")}
+    raise PatchFormatError(f"{key}: a patch of type {type(v).__name__} cannot be merged in the pool (only LoRAs and "
+                           "diffs)")
+
+
+def wire_patches(patches: Mapping[str, Sequence], ids: Callable[[Any], str]) -> WirePatches:
+    """ComfyUI's ``ModelPatcher.patches`` (key -> ``[(strength, adapter, strength_model, offset,
+    function)]``) as a :class:`WirePatches`.
+
+    Raises:
+        PatchFormatError: an offset or function patch, or an adapter kind other than a plain
+            LoRA or a diff (names the key).
+    """
+    entries, adapters = [], {}
+    for key in sorted(patches):
+        plist = []
+        for p in patches[key]:
+            strength, v, strength_model = p[0], p[1], p[2]
+            offset = p[3] if len(p) > 3 else None
+            function = p[4] if len(p) > 4 else None
+            if offset is not None or function is not None:
+                raise PatchFormatError(f"{key}: patches with an offset or a function cannot be merged in the pool")
+            aid, desc, tensors = _adapter(v, key, ids)
+            adapters[aid] = (desc, tensors)
+            plist.append({"adapter": aid, "strength": float(strength), "strength_model": float(strength_model)})
+        if plist:
+            entries.append({"key": key, "patches": plist})
+    return WirePatches(entries, adapters)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+class PoolModel:
+    """One transformer resident in a pool, called as ComfyUI calls its diffusion model.
+
+    Args:
+        client: ``() -> PoolClient`` (called per request, so a restarted pool is used).
+        load: ``() -> dict``: loads the model in the pool (``load_transformer``) and returns its
+            result; called again when the pool reports the model gone.
+        name: its resident name; av_timestep: ``"scaled"`` / ``"raw"`` (``ltx_mgpu.choices``).
+    """
+
+    def __init__(self, client: Callable[[], Any], load: Callable[[], dict], name: str = DEFAULT_MODEL,
+                 av_timestep: str = "scaled"):
+        self.client, self.load, self.name, self.av_timestep = client, load, name, av_timestep
+        self._lock = threading.RLock()
+        self._contexts: list[tuple[torch.Tensor, str]] = []
+        self._pool_patches = NO_PATCHES  # the patch set the pool has merged, as far as we know
+        self._pool_adapters: set[str] = set()
+        self._ids = _AdapterIds()
+        #: Requests sent, by type, and context tensors sent (what a run costs on the wire).
+        self.sent: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _request(self, mtype: str, params: dict, tensors: dict, check_interrupt, receive=None) -> tuple[dict, dict]:
+        self.sent[mtype] = self.sent.get(mtype, 0) + 1
+        return self.client().request(mtype, {"model": self.name, **params}, tensors, should_cancel=check_interrupt,
+                                     receive=receive)
+
+    def _reloaded(self) -> None:
+        """The pool lost the model: load it again; it holds no context, adapter or patch now."""
+        self.load()
+        self._contexts.clear()
+        self._pool_patches, self._pool_adapters = NO_PATCHES, set()
+
+    # ------------------------------------------------------------------ calls
+
+    def text_contexts(self, context: torch.Tensor, unprocessed: bool, check_interrupt=None) -> torch.Tensor:
+        """ComfyUI's ``preprocess_text_embeds(context, unprocessed)``: the processed context
+        ``[B, L, Dv + Da]`` in the model dtype, on ``context``'s device.
+
+        ``check_interrupt()`` is called while waiting; what it raises abandons the call.
+
+        Raises:
+            BadInputError: a context the model's connectors do not take (names the widths).
+        """
+        with self._lock:
+            for _ in range(_TRIES):
+                try:
+                    _, out = self._request("text_contexts", {"unprocessed": bool(unprocessed)},
+                                           {"context": _cpu(context)}, check_interrupt)
+                    return out["context"].to(context.device)
+                except BadInputError as e:
+                    if e.reason != "no_model":
+                        raise
+                    self._reloaded()
+            raise BadInputError(f"the pool lost model '{self.name}' {_TRIES} times in a row")
+
+    def _context_id(self, context: torch.Tensor) -> tuple[str, bool]:
+        """``(id, new)``: the id of a context sent before with equal content, or a new one."""
+        for kept, cid in self._contexts:
+            if kept is context or (kept.shape == context.shape and kept.dtype == context.dtype
+                                   and kept.device == context.device and torch.equal(kept, context)):
+                return cid, False
+        cid = uuid.uuid4().hex[:16]
+        self._contexts.append((context, cid))
+        del self._contexts[:-CONTEXTS_KEPT]
+        return cid, True
+
+    def sync_patches(self, patches_id: str, patches: Mapping[str, Sequence] | None, check_interrupt=None) -> None:
+        """Have the pool merge ComfyUI's ``patches`` (``ModelPatcher.patches``) under
+        ``patches_id`` (its ``patches_uuid``), unless it already has; an empty set restores the
+        loaded weights.
+
+        Raises:
+            PatchFormatError: a patch the pool cannot merge exactly (before any request).
+            BadInputError: the pool refused a key or factor (the message names the key).
+        """
+        with self._lock:
+            wire = wire_patches(patches or {}, self._ids)
+            patches_id = patches_id if wire.entries else NO_PATCHES
+            if patches_id == self._pool_patches:
+                return
+            for _ in range(_TRIES):
+                send = {aid: d for aid, d in wire.adapters.items() if aid not in self._pool_adapters}
+                tensors = {name: t for _, ts in send.values() for name, t in ts.items()}
+                params = {"patches": patches_id, "entries": wire.entries, "adapters": [d for d, _ in send.values()]}
+                try:
+                    result, _ = self._request("model_patches", params, tensors, check_interrupt)
+                except BadInputError as e:
+                    if e.reason == "unknown_adapter":
+                        self._pool_adapters = set()
+                        continue
+                    if e.reason == "no_model":
+                        self._reloaded()
+                        continue
+                    raise
+                self._pool_patches, self._pool_adapters = result["patches"], set(result["adapters"])
+                return
+            raise BadInputError(f"the pool did not keep the weight patches of '{self.name}' ({_TRIES} tries)")
+
+    def forward(self, x: Any, timestep: Any, context: torch.Tensor, *, frame_rate: float = 25.0,
+                attention_mask: torch.Tensor | None = None, kwargs: Sequence[str] = (),
+                patches: tuple[str, Mapping[str, Sequence] | None] = (NO_PATCHES, None),
+                check_interrupt=None) -> Any:
+        """One call of the transformer as ComfyUI's ``LTXAVModel.forward`` (``x``: the video
+        latent or ``[video, audio]``; ``timestep``: ``(video, audio)`` timesteps or one;
+        ``context``: the processed context). Returns the velocities in ``x``'s layout, in the
+        model dtype on ``x``'s device.
+
+        ``kwargs`` names the other ComfyUI keyword arguments of the call (their values are
+        already folded into the timesteps); ``patches`` is ``(patches_uuid, patches)`` of the
+        calling ModelPatcher, merged first when the pool holds others.
+
+        Raises:
+            BadInputError: a keyword argument outside ``FORWARD_KWARGS`` (before any request),
+                inputs the pool refuses (names them).
+            PatchFormatError: see :meth:`sync_patches`.
+        """
+        refused = sorted(set(kwargs) - set(FORWARD_KWARGS))
+        if refused:
+            raise BadInputError(f"the model call has argument(s) {refused} the multi-GPU pool does not implement "
+                                f"(implemented: {list(FORWARD_KWARGS)}); they come from a node that adds "
+                                "conditioning the pool cannot run (keyframe guides, reference audio, ...)")
+        parts = list(x) if isinstance(x, (list, tuple)) else [x]
+        if len(parts) == 2 and parts[1].numel() == 0:
+            parts = parts[:1]
+        steps = list(timestep) if isinstance(timestep, (list, tuple)) else [timestep]
+        tensors = {f"x.{i}": _cpu(p) for i, p in enumerate(parts)}
+        tensors.update({f"t.{i}": _cpu(t).float() for i, t in enumerate(steps[:2])})
+        if attention_mask is not None:
+            tensors["attention_mask"] = _cpu(attention_mask)
+        device = parts[0].device
+        receive = (lambda _name, t: t.to(device)) if device.type != "cpu" else None
+        with self._lock:
+            cid, new = self._context_id(context)
+            for _ in range(_TRIES):
+                self.sync_patches(*patches, check_interrupt=check_interrupt)
+                params = {"context_id": cid, "frame_rate": float(frame_rate), "av_timestep": self.av_timestep,
+                          "patches": self._pool_patches, "kwargs": sorted(kwargs)}
+                send = dict(tensors)
+                if new:
+                    send["context"] = _cpu(context)
+                    self.sent["context"] = self.sent.get("context", 0) + 1
+                try:
+                    result, out = self._request("forward", params, send, check_interrupt, receive)
+                except BadInputError as e:
+                    if e.reason == "unknown_context":
+                        new = True
+                    elif e.reason == "stale_patches":
+                        self._pool_patches = None
+                    elif e.reason == "no_model":
+                        self._reloaded()
+                        self._contexts.append((context, cid))
+                        new = True
+                    else:
+                        raise
+                    continue
+                outs = [out[f"out.{i}"] for i in range(int(result["parts"]))]
+                outs = [t.to(device) if t.device != device else t for t in outs]
+                return outs if isinstance(x, (list, tuple)) else outs[0]
+            raise BadInputError(f"the pool could not run model '{self.name}' ({_TRIES} tries)")

@@ -1,0 +1,220 @@
+"""One call of the LTX-2 transformer on ComfyUI's tensors: what ComfyUI's ``LTXAVModel.forward``
+takes and returns, computed by ltx-core's ``LTXModel`` (sequence-parallel through
+:class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer`, the velocity model the
+SP Sampler uses too).
+
+ComfyUI's ``BaseModel._apply_model`` calls its diffusion model as ``forward(x, timestep,
+context, attention_mask=None, frame_rate=25, transformer_options={}, keyframe_idxs=None,
+**extra_conds)`` (``comfy/model_base.py``, ``comfy/ldm/lightricks/av_model.py``):
+
+* ``x``: the video latent ``[B, 128, F, H, W]``, or ``[video, audio [B, 8, N, 16]]`` for an
+  audio-video model (``utils.unpack_latents``), in the model dtype;
+* ``timestep``: ``(video, audio)`` sigmas (``model_sampling.timestep(sigma)`` is the sigma for
+  LTX-2's flow matching), each ``[B]``, or per token ``[B, T]`` / ``[B, T, 1]`` when a denoise
+  mask made them per token (``LTXAV.process_timestep``);
+* ``context``: the processed text context ``[B, L, Dv + Da]`` (``preprocess_text_embeds``' output,
+  :func:`processed_context`), split ``[video | audio]`` here;
+* ``frame_rate``: frames per second of the video positions.
+
+It returns the velocities in the same layout (``[video, audio]`` or the video tensor), in the
+model dtype. :func:`comfy_forward` is that call; the keyword arguments it does not implement are
+refused by name (:data:`ACCEPTED_KWARGS`), never ignored.
+
+The audio-video cross-attention AdaLN timesteps: ltx-core 1.0.0 (and ComfyUI after
+Comfy-Org/ComfyUI#14097) scale them by ``timestep_scale_multiplier``; ComfyUI up to 0.20.1 passes
+the raw sigma. :func:`av_timestep_convention` sets which one a call follows, by wrapping ltx-core's
+``MultiModalTransformerArgsPreprocessor._prepare_cross_attention_timestep`` on the model's two
+preprocessors for the call (ltx-core's code is not changed).
+
+:func:`transformer_call` is the one place both samplers call the transformer: the SP Sampler's
+steps (:mod:`ltx_mgpu.denoise.sampler`) and the MODEL's forward (:func:`comfy_forward`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from ltx_core.model.transformer.modality import Modality
+
+from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS
+from ltx_mgpu.denoise.conditioning import text_contexts
+from ltx_mgpu.denoise.latents import latent_to_tokens, tokens_to_latent
+from ltx_mgpu.nested import NestedTensorLike
+from ltx_mgpu.wire.messages import FORWARD_KWARGS
+
+__all__ = ["ACCEPTED_KWARGS", "ForwardError", "ModalityInput", "av_timestep_convention",
+           "comfy_forward", "processed_context", "transformer_call"]
+
+#: The keyword arguments of ComfyUI's LTXAV forward this implements (the protocol's
+#: ``FORWARD_KWARGS``, already folded into the per-token timesteps, plus the two it takes).
+ACCEPTED_KWARGS = frozenset({"attention_mask", "frame_rate", *FORWARD_KWARGS})
+AvConvention = Literal["scaled", "raw"]
+
+
+class ForwardError(ValueError):
+    """Inputs of a model call that do not form an LTX-2 forward (names the input and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModalityInput:
+    """One modality of a transformer call (the fields of ltx-core's ``Modality``).
+
+    Attributes:
+        tokens: patchified latent ``[B, T, C]`` in the model dtype on its device.
+        timesteps: per-token sigmas ``[B, T]`` float32 (ComfyUI's timestep: the sigma itself for
+            LTX-2's flow matching; ltx-core scales them by ``timestep_scale_multiplier``).
+        positions: ltx-core positions ``[B, 3, T, 2]`` (video) / ``[B, 1, T, 2]`` (audio).
+        context: this modality's text context ``[B, L, D]`` in the model dtype.
+    """
+
+    tokens: torch.Tensor
+    timesteps: torch.Tensor
+    positions: torch.Tensor
+    context: torch.Tensor
+
+
+def transformer_call(velocity: Callable, inputs: Mapping[str, ModalityInput]) -> dict[str, torch.Tensor]:
+    """The one transformer call both samplers make (the SP Sampler's steps and the MODEL's
+    forward): ltx-core ``Modality`` per entry of ``inputs`` (``"video"`` / ``"audio"``), with
+    ``sigma`` the per-sample maximum of its timesteps (the cross-modal AdaLN input), through
+    ``velocity(video, audio, perturbations)`` (``LTXModel.forward``'s contract).
+
+    Returns:
+        ``{name: velocity [B, T, C_out]}`` for each modality given.
+    """
+    mods = {k: Modality(latent=m.tokens, sigma=m.timesteps.amax(dim=1), timesteps=m.timesteps,
+                        positions=m.positions, context=m.context) for k, m in inputs.items()}
+    vx, ax = velocity(mods.get("video"), mods.get("audio"), None)
+    return {k: v for k, v in (("video", vx), ("audio", ax)) if k in inputs}
+
+
+def processed_context(model, context: torch.Tensor, unprocessed: bool) -> torch.Tensor:
+    """ComfyUI's ``preprocess_text_embeds``: the connectors' outputs ``[B, L, Dv + Da]`` (video |
+    audio, ``model.context_widths``), in the model dtype on its device.
+
+    Raises:
+        ConditioningError: as :func:`ltx_mgpu.denoise.conditioning.text_contexts`.
+    """
+    video, audio = text_contexts(model, context, unprocessed)
+    return torch.cat([video, audio], dim=-1)
+
+
+def _token_timesteps(t: torch.Tensor, batch: int, tokens: int, what: str) -> torch.Tensor:
+    """A ComfyUI timestep (``[B]`` / ``[1]`` / ``[B, T]`` / ``[B, T, 1]``) as float32 ``[B, T]``."""
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise ForwardError(f"the {what} timestep must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    t = t.float()
+    if t.ndim == 3 and t.shape[-1] == 1:
+        t = t[..., 0]
+    if t.ndim == 0:
+        t = t.reshape(1)
+    if t.ndim == 1:
+        if t.shape[0] not in (1, batch):
+            raise ForwardError(f"the {what} timestep has {t.shape[0]} values for a batch of {batch}")
+        return t.reshape(-1, 1).expand(batch, tokens)
+    if t.ndim == 2 and t.shape[1] == tokens and t.shape[0] in (1, batch):
+        return t.expand(batch, tokens)
+    raise ForwardError(f"the {what} timestep of shape {tuple(t.shape)} fits neither [B] nor [B, {tokens}] tokens")
+
+
+def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: torch.Tensor, *,
+                  frame_rate: float = 25.0, attention_mask: torch.Tensor | None = None,
+                  extra: dict | None = None) -> Any:
+    """One ComfyUI-layout call of the transformer (see the module doc).
+
+    Args:
+        model: the :class:`~ltx_mgpu.denoise.model.LTXDenoiser` (dtype, device, widths).
+        velocity: ``f(video, audio, perturbations) -> (vx, ax)`` (``model.velocity_model(group)``).
+        x: the video latent, or ``[video, audio]``.
+        timestep: ``(video, audio)`` timesteps (or one for both).
+        context: the processed context ``[B, L, Dv + Da]``.
+        frame_rate: video frames per second; attention_mask: ``[B, L]`` ones (a text mask with
+            zeros is not implemented and refused).
+        extra: the other keyword arguments of the call, checked against :data:`ACCEPTED_KWARGS`.
+    Returns:
+        The velocities, ``[video, audio]`` or the video tensor, in the model dtype on its device.
+    Raises:
+        ForwardError: a keyword this does not implement, or inputs of the wrong layout.
+        LatentFormatError: a latent that is not LTX-2's.
+    """
+    unknown = sorted(set(extra or {}) - ACCEPTED_KWARGS)
+    if unknown:
+        raise ForwardError(f"the model call has argument(s) {unknown} this pool does not implement "
+                           "(they come from a node that patches the model or adds conditioning)")
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    if len(parts) not in (1, 2) or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise ForwardError("x must be the video latent or [video latent, audio latent]")
+    if len(parts) == 2 and parts[1].numel() == 0:
+        parts = parts[:1]
+    latent = {"samples": NestedTensorLike(parts)} if len(parts) == 2 else {"samples": parts[0]}
+    state = latent_to_tokens(latent, float(frame_rate))
+    v_t, a_t = timestep if isinstance(timestep, (list, tuple)) and len(timestep) == 2 else (timestep, timestep)
+    if attention_mask is not None and not bool((attention_mask != 0).all()):
+        raise ForwardError("a text attention_mask with zeros is not implemented; the LTX-2 text encoders give "
+                           "all-ones masks")
+    if not isinstance(context, torch.Tensor) or context.ndim != 3:
+        raise ForwardError(f"context must be [B, L, D], got {getattr(context, 'shape', type(context).__name__)}")
+    vw, aw = model.context_widths
+    if context.shape[-1] != vw + aw:
+        raise ForwardError(f"the context is {context.shape[-1]} wide; this LTX-{model.version} model takes the "
+                           f"processed {vw} + {aw} (its connectors' outputs)")
+    ctx = context.to(device=model.device, dtype=model.dtype)
+    batch = parts[0].shape[0]
+    if ctx.shape[0] not in (1, batch):
+        raise ForwardError(f"the context has batch {ctx.shape[0]}, the latent {batch}")
+    ctx = ctx.expand(batch, -1, -1)
+    inputs = {}
+    for name, tokens_state, t, c in (("video", state.video, v_t, ctx[..., :vw]), ("audio", state.audio, a_t,
+                                                                                 ctx[..., vw:])):
+        if tokens_state is None:
+            continue
+        ts = _token_timesteps(t, batch, tokens_state.tokens.shape[1], name).to(model.device)
+        inputs[name] = ModalityInput(tokens=tokens_state.tokens.to(device=model.device, dtype=model.dtype),
+                                     timesteps=ts, positions=tokens_state.positions.to(model.device), context=c)
+    v = transformer_call(velocity, inputs)
+    vx, ax = v.get("video"), v.get("audio")
+    out = tokens_to_latent(dataclasses.replace(state, extras={}), vx, ax)["samples"]
+    if len(parts) == 2:
+        return [t.to(model.dtype) for t in out.unbind()]
+    return out.to(model.dtype)
+
+
+@contextlib.contextmanager
+def av_timestep_convention(transformer, convention: AvConvention) -> Iterator[None]:
+    """Within the block, ``transformer`` (an ltx-core ``LTXModel``) feeds its audio-video
+    cross-attention AdaLNs as ``convention`` says (see the module doc); on leaving, ltx-core's own
+    (``"scaled"``) again. ``"raw"`` emulates ComfyUI 0.20.1's ``_prepare_timestep``: the
+    scale/shift AdaLN gets the raw sigma, the gate AdaLN sigma x ``av_ca_timestep_scale_multiplier``
+    / ``timestep_scale_multiplier``, by calling ltx-core's
+    ``MultiModalTransformerArgsPreprocessor._prepare_cross_attention_timestep`` with the sigma
+    divided by the multiplier it then applies (per instance; ltx-core's code is unchanged).
+
+    Raises:
+        ValueError: an unknown convention.
+    """
+    if convention not in AV_TIMESTEP_CONVENTIONS:
+        raise ValueError(f"the AV timestep convention must be one of {AV_TIMESTEP_CONVENTIONS}, got {convention!r}")
+    wrapped = []
+    if convention == "raw":
+        for name in ("video_args_preprocessor", "audio_args_preprocessor"):
+            pre = getattr(transformer, name, None)
+            if pre is None or not hasattr(type(pre), "_prepare_cross_attention_timestep"):
+                continue
+            original = type(pre)._prepare_cross_attention_timestep.__get__(pre)
+
+            def raw(timestep, timestep_scale_multiplier, batch_size, hidden_dtype, _original=original):
+                return _original(timestep=timestep / timestep_scale_multiplier,
+                                 timestep_scale_multiplier=timestep_scale_multiplier,
+                                 batch_size=batch_size, hidden_dtype=hidden_dtype)
+
+            pre._prepare_cross_attention_timestep = raw
+            wrapped.append(pre)
+    try:
+        yield
+    finally:
+        for pre in wrapped:
+            pre.__dict__.pop("_prepare_cross_attention_timestep", None)

@@ -1,0 +1,195 @@
+"""ComfyUI weight patches (what ComfyUI's LoRA loaders build) merged into a loaded denoiser.
+
+ComfyUI's ``LoraLoader`` / ``LoraLoaderModelOnly`` give a MODEL, for each weight of the model
+named by its key in ComfyUI's state dict (``"diffusion_model." + <checkpoint key>``), a list
+of patches ``(strength, adapter, strength_model, offset, function)``
+(``ModelPatcher.add_patches``, ``comfy/model_patcher.py``). ComfyUI merges them when it loads
+the model (``patch_weight_to_device`` -> ``comfy.lora.calculate_weight``): the weight as
+float32, then for each patch in order ``weight *= strength_model`` (when it is not 1) and
+``weight += (strength * scale) * (up @ down)`` for a LoRA (``scale = alpha / rank``, 1 without
+alpha; ``comfy/weight_adapter/lora.py``) or ``weight += strength * diff`` for a ``"diff"`` patch,
+then a plain cast back to the weight dtype (``comfy/float.py``'s ``stochastic_rounding`` only
+rounds stochastically for fp8). :func:`merge` is that, on the model's device.
+
+:func:`apply_patches` puts a new patch set into a resident :class:`LTXDenoiser`: every weight
+the old or the new set touches is re-read from the memory-mapped checkpoint (with the LoRAs
+fused at load, :class:`~ltx_mgpu.denoise.checkpoint.StateDictLoader`) and merged again, a
+few weights at a time, so no backup copy of the model is kept and removing a patch restores
+the loaded weights exactly.
+
+Differences from ComfyUI, said once: for an fp8 checkpoint ComfyUI re-quantises the merged
+weight to fp8 (stochastic rounding); here the weights are kept in the model's compute dtype
+(fp8 is upcast at load), so the merged weight is not rounded to fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from ltx_mgpu.denoise.checkpoint import CONNECTORS, CheckpointInfo, StateDictLoader, inspect_checkpoint, load_loras
+from ltx_mgpu.denoise.model import transformer_sd_ops
+
+__all__ = ["COMFY_PREFIX", "PATCH_KINDS", "PatchError", "WeightPatch", "apply_patches", "merge", "resolve_key"]
+
+#: The prefix of the diffusion model's keys in ComfyUI's model state dict (``BaseModel``).
+COMFY_PREFIX = "diffusion_model."
+#: The adapters merged here: ComfyUI's plain LoRA (``LoRAAdapter`` without mid / DoRA / reshape)
+#: and the ``"diff"`` patch.
+PATCH_KINDS = ("lora", "diff")
+#: Weights re-read and merged at a time (bounds the extra device memory of a merge).
+_CHUNK = 32
+
+
+class PatchError(ValueError):
+    """A patch that cannot be merged exactly (names the key and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPatch:
+    """One entry of a weight's patch list.
+
+    Attributes:
+        kind: ``"lora"`` (``up [out, r]``, ``down [r, in...]``, ``alpha`` or None) or ``"diff"``
+            (``diff``, the weight's shape).
+        strength / strength_model: ComfyUI's ``strength_patch`` / ``strength_model``.
+    """
+
+    kind: str
+    strength: float
+    strength_model: float = 1.0
+    up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    alpha: float | None = None
+    diff: torch.Tensor | None = None
+
+    def check(self, key: str, shape: Sequence[int]) -> None:
+        """Raise :class:`PatchError` unless this patch fits a weight of ``shape``."""
+        if self.kind not in PATCH_KINDS:
+            raise PatchError(f"{key}: patch kind {self.kind!r} is not one of {PATCH_KINDS}")
+        for name, value in (("strength", self.strength), ("strength_model", self.strength_model),
+                            ("alpha", 1.0 if self.alpha is None else self.alpha)):
+            if not math.isfinite(value):
+                raise PatchError(f"{key}: the patch's {name} is {value}; give a finite number")
+        numel = math.prod(shape)
+        if self.kind == "lora":
+            if self.up is None or self.down is None or self.up.ndim < 2 or self.down.ndim < 2:
+                raise PatchError(f"{key}: a LoRA patch needs 2-D up and down matrices")
+            up, down = self.up.flatten(1), self.down.flatten(1)
+            if up.shape[1] != down.shape[0] or up.shape[0] * down.shape[1] != numel:
+                raise PatchError(f"{key}: LoRA factors {tuple(self.up.shape)} x {tuple(self.down.shape)} do not make "
+                                 f"the weight's {tuple(shape)}; the LoRA was made for another model")
+        elif self.diff is None or tuple(self.diff.shape) != tuple(shape):
+            got = None if self.diff is None else tuple(self.diff.shape)
+            raise PatchError(f"{key}: a diff patch of shape {got} does not fit the weight's {tuple(shape)}")
+
+    def apply(self, weight: torch.Tensor) -> None:
+        """``weight`` (float32) += this patch, in place, as ComfyUI computes it (module doc)."""
+        if self.strength_model != 1.0:
+            weight *= self.strength_model
+        if self.kind == "lora":
+            up = self.up.to(device=weight.device, dtype=torch.float32).flatten(1)
+            down = self.down.to(device=weight.device, dtype=torch.float32).flatten(1)
+            alpha = self.alpha / down.shape[0] if self.alpha is not None else 1.0
+            weight += ((self.strength * alpha) * torch.mm(up, down).reshape(weight.shape)).type(weight.dtype)
+        elif self.strength != 0.0:
+            weight += self.strength * self.diff.to(device=weight.device, dtype=weight.dtype)
+
+
+def merge(original: torch.Tensor, patches: Iterable[WeightPatch]) -> torch.Tensor:
+    """``original`` with ``patches`` merged in order (float32 arithmetic), in its dtype."""
+    weight = original.to(torch.float32, copy=True)
+    for p in patches:
+        p.apply(weight)
+    return weight.to(original.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where a ComfyUI key lives: the checkpoint key, and the module + parameter name."""
+
+    file_key: str
+    module: str  # "transformer" | "video_connector" | "audio_connector"
+    param: str
+
+
+def resolve_key(model, info: CheckpointInfo, key: str) -> tuple[_Target, torch.nn.Parameter]:
+    """The parameter of ``model`` (an :class:`~ltx_mgpu.denoise.model.LTXDenoiser`) that ComfyUI's
+    state-dict ``key`` names.
+
+    Raises:
+        PatchError: a key outside the diffusion model, not in the checkpoint, or not a
+            parameter of the loaded model (the message names it).
+    """
+    if not key.startswith(COMFY_PREFIX):
+        raise PatchError(f"{key}: only the diffusion model's weights ({COMFY_PREFIX}...) can be patched in the pool")
+    rest = key[len(COMFY_PREFIX):]
+    if rest not in info.shapes:
+        raise PatchError(f"{key}: no such weight in {info.path}; the LoRA was made for another model")
+    connector = next((c for c in CONNECTORS if rest.startswith(c + ".")), None)
+    if connector is not None:
+        module_name = "video_connector" if connector.startswith("video") else "audio_connector"
+        param = rest[len(connector) + 1:]
+    else:
+        module_name = "transformer"
+        ops = transformer_sd_ops(info)
+        param = ops.apply_to_key(info.prefix + rest) if ops is not None else rest
+    module = getattr(model, module_name)
+    try:
+        tensor = module.get_parameter(param) if module is not None and param else None
+    except AttributeError:
+        tensor = None
+    if tensor is None:
+        raise PatchError(f"{key}: the loaded LTX-2 model has no parameter for it")
+    return _Target(info.prefix + rest, module_name, param), tensor
+
+
+class _Select:
+    """An ``sd_ops`` for :class:`StateDictLoader`: keeps the checkpoint keys it maps."""
+
+    def __init__(self, names: Mapping[str, str]):
+        self.names = names
+
+    def apply_to_key(self, key: str) -> str | None:
+        return self.names.get(key)
+
+
+def apply_patches(model, patches: Mapping[str, Sequence[WeightPatch]], previous: Iterable[str] = ()) -> set[str]:
+    """Make ``model``'s weights the loaded ones with ``patches`` merged; returns the patched keys.
+
+    Args:
+        model: the :class:`~ltx_mgpu.denoise.model.LTXDenoiser` (its ``source`` checkpoint and
+            ``loras`` fused at load are re-read).
+        patches: ComfyUI key -> its patch list (in ComfyUI's order); an empty list leaves the
+            loaded weight.
+        previous: the keys patched before, restored when ``patches`` no longer patches them.
+    Raises:
+        PatchError: an unknown key or a patch that does not fit its weight, before any weight
+            changes. Reading the checkpoint (``CheckpointError``, ``OSError``) or device memory
+            (``torch.OutOfMemoryError``) may fail midway: weights are then partly merged, and
+            the caller must restore them (``apply_patches(model, {}, keys)``) or drop the model.
+    """
+    info = inspect_checkpoint(model.source)
+    wanted = {k: list(v) for k, v in patches.items() if v}
+    keys = sorted(set(wanted) | set(previous))
+    targets = {}
+    for key in keys:
+        target, tensor = resolve_key(model, info, key)
+        for p in wanted.get(key, ()):
+            p.check(key, tensor.shape)
+        targets[key] = (target, tensor)
+    deltas = load_loras(model.loras, [k for k in info.shapes if k.endswith(".weight")]) if model.loras else {}
+    loader = StateDictLoader(info, model.dtype, deltas)
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start:start + _CHUNK]
+        names = {targets[k][0].file_key: k for k in chunk}
+        originals = loader.load(info.path, _Select(names), model.device).sd
+        with torch.no_grad():
+            for key in chunk:
+                tensor = targets[key][1]
+                tensor.copy_(merge(originals.pop(key), wanted.get(key, ())))
+        del originals
+    return set(wanted)

@@ -1,0 +1,236 @@
+"""The MODEL path's jobs: ComfyUI's own sampler runs the loop, the pool runs the transformer.
+
+A transformer loaded by ``load_transformer`` (:mod:`ltx_mgpu.pool.denoise_jobs`) also serves:
+
+* ``text_contexts``: the text connectors on a CONDITIONING tensor (ComfyUI's
+  ``preprocess_text_embeds``, called once per conditioning when sampling starts); returns the
+  processed context ``[B, L, Dv + Da]`` in the model dtype.
+* ``forward``: one call of the transformer as ComfyUI's ``LTXAVModel.forward`` makes it
+  (:func:`ltx_mgpu.denoise.forward.comfy_forward`), sequence-parallel over every rank through
+  the same :class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer` and the same
+  transformer call as the SP Sampler. Tensors: ``x.0`` video latent ``[B, 128, F, H, W]``,
+  ``x.1`` audio latent ``[B, 8, N, 16]`` (optional), ``t.0`` / ``t.1`` their timesteps (``[B]``
+  or per token), ``attention_mask`` (optional), ``context`` (only when new). The text context
+  is kept per model under the client's ``context_id`` (:data:`CONTEXT_SLOTS`, oldest dropped), so
+  a sampling run sends it once, not per step. Returns ``out.0`` / ``out.1``, the velocities in
+  the model dtype (into the client's shared memory when offered: ``JobContext.result_buffers``).
+* ``model_patches``: ComfyUI's weight patches (its LoRA loaders' output) for the model's keys,
+  merged on every rank (:func:`~ltx_mgpu.pool.denoise_jobs.set_weight_patches`). Adapters (a
+  LoRA's factor pair, a diff) are content-addressed by the client's ids and kept on CPU: one
+  sent before is referenced, not resent; a strength change re-merges without sending tensors.
+
+``forward`` names the patches it expects (``patches``); when they are not the merged ones it is
+refused with reason ``stale_patches``, an unknown ``context_id`` with ``unknown_context``, an
+adapter id the pool does not hold with ``unknown_adapter``, a model that is not loaded with
+``no_model``: the client remedies and retries (:mod:`ltx_mgpu.client.model`).
+
+Errors: every input is checked before any work, identically on every rank (the same request
+tensors reach every rank); a failure inside the transformer call (out of memory on one rank) is
+fatal, as in ``sample``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ltx_mgpu.denoise.conditioning import ConditioningError
+from ltx_mgpu.denoise.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
+from ltx_mgpu.denoise.latents import LatentFormatError
+from ltx_mgpu.denoise.patches import PATCH_KINDS, WeightPatch
+from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError
+from ltx_mgpu.pool.denoise_jobs import ResidentTransformer, resident_transformer, set_weight_patches
+from ltx_mgpu.pool.engines import BadInput, JobContext, register_engine
+from ltx_mgpu.wire import codec
+from ltx_mgpu.wire.messages import FORWARD_KWARGS, MAX_BATCH, MAX_TEXT_TOKENS, NO_PATCHES
+
+__all__ = ["CONTEXT_SLOTS", "forward_job", "model_patches_job", "text_contexts_job"]
+
+#: Text contexts kept per model (cond and uncond batched is one; separate, two; DualCFG, three).
+CONTEXT_SLOTS = 4
+#: The tensors a ``forward`` may carry.
+_FORWARD_TENSORS = frozenset({"x.0", "x.1", "t.0", "t.1", "context", "attention_mask"})
+
+
+def _float_tensor(tensors: dict, name: str, ndim: tuple[int, ...], what: str) -> torch.Tensor:
+    t = tensors.get(name)
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.ndim not in ndim:
+        got = "nothing" if t is None else f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+        raise BadInput(f"tensor '{name}' ({what}) must be a float tensor of {' or '.join(map(str, ndim))} "
+                       f"dimensions, got {got}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise BadInput(f"tensor '{name}' ({what}) holds NaN or infinite values")
+    return t
+
+
+def _context(context: torch.Tensor) -> torch.Tensor:
+    if context.shape[0] > MAX_BATCH or context.shape[1] > MAX_TEXT_TOKENS or 0 in context.shape:
+        raise BadInput(f"the text context's shape {tuple(context.shape)} is empty or over the protocol's limits "
+                       f"(batch {MAX_BATCH}, {MAX_TEXT_TOKENS} tokens)")
+    return context
+
+
+@register_engine("text_contexts")
+def text_contexts_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """ComfyUI's ``preprocess_text_embeds`` on tensor ``context`` ``[B, L, D]`` with the resident
+    model's connectors (``unprocessed``: the CONDITIONING's ``unprocessed_ltxav_embeds`` flag).
+
+    Returns:
+        On rank 0 ``({"shape": [B, L, Dv + Da]}, {"context": tensor})`` (model dtype, CPU).
+    Raises:
+        BadInput: no such model (reason ``no_model``); a tensor that is not ``[B, L, D]`` float
+            of the width the model's connectors (or its processed form) take.
+    """
+    resident = resident_transformer(ctx, params.get("model", codec.DEFAULT_MODEL))
+    context = _context(_float_tensor(tensors, "context", (3,), "the CONDITIONING tensor"))
+    extra = sorted(set(tensors) - {"context"})
+    if extra:
+        raise BadInput(f"text_contexts takes only tensor 'context', got also {extra[:5]}")
+    try:
+        with torch.no_grad():
+            out = processed_context(resident.denoiser, context, bool(params.get("unprocessed", False)))
+    except ConditioningError as e:
+        raise BadInput(str(e)) from None
+    if not ctx.is_main:
+        return {}, {}
+    return {"shape": list(out.shape)}, {"context": out.cpu()}
+
+
+@register_engine("forward")
+def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """One transformer call on ComfyUI's tensors (module doc), sequence-parallel on every rank.
+
+    Returns:
+        On rank 0 ``({"parts": n}, {"out.0": video velocity, "out.1": audio velocity})``.
+    Raises:
+        BadInput: reasons ``no_model`` / ``stale_patches`` / ``unknown_context`` (module doc);
+            tensors of the wrong names, shapes or values; ComfyUI keyword arguments outside
+            ``FORWARD_KWARGS``; more video or audio tokens than the model's ``max_tokens``.
+    """
+    name = params.get("model", codec.DEFAULT_MODEL)
+    resident = resident_transformer(ctx, name)
+    m = resident.denoiser
+    want = params.get("patches", NO_PATCHES)
+    if want != resident.patches:
+        raise BadInput(f"the pool's '{name}' has weight patches {resident.patches}, the call expects {want}",
+                       reason="stale_patches")
+    unknown = sorted(set(tensors) - _FORWARD_TENSORS)
+    if unknown:
+        raise BadInput(f"forward takes the tensors {sorted(_FORWARD_TENSORS)}, got also {unknown[:5]}")
+    kwargs = list(params.get("kwargs") or [])
+    refused = sorted(set(kwargs) - set(FORWARD_KWARGS))
+    if refused:
+        raise BadInput(f"the model call has argument(s) {refused} the pool does not implement (implemented: "
+                       f"{list(FORWARD_KWARGS)}); they come from a node that adds conditioning or patches the model")
+    video = _float_tensor(tensors, "x.0", (5,), "the video latent")
+    parts = [video]
+    if "x.1" in tensors:
+        parts.append(_float_tensor(tensors, "x.1", (4,), "the audio latent"))
+    steps = [_float_tensor(tensors, "t.0", (1, 2, 3), "the video timesteps")]
+    steps.append(_float_tensor(tensors, "t.1", (1, 2, 3), "the audio timesteps") if "t.1" in tensors else steps[0])
+    if any(0 in p.shape for p in parts):
+        raise BadInput(f"the latent has an empty dimension: {[tuple(p.shape) for p in parts]}")
+    cid = params["context_id"]
+    if "context" in tensors:
+        context = _context(_float_tensor(tensors, "context", (3,), "the processed text context"))
+        resident.contexts.pop(cid, None)
+        resident.contexts[cid] = context.to(device=m.device, dtype=m.dtype)
+        while len(resident.contexts) > CONTEXT_SLOTS:
+            resident.contexts.popitem(last=False)
+    context = resident.contexts.get(cid)
+    if context is None:
+        raise BadInput(f"the pool does not hold text context {cid!r}; send it", reason="unknown_context")
+    resident.contexts.move_to_end(cid)
+    mask = tensors.get("attention_mask")
+    frame_rate = float(params.get("frame_rate", 25.0))
+    try:
+        with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")):
+            out = comfy_forward(m, resident.velocity, parts if len(parts) == 2 else video, tuple(steps), context,
+                                frame_rate=frame_rate, attention_mask=mask, extra=dict.fromkeys(kwargs))
+    except (ForwardError, LatentFormatError, SequenceParallelConfigError) as e:
+        # raised before the transformer's first collective, from the request alone (every rank)
+        raise BadInput(str(e)) from None
+    if not ctx.is_main:
+        return {}, {}
+    outs = list(out) if isinstance(out, list) else [out]
+    names = [f"out.{i}" for i in range(len(outs))]
+    buffers = ctx.result_buffers([(n, t.dtype, tuple(t.shape)) for n, t in zip(names, outs)])
+    if buffers is None:
+        return {"parts": len(outs)}, {n: t.cpu() for n, t in zip(names, outs)}
+    for n, t in zip(names, outs):
+        buffers[n].copy_(t)
+    return {"parts": len(outs)}, buffers
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadInput(f"{what} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _adapters(resident: ResidentTransformer, raw: list, tensors: dict) -> dict:
+    """The adapters the request brings, checked: id -> (kind, alpha, tensors)."""
+    new = {}
+    for i, item in enumerate(raw or []):
+        if not isinstance(item.get("id"), str) or item.get("kind") not in PATCH_KINDS:
+            raise BadInput(f"adapters[{i}] must be {{\"id\": str, \"kind\": one of {list(PATCH_KINDS)}, ...}}")
+        aid, kind = item["id"], item["kind"]
+        alpha = None if item.get("alpha") is None else _number(item["alpha"], f"adapters[{i}].alpha")
+        names = ("up", "down") if kind == "lora" else ("diff",)
+        parts = {}
+        for n in names:
+            t = tensors.get(f"{aid}.{n}")
+            least = 2 if kind == "lora" else 1
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.ndim < least:
+                raise BadInput(f"adapter {aid!r} ({kind}) needs tensor '{aid}.{n}'")
+            if not bool(torch.isfinite(t).all()):
+                raise BadInput(f"adapter {aid!r}: tensor '{aid}.{n}' holds NaN or infinite values; the LoRA file is "
+                               "damaged")
+            parts[n] = t
+        new[aid] = (kind, alpha, parts)
+    return new
+
+
+@register_engine("model_patches")
+def model_patches_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """Merge ComfyUI's weight patches into the resident transformer on every rank.
+
+    Params: ``patches`` (the set's id), ``entries`` ([{"key": ComfyUI key, "patches":
+    [{"adapter": id, "strength", "strength_model"}]}], ComfyUI's order), ``adapters`` (the new
+    ones: [{"id", "kind": "lora" | "diff", "alpha"}], tensors ``<id>.up`` / ``<id>.down`` or
+    ``<id>.diff``). An empty ``entries`` restores the loaded weights.
+
+    Returns:
+        ``{"patches": id, "keys": patched weights, "adapters": ids held}``.
+    Raises:
+        BadInput: no such model (``no_model``); an adapter id neither sent nor held
+            (``unknown_adapter``); malformed entries; a key or factor that does not fit the
+            model (names the key); a merge that failed (agreed; the model is dropped).
+    """
+    name = params.get("model", codec.DEFAULT_MODEL)
+    resident = resident_transformer(ctx, name)
+    new = _adapters(resident, params.get("adapters"), tensors)
+    held = {**resident.adapters, **new}
+    patches: dict[str, list[WeightPatch]] = {}
+    for i, entry in enumerate(params["entries"]):
+        key, plist = entry.get("key"), entry.get("patches")
+        if not isinstance(key, str) or not isinstance(plist, list) or key in patches:
+            raise BadInput(f"entries[{i}] must be {{\"key\": str, \"patches\": [...]}}, one per key")
+        out = []
+        for j, p in enumerate(plist):
+            aid = p.get("adapter") if isinstance(p, dict) else None
+            if aid not in held:
+                raise BadInput(f"entries[{i}].patches[{j}] references adapter {aid!r} the pool does not hold",
+                               reason="unknown_adapter")
+            kind, alpha, parts = held[aid]
+            strength = _number(p.get("strength", 1.0), f"entries[{i}].patches[{j}].strength")
+            strength_model = _number(p.get("strength_model", 1.0), f"entries[{i}].patches[{j}].strength_model")
+            out.append(WeightPatch(kind, strength, strength_model, up=parts.get("up"), down=parts.get("down"),
+                                   alpha=alpha, diff=parts.get("diff")))
+        patches[key] = out
+    used = {p.get("adapter") for e in params["entries"] for p in e["patches"]}
+    set_weight_patches(ctx, name, resident, patches, params["patches"])
+    resident.adapters = {k: v for k, v in held.items() if k in used}
+    return {"patches": resident.patches, "keys": len(resident.patched_keys),
+            "adapters": sorted(resident.adapters)}, {}
