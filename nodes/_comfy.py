@@ -11,6 +11,8 @@ without ComfyUI (tests, the CLI, a broken install):
 * **progress**: ``progress_bar(total, node_id)`` is ``comfy.utils.ProgressBar(total,
   node_id=...)`` (``node_id`` explicit, as ComfyUI needs when updates come from outside its
   executing context); the fallback forwards updates to :data:`PROGRESS_HOOK`.
+  ``executing_node_id()`` is the node ComfyUI is executing (its ``comfy_execution.utils``
+  context), or None.
 * **memory**: ``unload_comfy_models()`` = ``comfy.model_management.unload_all_models()`` then
   ``soft_empty_cache()``; ``comfy_cuda_index()`` is the physical GPU ComfyUI computes on.
 * **latents**: ``NestedTensor`` is ``comfy.nested_tensor.NestedTensor`` (video, audio), or a
@@ -39,7 +41,8 @@ from ltx_mgpu.nested import NestedTensorLike, is_nested
 
 __all__ = [
     "MODEL_EXTENSIONS", "MODELS_DIR_ENV", "PROGRESS_HOOK", "InterruptProcessingException",
-    "comfy_cuda_index", "directory_list", "filename_list", "full_path", "interrupt_current_processing",
+    "comfy_cuda_index", "comfy_module", "directory_list", "executing_node_id", "filename_list", "full_path",
+    "interrupt_current_processing",
     "interrupt_exception", "is_nested", "make_nested", "nested_tensor_type", "processing_interrupted", "progress_bar",
     "prompt_server", "raise_interrupt", "set_progress_hook", "to_comfy_latent", "unload_comfy_models",
 ]
@@ -63,6 +66,12 @@ def _module(name: str):
         return importlib.import_module(name)
     except Exception:  # noqa: BLE001 - a partial or broken ComfyUI: use the fallback
         return None
+
+
+def comfy_module(name: str):
+    """ComfyUI's module ``name`` (e.g. ``"comfy.model_patcher"``) when ComfyUI is loaded in this
+    process, else None (never imported from a plain Python process: see the module doc)."""
+    return _module(name)
 
 
 # --------------------------------------------------------------------------- interrupt
@@ -157,6 +166,16 @@ def progress_bar(total: float, node_id: str | None):
         return cls(total, node_id=node_id)
     except TypeError:  # ComfyUI before ProgressBar(node_id=...)
         return cls(total)
+
+
+def executing_node_id() -> str | None:
+    """The id of the node ComfyUI is executing in this thread (``comfy_execution.utils.
+    get_executing_context()``), for code that runs inside another node's call (the CLIP's encode
+    inside ``CLIPTextEncode``); None without ComfyUI or outside a node's execution."""
+    utils = _module("comfy_execution.utils")
+    get = getattr(utils, "get_executing_context", None)
+    context = get() if get is not None else None
+    return getattr(context, "node_id", None)
 
 
 # --------------------------------------------------------------------------- memory

@@ -1,9 +1,13 @@
 """Denoising nodes: the LTX-2 transformer on every GPU of the pool, sequence-parallel sampling.
 
-* **Model Loader** (``LTXMGPU_ModelLoader``) -> ``LTXMGPU_MODEL``: a checkpoint from
-  ``models/checkpoints`` (monolith) or ``models/diffusion_models`` (transformer only), dtype,
-  LoRAs from ``models/loras`` (one ``file:strength`` per line), max tokens. Loads on every rank
-  (a full replica each; sequence parallelism splits the tokens, not the weights).
+* **Model Loader** (``LTXMGPU_ModelLoader``) -> ``LTXMGPU_MODEL``, ``MODEL``, ``VAE``: a
+  checkpoint from ``models/checkpoints`` (monolith) or ``models/diffusion_models`` (transformer
+  only), dtype, LoRAs from ``models/loras`` (one ``file:strength`` per line), max tokens. Loads
+  on every rank (a full replica each; sequence parallelism splits the tokens, not the weights).
+  ``MODEL`` is ComfyUI's own type over that transformer (``nodes._model``): ComfyUI's samplers,
+  guiders, schedulers and LoRA loaders use it unchanged while the pool runs the model; ``VAE``
+  is the checkpoint's video VAE, loaded in ComfyUI as ``CheckpointLoaderSimple`` loads it (None
+  for a file without one), so a template's ``CheckpointLoaderSimple`` is replaced by this node.
 * **SP Sampler** (``LTXMGPU_SPSampler``): model, positive / negative CONDITIONING, a ComfyUI
   LTX-2 LATENT (video, audio, or the audio-video NestedTensor of ``LTXVConcatAVLatent``),
   optional SIGMAS (``LTXVScheduler``, ``ManualSigmas``; else ``steps`` of the LTX-2 scheduler),
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from ltx_mgpu.choices import SAMPLERS
 from ltx_mgpu.choices import TRANSFORMER_DTYPES as DTYPES
 
-from . import _comfy
+from . import _comfy, _model
 from ._runtime import CATEGORY, MODEL, POOL, JobWatch, PoolHandle
 
 MODEL_FOLDERS = ("checkpoints", "diffusion_models")
@@ -84,12 +88,28 @@ class ModelHandle:
     loras: tuple[tuple[str, float], ...] = ()
     max_tokens: int = 32768
 
-    def ensure_loaded(self, session, watch: JobWatch) -> dict:
+    def ensure_loaded(self, session, watch: JobWatch | None = None) -> dict:
         """Load (or keep, when unchanged) the transformer on every rank; the load result."""
         from ltx_mgpu.client.denoise import remote_load_transformer
 
         return remote_load_transformer(session, self.checkpoint, dtype=self.dtype, loras=list(self.loras),
-                                       max_tokens=self.max_tokens, should_cancel=watch.should_cancel)
+                                       max_tokens=self.max_tokens,
+                                       should_cancel=watch.should_cancel if watch is not None else None)
+
+    def comfy_model(self):
+        """ComfyUI's ``MODEL`` over this transformer (``nodes._model``), or None without ComfyUI.
+        When the pool has lost the model (restarted, freed) the MODEL's next call loads it again."""
+        if _comfy.comfy_module("comfy.model_patcher") is None:
+            return None
+        from ltx_mgpu.client.model import PoolModel
+
+        pool_model = PoolModel(lambda: self.pool.client, lambda: self.ensure_loaded(self.pool.client))
+        return _model.pool_model_patcher(pool_model, self.checkpoint, self.dtype)
+
+    def comfy_vae(self):
+        """The checkpoint's video VAE as ComfyUI's ``VAE`` (its ``vae.`` tensors only), or None
+        without ComfyUI or for a file without one."""
+        return _model.checkpoint_vae(self.checkpoint) if _comfy.comfy_module("comfy.sd") is not None else None
 
 
 class LTXMGPUModelLoader:
@@ -122,9 +142,14 @@ class LTXMGPUModelLoader:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    RETURN_TYPES = (MODEL,)
-    RETURN_NAMES = ("model",)
-    OUTPUT_TOOLTIPS = ("The LTX-2 transformer resident in the pool; connect it to the SP Sampler.",)
+    RETURN_TYPES = (MODEL, "MODEL", "VAE")
+    RETURN_NAMES = ("model", "comfy_model", "vae")
+    OUTPUT_TOOLTIPS = (
+        "The LTX-2 transformer resident in the pool; connect it to the SP Sampler.",
+        "The same transformer as ComfyUI's MODEL: connect it where a template takes CheckpointLoaderSimple's MODEL "
+        "(CFGGuider, KSampler, LoraLoaderModelOnly, ...). ComfyUI runs its own sampler; every model call runs in "
+        "the pool, sequence-parallel over its GPUs.",
+        "The checkpoint's video VAE (as CheckpointLoaderSimple gives it), for VAEDecode / LTXVImgToVideo.")
     FUNCTION = "load"
     CATEGORY = CATEGORY
     DESCRIPTION = ("Loads the LTX-2 transformer (and its text connectors, LoRAs fused) on every GPU of the pool "
@@ -136,7 +161,7 @@ class LTXMGPUModelLoader:
         with JobWatch(unique_id) as watch:
             handle.ensure_loaded(pool.session(), watch)
             watch.done()
-        return (handle,)
+        return (handle, handle.comfy_model(), handle.comfy_vae())
 
 
 class LTXMGPUSPSampler:

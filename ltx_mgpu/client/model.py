@@ -253,8 +253,9 @@ class PoolModel:
                 check_interrupt=None) -> Any:
         """One call of the transformer as ComfyUI's ``LTXAVModel.forward`` (``x``: the video
         latent or ``[video, audio]``; ``timestep``: ``(video, audio)`` timesteps or one;
-        ``context``: the processed context). Returns the velocities in ``x``'s layout, in the
-        model dtype on ``x``'s device.
+        ``context``: the processed context). Returns ``[video, audio]`` velocities, or the video
+        velocity alone when there is no audio (ComfyUI's ``recombine_audio_and_video_latents``),
+        in the model dtype on ``x``'s device.
 
         ``kwargs`` names the other ComfyUI keyword arguments of the call (their values are
         already folded into the timesteps); ``patches`` is ``(patches_uuid, patches)`` of the
@@ -306,5 +307,5 @@ class PoolModel:
                     continue
                 outs = [out[f"out.{i}"] for i in range(int(result["parts"]))]
                 outs = [t.to(device) if t.device != device else t for t in outs]
-                return outs if isinstance(x, (list, tuple)) else outs[0]
+                return outs if len(outs) == 2 else outs[0]  # ComfyUI's recombine: no audio -> the video tensor
             raise BadInputError(f"the pool could not run model '{self.name}' ({_TRIES} tries)")

@@ -1,0 +1,223 @@
+"""ComfyUI's ``MODEL`` whose LTX-2 transformer runs in the pool.
+
+:func:`pool_model_patcher` builds, for an LTX-2 checkpoint, what ComfyUI's
+``CheckpointLoaderSimple`` builds (``comfy.sd.load_checkpoint_guess_config``): the model config
+from the checkpoint's header (``comfy.model_detection.model_config_from_unet``: model sampling,
+latent format, the ``LTXAV`` extra conditions), ``comfy.model_base.LTXAV`` and a
+``comfy.model_patcher.ModelPatcher`` — but without the transformer. Its ``diffusion_model`` is
+a :class:`PoolDiffusionModel`: no weights, the patchifiers and the state-dict key names and
+shapes (meta tensors) of ComfyUI's own ``LTXAVModel`` for that config, and a ``forward`` and a
+``preprocess_text_embeds`` that are calls into the pool (:class:`ltx_mgpu.client.model.PoolModel`).
+So ComfyUI runs its own sampling loop (any sampler, guider, scheduler), its LoRA loaders patch
+our keys exactly as theirs (the patches reach the pool at the next call), and ComfyUI's model
+management sees a model of one byte: ComfyUI reads no transformer weight.
+
+The audio-video cross-attention AdaLN convention of the installed ComfyUI is read from its
+``LTXAVModel._prepare_timestep`` (raw sigma up to 0.20.1, scaled after Comfy-Org/ComfyUI#14097)
+and followed, so the result equals the installed ComfyUI's own model; it is said once, at load.
+
+Needs ComfyUI loaded in this process (:func:`~nodes._comfy.comfy_module`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from . import _comfy
+
+__all__ = ["PoolDiffusionModel", "av_timestep_convention", "checkpoint_vae", "pool_model_patcher"]
+
+LOG = logging.getLogger("ltx_mgpu")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+#: ComfyUI's ``transformer_options`` entries that patch the model's blocks (``set_model_*_patch``);
+#: the pool cannot run them.
+_BLOCK_PATCHES = ("patches", "patches_replace")
+_said: set[str] = set()
+
+
+def _need(name: str):
+    mod = _comfy.comfy_module(name)
+    if mod is None:
+        raise RuntimeError(f"the LTX-2 MODEL needs ComfyUI ({name} is not loaded); run the node inside ComfyUI")
+    return mod
+
+
+def _check_interrupt() -> None:
+    """Raise ComfyUI's interrupt when Stop was pressed (called while a pool call is awaited)."""
+    if _comfy.processing_interrupted():
+        _comfy.raise_interrupt()
+
+
+def av_timestep_convention() -> str:
+    """``"raw"`` when the installed ComfyUI feeds LTX-2's audio-video cross-attention AdaLNs the
+    raw sigma (up to 0.20.1: ``timestep.max()`` unscaled in ``LTXAVModel._prepare_timestep``),
+    ``"scaled"`` otherwise (ltx-core's, and ComfyUI after Comfy-Org/ComfyUI#14097)."""
+    avm = _need("comfy.ldm.lightricks.av_model")
+    try:
+        source = inspect.getsource(avm.LTXAVModel._prepare_timestep)
+    except (OSError, TypeError, AttributeError):
+        return "scaled"
+    return "raw" if "timestep.max().expand_as(a_timestep_flat)" in source else "scaled"
+
+
+class PoolDiffusionModel(torch.nn.Module):
+    """The ``diffusion_model`` of our MODEL: ComfyUI's ``LTXAVModel`` interface, run in the pool.
+
+    It holds no parameters; ``state_dict()`` lists ComfyUI's keys for this checkpoint as meta
+    tensors (the key names and shapes ComfyUI's LoRA loaders match). ``forward`` takes what
+    ``BaseModel._apply_model`` passes (``x``: ``[video, audio]`` or the video latent in the model
+    dtype, ``timestep``: ``(video, audio)`` from ``LTXAV.process_timestep``, ``context``: the
+    processed text context, ``frame_rate``, ``attention_mask``, ``transformer_options`` and the
+    extra conditions) and returns the velocities in ``x``'s layout.
+
+    Raises (from ``forward``):
+        ltx_mgpu.client.errors.BadInputError: a ControlNet, block patches of other nodes, or
+            conditioning the pool does not implement (keyframe guides, reference audio...), all
+            named; inputs the pool refuses.
+        ltx_mgpu.client.model.PatchFormatError: LoRA patches the pool cannot merge exactly.
+        ComfyUI's interrupt on Stop (the pool call in flight is abandoned; the pool finishes it
+        and serves on).
+    """
+
+    def __init__(self, pool_model, keys: dict[str, torch.Tensor], patchifier, a_patchifier, dtype: torch.dtype,
+                 owner: torch.nn.Module):
+        super().__init__()
+        self.pool_model = pool_model
+        self.patchifier, self.a_patchifier, self.dtype = patchifier, a_patchifier, dtype
+        self._keys = keys
+        self._owner = weakref.ref(owner)  # the BaseModel (not a submodule: no cycle in modules())
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ARG002 - nn.Module's signature
+        for k, v in self._keys.items():
+            destination[prefix + k] = v
+
+    def _patches(self) -> tuple[str, Any]:
+        from ltx_mgpu.wire.messages import NO_PATCHES  # the wire loads only where a pool can run
+
+        owner = self._owner()
+        patcher = getattr(owner, "current_patcher", None) if owner is not None else None
+        if patcher is None:
+            return NO_PATCHES, None
+        return str(patcher.patches_uuid), patcher.patches
+
+    def preprocess_text_embeds(self, context: torch.Tensor, unprocessed: bool = False) -> torch.Tensor:
+        """ComfyUI's ``LTXAVModel.preprocess_text_embeds``, by the pool's connectors."""
+        return self.pool_model.text_contexts(context, unprocessed, check_interrupt=_check_interrupt)
+
+    def forward(self, x, timestep, context, attention_mask=None, frame_rate=25, transformer_options=None,
+                keyframe_idxs=None, control=None, **kwargs):
+        from ltx_mgpu.client.errors import BadInputError
+
+        if control is not None:
+            raise BadInputError("a ControlNet cannot be applied to the multi-GPU LTX-2 model")
+        patched = [k for k in _BLOCK_PATCHES if (transformer_options or {}).get(k)]
+        if patched:
+            raise BadInputError(f"a node patched the model's blocks ({', '.join(patched)} in transformer_options): "
+                                "the multi-GPU LTX-2 model runs in the pool and cannot apply them")
+        names = [k for k, v in kwargs.items() if v is not None]
+        if keyframe_idxs is not None:
+            names.append("keyframe_idxs")
+        return self.pool_model.forward(x, timestep, context, frame_rate=float(frame_rate),
+                                       attention_mask=attention_mask, kwargs=names, patches=self._patches(),
+                                       check_interrupt=_check_interrupt)
+
+
+def _header(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The checkpoint's tensors as meta tensors (shapes and dtypes from its header) and its metadata."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        metadata = f.metadata() or {}
+        sd = {}
+        for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
+            piece = f.get_slice(key)
+            sd[key] = torch.empty(piece.get_shape(), dtype=_ST_DTYPES.get(piece.get_dtype(), torch.float32),
+                                  device="meta")
+    return sd, metadata
+
+
+def _config(checkpoint: str):
+    """``(meta state dict, metadata, diffusion-model prefix, ComfyUI model config)`` of an LTX-2 file.
+
+    Raises:
+        ValueError: not an LTX-2 audio-video checkpoint ComfyUI recognises.
+    """
+    detection = _need("comfy.model_detection")
+    sd, metadata = _header(checkpoint)
+    prefix = detection.unet_prefix_from_state_dict(sd)
+    if not any(k.startswith(prefix) for k in sd):
+        prefix = ""
+    config = detection.model_config_from_unet(sd, prefix, metadata=metadata)
+    if config is None or config.unet_config.get("image_model") != "ltxav":
+        raise ValueError(f"{checkpoint} is not an LTX-2 audio-video checkpoint ComfyUI recognises")
+    return sd, metadata, prefix, config
+
+
+def checkpoint_vae(checkpoint: str):
+    """The checkpoint's video VAE as ComfyUI's ``CheckpointLoaderSimple`` builds it (its
+    ``vae_key_prefix`` tensors, ``process_vae_state_dict``, ``comfy.sd.VAE``), reading only those
+    tensors; None when the file holds none (a transformer-only file).
+
+    Raises:
+        RuntimeError: ComfyUI is not loaded. ValueError: not an LTX-2 checkpoint.
+    """
+    from safetensors import safe_open
+
+    sd_mod = _need("comfy.sd")
+    _, metadata, _, config = _config(checkpoint)
+    prefixes = tuple(config.vae_key_prefix)
+    with safe_open(checkpoint, framework="pt", device="cpu") as f:
+        vae = {}
+        for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
+            p = next((p for p in prefixes if key.startswith(p)), None)
+            if p is not None:
+                vae[key[len(p):]] = f.get_tensor(key)
+    if not vae:
+        return None
+    return sd_mod.VAE(sd=config.process_vae_state_dict(vae), metadata=metadata)
+
+
+def pool_model_patcher(pool_model, checkpoint: str, dtype: str):
+    """A ComfyUI ``ModelPatcher`` for ``checkpoint`` whose transformer is ``pool_model`` (module doc).
+
+    Args:
+        pool_model: the :class:`ltx_mgpu.client.model.PoolModel` of the transformer loaded from
+            ``checkpoint``; its ``av_timestep`` is set to the installed ComfyUI's convention.
+        checkpoint: the monolith or transformer-only ``.safetensors`` path.
+        dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"``: the pool's compute dtype, reported to ComfyUI
+            as the model's (ComfyUI casts the latent to it before each call, as for its own).
+    Raises:
+        RuntimeError: ComfyUI is not loaded. ValueError: not an LTX-2 audio-video checkpoint.
+    """
+    patcher_mod, mm, ops = _need("comfy.model_patcher"), _need("comfy.model_management"), _need("comfy.ops")
+    avm = _need("comfy.ldm.lightricks.av_model")
+    sd, _, prefix, config = _config(checkpoint)
+    torch_dtype = _DTYPES[dtype]
+    config.set_inference_dtype(torch_dtype, None)
+    unet_config = {k: v for k, v in config.unet_config.items() if k != "disable_unet_model_creation"}
+    with torch.device("meta"):  # ComfyUI's own module, only for its key names, shapes and patchifiers
+        reference = avm.LTXAVModel(**unet_config, device="meta", operations=ops.disable_weight_init)
+    keys = dict(reference.state_dict())
+    config.unet_config["disable_unet_model_creation"] = True
+    base = config.get_model(sd, prefix, device=torch.device("cpu"))
+    base.diffusion_model = PoolDiffusionModel(pool_model, keys, reference.patchifier, reference.a_patchifier,
+                                              torch_dtype, base)
+    base.memory_usage_factor = 0.0  # activations live in the pool: ComfyUI batches cond and uncond freely
+    del reference, sd
+    pool_model.av_timestep = av_timestep_convention()
+    if pool_model.av_timestep not in _said:
+        _said.add(pool_model.av_timestep)
+        how = ("the raw sigma, as this ComfyUI does (up to 0.20.1)" if pool_model.av_timestep == "raw" else
+               "sigma x 1000, as this ComfyUI and ltx-core do")
+        LOG.info("ltx_mgpu: the pool's LTX-2 MODEL feeds its audio-video cross-attention AdaLNs %s, so it equals "
+                 "this ComfyUI's own model", how)
+    return patcher_mod.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device(),
+                                    size=1)

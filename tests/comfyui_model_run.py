@@ -1,0 +1,147 @@
+"""Run ComfyUI's own sampling nodes in-process on ComfyUI's model and on our pool MODEL.
+
+Used by ``tests/test_comfyui_model.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
+
+    python tests/comfyui_model_run.py SPEC.json OUT_DIR
+
+``SPEC.json``: ``{"comfyui": dir, "checkpoint": path, "loras_dir": dir, "runtime_dir": dir,
+"cases": [...]}``; each case ``{"id", "graph": "advanced" | "ksampler", "sampler", "scheduler",
+"cfg", "latent": "av" | "video", "loras": [[file, strength], ...], "seed", "steps", "ranks"
+(1 or 2), "who": ["comfy", "ours"], "stop_after": calls or null}``. For each case and each
+``who`` it writes ``OUT_DIR/<id>.<who>.safetensors`` (the sampled latent parts ``part.0`` /
+``part.1``) and ``OUT_DIR/report.json``: per case the LoRA warnings ComfyUI logged, the model
+calls our MODEL made, whether Stop interrupted it; and the process's RSS around loading our
+MODEL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main() -> int:
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    spec = json.loads(spec_path.read_text())
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args
+
+    args.cpu = True
+    os.environ["LTX_MGPU_RUNTIME_DIR"] = spec["runtime_dir"]
+    import comfy.model_management as mm
+    import comfy.nested_tensor
+    import comfy.sd
+    import folder_paths
+    import torch
+    from comfy_extras import nodes_custom_sampler as ncs
+
+    import nodes as comfy_nodes
+
+    folder_paths.add_model_folder_path("loras", spec["loras_dir"])
+    pack_spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
+                                                       submodule_search_locations=[str(REPO)])
+    pack = importlib.util.module_from_spec(pack_spec)
+    sys.modules["ltx_mgpu_pack"] = pack
+    pack_spec.loader.exec_module(pack)
+    ours_nodes = pack.NODE_CLASS_MAPPINGS
+
+    warnings: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger().addHandler(Catch(level=logging.WARNING))
+
+    checkpoint = spec["checkpoint"]
+    theirs = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clip=False)[0]
+    report: dict = {"cases": {}}
+    models = {}
+    for ranks in sorted({c.get("ranks", 2) for c in spec["cases"]}):
+        (pool,) = ours_nodes["LTXMGPU_Pool"]().make(gpus="cpu", cpu_ranks=ranks, lifetime="with-owner",
+                                                     free_comfy_vram=False)
+        before = _rss()
+        _, model, vae = ours_nodes["LTXMGPU_ModelLoader"]().load(pool, checkpoint, "fp32", "", 32768)
+        report.setdefault("rss_model_load", {})[str(ranks)] = _rss() - before
+        report["model_size"] = model.model_size()
+        report["vae"] = type(vae).__name__
+        models[ranks] = model
+
+    def conditioning(seed: int):
+        t = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(seed))
+        return [[t, {"pooled_output": None, "unprocessed_ltxav_embeds": True, "frame_rate": 25.0}]]
+
+    positive, negative = conditioning(1), conditioning(2)
+    video = torch.zeros(1, 128, 2, 2, 3)
+    latents = {"video": {"samples": video},
+               "av": {"samples": comfy.nested_tensor.NestedTensor((video, torch.zeros(1, 8, 5, 16)))}}
+
+    def sample(model, case):
+        for name, strength in case.get("loras", []):
+            (model,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, strength)
+        latent = latents[case.get("latent", "av")]
+        steps, cfg, seed = case.get("steps", 3), case.get("cfg", 1.0), case.get("seed", 42)
+        if case.get("graph", "advanced") == "ksampler":
+            (out,) = comfy_nodes.KSampler().sample(model, seed, steps, cfg, case["sampler"],
+                                                   case.get("scheduler", "simple"), positive, negative, latent)
+            return out["samples"]
+        guider = ncs.CFGGuider.execute(model, positive, negative, cfg).result[0]
+        sampler = ncs.KSamplerSelect.execute(case["sampler"]).result[0]
+        sigmas = ncs.BasicScheduler.execute(model, case.get("scheduler", "simple"), steps, 1.0).result[0]
+        noise = ncs.RandomNoise.execute(seed).result[0]
+        return ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent).result[0]["samples"]
+
+    from safetensors.torch import save_file
+
+    for case in spec["cases"]:
+        entry = report["cases"][case["id"]] = {}
+        for who in case.get("who", ["comfy", "ours"]):
+            warnings.clear()
+            model = theirs if who == "comfy" else models[case.get("ranks", 2)]
+            pool_model = None if who == "comfy" else model.model.diffusion_model.pool_model
+            calls = dict(pool_model.sent) if pool_model is not None else {}
+            stop = case.get("stop_after") if who == "ours" else None
+            if stop is not None:
+                forward = pool_model.forward
+                count = {"n": 0}
+
+                def counting(*a, _forward=forward, _count=count, _stop=stop, **k):
+                    _count["n"] += 1
+                    if _count["n"] == _stop:
+                        mm.interrupt_current_processing(True)  # Stop pressed while this call runs
+                    return _forward(*a, **k)
+
+                pool_model.forward = counting
+            try:
+                out = sample(model, case)
+            except mm.InterruptProcessingException:
+                entry[f"{who}_interrupted"] = True
+                out = None
+            finally:
+                if stop is not None:
+                    pool_model.forward = forward
+                    mm.interrupt_current_processing(False)
+            entry[f"{who}_warnings"] = [w for w in warnings if "lora" in w.lower() or "not loaded" in w.lower()]
+            if pool_model is not None:
+                entry[f"{who}_calls"] = {k: v - calls.get(k, 0) for k, v in pool_model.sent.items()}
+            if out is not None:
+                parts = out.unbind() if isinstance(out, comfy.nested_tensor.NestedTensor) else [out]
+                save_file({f"part.{i}": p.contiguous() for i, p in enumerate(parts)},
+                          str(out_dir / f"{case['id']}.{who}.safetensors"))
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
