@@ -5,9 +5,11 @@ Used by ``tests/test_comfyui_model.py``; run with ComfyUI's Python (``$COMFYUI_P
     python tests/comfyui_model_run.py SPEC.json OUT_DIR
 
 ``SPEC.json``: ``{"comfyui": dir, "checkpoint": path, "loras_dir": dir, "runtime_dir": dir,
-"cases": [...]}``; each case ``{"id", "graph": "advanced" | "ksampler", "sampler", "scheduler",
-"cfg", "latent": "av" | "video", "loras": [[file, strength], ...], "seed", "steps", "ranks"
-(1 or 2), "who": ["comfy", "ours"], "stop_after": calls or null}``. For each case and each
+"cases": [...]}``; each case ``{"id", "graph": "advanced" | "ksampler" | "ksampler_advanced",
+"guider": "cfg" | "basic" | "dual", "sampler" (a KSamplerSelect name or "SamplerEulerAncestral"
+with "eta"), "sigmas": "basic" (BasicScheduler with "scheduler") | "ltxv" | "manual", "cfg",
+"latent": "av" | "video", "loras": [[file, strength], ...], "seed", "steps", "ranks" (1 or 2),
+"who": ["comfy", "ours"], "stop_after": calls or null}``. For each case and each
 ``who`` it writes ``OUT_DIR/<id>.<who>.safetensors`` (the sampled latent parts ``part.0`` /
 ``part.1``) and ``OUT_DIR/report.json``: per case the LoRA warnings ComfyUI logged, the model
 calls our MODEL made, whether Stop interrupted it; and the process's RSS around loading our
@@ -45,6 +47,7 @@ def main() -> int:
     import folder_paths
     import torch
     from comfy_extras import nodes_custom_sampler as ncs
+    from comfy_extras import nodes_lt
 
     import nodes as comfy_nodes
 
@@ -82,7 +85,7 @@ def main() -> int:
         t = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(seed))
         return [[t, {"pooled_output": None, "unprocessed_ltxav_embeds": True, "frame_rate": 25.0}]]
 
-    positive, negative = conditioning(1), conditioning(2)
+    positive, negative, third = conditioning(1), conditioning(2), conditioning(3)
     video = torch.zeros(1, 128, 2, 2, 3)
     latents = {"video": {"samples": video},
                "av": {"samples": comfy.nested_tensor.NestedTensor((video, torch.zeros(1, 8, 5, 16)))}}
@@ -92,13 +95,32 @@ def main() -> int:
             (model,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, strength)
         latent = latents[case.get("latent", "av")]
         steps, cfg, seed = case.get("steps", 3), case.get("cfg", 1.0), case.get("seed", 42)
-        if case.get("graph", "advanced") == "ksampler":
+        graph = case.get("graph", "advanced")
+        if graph == "ksampler":
             (out,) = comfy_nodes.KSampler().sample(model, seed, steps, cfg, case["sampler"],
                                                    case.get("scheduler", "simple"), positive, negative, latent)
             return out["samples"]
-        guider = ncs.CFGGuider.execute(model, positive, negative, cfg).result[0]
-        sampler = ncs.KSamplerSelect.execute(case["sampler"]).result[0]
-        sigmas = ncs.BasicScheduler.execute(model, case.get("scheduler", "simple"), steps, 1.0).result[0]
+        if graph == "ksampler_advanced":  # the last step left to another sampler: leftover noise kept
+            (out,) = comfy_nodes.KSamplerAdvanced().sample(model, "enable", seed, steps, cfg, case["sampler"],
+                                                           case.get("scheduler", "simple"), positive, negative,
+                                                           latent, 0, steps - 1, "enable")
+            return out["samples"]
+        guider = {"cfg": lambda: ncs.CFGGuider.execute(model, positive, negative, cfg),
+                  "basic": lambda: ncs.BasicGuider.execute(model, positive),
+                  "dual": lambda: ncs.DualCFGGuider.execute(model, positive, third, negative, cfg, 2.0, "regular"),
+                  }[case.get("guider", "cfg")]().result[0]
+        if case["sampler"] == "SamplerEulerAncestral":
+            sampler = ncs.SamplerEulerAncestral.execute(case.get("eta", 1.0), 1.0).result[0]
+        else:
+            sampler = ncs.KSamplerSelect.execute(case["sampler"]).result[0]
+        schedule = case.get("sigmas", "basic")
+        if schedule == "ltxv":
+            sigmas = nodes_lt.LTXVScheduler.execute(steps, 2.05, 0.95, True, 0.1, latent).result[0]
+        elif schedule == "manual":
+            sigmas = ncs.ManualSigmas.execute("1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"
+                                              ).result[0]
+        else:
+            sigmas = ncs.BasicScheduler.execute(model, case.get("scheduler", "simple"), steps, 1.0).result[0]
         noise = ncs.RandomNoise.execute(seed).result[0]
         return ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent).result[0]["samples"]
 

@@ -8,7 +8,9 @@ nodes on both:
 
 * ``SamplerCustomAdvanced`` + ``CFGGuider`` + ``KSamplerSelect`` for euler, euler_ancestral,
   gradient_estimation, res_multistep, dpmpp_2m and lcm, at cfg 1 and 3, on an audio-video and
-  a video-only latent; ``KSampler`` for two of them: the latents agree to 1e-4 relative;
+  a video-only latent; ``KSampler`` for two of them, ``KSamplerAdvanced`` with leftover noise,
+  ``BasicGuider`` with ``LTXVScheduler`` sigmas, ``DualCFGGuider``, ``SamplerEulerAncestral``
+  (eta 0.7) with ``ManualSigmas``: the latents agree to 1e-4 relative;
 * the same seed twice gives the same latent; world size 1 and 2 agree;
 * ``LoraLoaderModelOnly`` (one LoRA at 0.5 and -1, two stacked) equals ComfyUI's own model
   with the same LoRAs; the loader's MODEL without them again equals the base; a LoRA key that
@@ -72,6 +74,12 @@ def _cases() -> list[dict]:
         {"id": "ksampler-euler", "graph": "ksampler", "sampler": "euler", "cfg": 3.0},
         {"id": "ksampler-euler_ancestral", "graph": "ksampler", "sampler": "euler_ancestral", "cfg": 3.0,
          "scheduler": "linear_quadratic"},
+        {"id": "ksampler_advanced-dpmpp_2m", "graph": "ksampler_advanced", "sampler": "dpmpp_2m", "cfg": 3.0,
+         "steps": 4},
+        {"id": "basic-guider-ltxv-scheduler", "guider": "basic", "sampler": "euler", "sigmas": "ltxv", "steps": 4},
+        {"id": "dual-cfg-guider", "guider": "dual", "sampler": "euler", "cfg": 3.0},
+        {"id": "eta-euler-ancestral-manual-sigmas", "sampler": "SamplerEulerAncestral", "eta": 0.7,
+         "sigmas": "manual", "cfg": 3.0},
         {"id": "seed-again", "sampler": "euler_ancestral", "cfg": 3.0, "who": ["ours"]},
         {"id": "one-rank", "sampler": "euler_ancestral", "cfg": 3.0, "ranks": 1, "who": ["ours"]},
         {"id": "lora-0.5", "sampler": "euler", "cfg": 3.0, "loras": [["a.safetensors", 0.5]]},
@@ -118,8 +126,10 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).norm() / x.norm()) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("case", [c["id"] for c in _cases() if c["id"].split("-")[0] in SAMPLERS
-                                  or c["id"].startswith("ksampler")])
+GRAPHS = ("ksampler", "ksampler_advanced", "basic", "dual", "eta")
+
+
+@pytest.mark.parametrize("case", [c["id"] for c in _cases() if c["id"].split("-")[0] in SAMPLERS + GRAPHS])
 def test_comfyuis_samplers_on_our_model_equal_comfyuis_own_model(run, case):
     out, _ = run
     theirs, ours = _read(out, case, "comfy"), _read(out, case, "ours")
