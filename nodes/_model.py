@@ -22,7 +22,9 @@ Needs ComfyUI loaded in this process (:func:`~nodes._comfy.comfy_module`).
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import struct
 import weakref
 from typing import Any
 
@@ -130,17 +132,31 @@ class PoolDiffusionModel(torch.nn.Module):
                                        check_interrupt=_check_interrupt)
 
 
-def _header(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """The checkpoint's tensors as meta tensors (shapes and dtypes from its header) and its metadata."""
-    from safetensors import safe_open
+#: The largest safetensors header read (the format's own limit is 100 MB).
+_MAX_HEADER = 100 << 20
 
-    with safe_open(path, framework="pt", device="cpu") as f:
-        metadata = f.metadata() or {}
-        sd = {}
-        for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-            piece = f.get_slice(key)
-            sd[key] = torch.empty(piece.get_shape(), dtype=_ST_DTYPES.get(piece.get_dtype(), torch.float32),
-                                  device="meta")
+
+def _header(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The checkpoint's tensors as meta tensors (shapes and dtypes from its header) and its
+    metadata. Only the header is read (the format: a little-endian u64 length, then that many
+    bytes of JSON; https://github.com/huggingface/safetensors): nothing of the file is mapped.
+
+    Raises:
+        ValueError: not a safetensors file.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        raw = f.read(n) if 0 < n <= _MAX_HEADER else b""
+    try:
+        header = json.loads(raw) if len(raw) == n and n else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a .safetensors file (its header cannot be read)")
+    metadata = header.pop("__metadata__", None) or {}
+    sd = {key: torch.empty(info["shape"], dtype=_ST_DTYPES.get(info["dtype"], torch.float32), device="meta")
+          for key, info in header.items()}
     return sd, metadata
 
 

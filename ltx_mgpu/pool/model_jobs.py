@@ -144,6 +144,11 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     resident.contexts.move_to_end(cid)
     mask = tensors.get("attention_mask")
     frame_rate = float(params.get("frame_rate", 25.0))
+    # On the model's device first: patchifying and the positions then run there, and the
+    # velocities stay there until they are copied out once.
+    parts = [p.to(m.device, non_blocking=True) for p in parts]
+    video = parts[0]
+    steps = [t.to(m.device, non_blocking=True) for t in steps]
     try:
         with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")):
             out = comfy_forward(m, resident.velocity, parts if len(parts) == 2 else video, tuple(steps), context,
