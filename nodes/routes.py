@@ -33,6 +33,8 @@ def status_payload(timeout: float = 5.0) -> dict:
         {"available": bool, "message": str | None, "time": unix seconds,
          "pools": [{"key", "gpus", "nproc", "device", "lifetime", "dir",
                     "state": "not running" | "idle" | "busy" | "error", "error": str | None,
+                    (busy also while ComfyUI's own sampler calls our MODEL on it: ``current``
+                    is then ``{"type": "comfy_sampling", ...}``)
                     "ranks": [{"rank", "pid", "device", "memory": {bytes...}, "models": {...}}],
                     "current": {"id", "type", "progress": {"phase", "step", "total"}, "elapsed"} | None,
                     "queue": [{"id", "type", "position"}]}]}
@@ -52,10 +54,27 @@ def status_payload(timeout: float = 5.0) -> dict:
             entry.update(state="error", error=str(e).splitlines()[0])
             status = None
         if status is not None:
-            entry.update(state="busy" if status.get("current") else "idle", ranks=status.get("ranks", []),
-                         current=status.get("current"), queue=status.get("queue", []))
+            current = status.get("current") or _sampling(spec)
+            entry.update(state="busy" if current else "idle", ranks=status.get("ranks", []),
+                         current=current, queue=status.get("queue", []))
         out["pools"].append(entry)
     return out
+
+
+def _sampling(spec) -> dict | None:
+    """The pool's "current job" while ComfyUI's own sampler drives our MODEL on it (between two
+    model calls the pool runs no job): ``{"id": None, "type": "comfy_sampling", "progress":
+    {"phase": "<n> model calls", "step": n, "total": 0}, "elapsed": seconds}`` (the panel shows
+    "comfy_sampling · 12 model calls"), or None."""
+    from ltx_mgpu.client.model import model_activity
+
+    active = model_activity(str(spec.dir))
+    if active is None:
+        return None
+    calls = active["calls"]
+    return {"id": None, "type": "comfy_sampling",
+            "progress": {"phase": f"{calls} model call{'s' if calls != 1 else ''}", "step": calls, "total": 0},
+            "elapsed": time.monotonic() - active["since"]}
 
 
 def free_payload(stop: bool = False) -> dict:

@@ -147,6 +147,47 @@ def test_stop_interrupts_sp_sampling_and_the_pool_keeps_serving(server):
     assert any(m["type"] == "progress" and m["data"].get("node") == sampler for m in messages)
 
 
+def test_comfyuis_sampler_on_our_model_shows_its_progress_the_pool_busy_and_stops(server):
+    """The template's own graph (CFGGuider + SamplerCustomAdvanced) on our Model Loader's MODEL:
+    ComfyUI's progress bar moves, the panel's status says the pool is busy, Stop ends the run
+    within a step, and the next run works on the same pool."""
+    prompt = tiny_prompt(api_workflow("ltx_mgpu_encode_core_sampler"), steps=300)
+    for node in ("15", "16", "17", "18", "19"):  # decoding is covered above
+        del prompt[node]
+    prompt["20"] = {"class_type": "LTXMGPU_ModelLoader", "inputs": {
+        "pool": ["1", 0], "ckpt_name": "tiny-ltx-2.3.safetensors", "dtype": "fp32", "loras": "", "max_tokens": 32768}}
+    prompt["10"]["inputs"]["model"] = ["20", 1]
+    prompt["31"] = {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["14", 0]}}
+    prompt["30"] = {"class_type": "SaveLatent", "inputs": {"samples": ["31", 0],
+                                                           "filename_prefix": f"model_path/{uuid.uuid4().hex[:8]}"}}
+    seen: dict = {}
+
+    async def on_message(session, data):
+        if data["type"] != "progress" or data["data"].get("node") != "14":
+            return
+        if "status" not in seen:
+            async with session.get(f"{server.url}/ltx_mgpu/status") as r:
+                seen["status"] = await r.json()
+        if data["data"]["value"] >= 3 and "stop" not in seen:
+            seen["stop"] = data["data"]["value"]
+            async with session.post(f"{server.url}/interrupt", json={}) as r:
+                assert r.status == 200
+
+    _, messages = asyncio.run(run_prompt(server, prompt, on_message))
+    assert messages[-1]["type"] == "execution_interrupted", f"{json.dumps(messages[-3:])[:3000]}\n{server.log_tail()}"
+    steps = [m["data"]["value"] for m in messages if m["type"] == "progress" and m["data"].get("node") == "14"]
+    assert seen["stop"] >= 3 and max(steps) < 300 and max(steps) <= seen["stop"] + 2, (seen["stop"], max(steps))
+    pool = next(p for p in seen["status"]["pools"] if p["key"] == "cpu-2")
+    assert pool["state"] == "busy" and pool["current"]["type"] in ("forward", "text_contexts", "comfy_sampling"), pool
+    again = json.loads(json.dumps(prompt))
+    again["13"]["inputs"]["steps"] = 2
+    again["11"]["inputs"]["noise_seed"] = 7
+    _, messages = asyncio.run(run_prompt(server, again))
+    assert messages[-1]["type"] == "executing", f"{json.dumps(messages[-3:])[:3000]}\n{server.log_tail()}"
+    steps = [m["data"]["value"] for m in messages if m["type"] == "progress" and m["data"].get("node") == "14"]
+    assert steps and steps[-1] == 2
+
+
 def _comfy_unscaled_cross_timesteps() -> bool:
     """Whether this ComfyUI feeds the LTX-2 audio-video cross-attention AdaLNs raw sigma instead of
     sigma x 1000 as ltx-core does (``comfy/ldm/lightricks/av_model.py`` up to at least 0.20.1; later

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -40,13 +41,36 @@ from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.wire.codec import DEFAULT_MODEL
 from ltx_mgpu.wire.messages import FORWARD_KWARGS, NO_PATCHES
 
-__all__ = ["CONTEXTS_KEPT", "PatchFormatError", "PoolModel", "WirePatches", "wire_patches"]
+__all__ = ["BUSY_WINDOW_S", "CONTEXTS_KEPT", "PatchFormatError", "PoolModel", "WirePatches", "model_activity",
+           "wire_patches"]
 
 #: Text contexts the client remembers having sent (the pool keeps as many; see
 #: ``ltx_mgpu.pool.model_jobs.CONTEXT_SLOTS``).
 CONTEXTS_KEPT = 4
 #: Tries of one call when the pool reports something it can be given (module doc).
 _TRIES = 4
+#: A pool whose MODEL was called within this many seconds is sampling (ComfyUI's sampler is
+#: between two calls): :func:`model_activity`.
+BUSY_WINDOW_S = 2.0
+_MODELS: weakref.WeakSet = weakref.WeakSet()
+
+
+def model_activity(pool_dir: str, within: float = BUSY_WINDOW_S) -> dict | None:
+    """``{"calls", "since", "last"}`` (model calls, ``time.monotonic()`` of the first and last)
+    of the current sampling run of any :class:`PoolModel` of this process on the pool in
+    ``pool_dir``, when one was called within ``within`` seconds; else None. A pool runs no job
+    between the calls of ComfyUI's sampler: this tells that it is still in use."""
+    now = time.monotonic()
+    for m in list(_MODELS):
+        if m.last_call is None or now - m.last_call > within:
+            continue
+        try:
+            same = str(m.client().spec.dir) == str(pool_dir)
+        except Exception:  # noqa: BLE001 - a model whose client is gone is not in use
+            continue
+        if same:
+            return {"calls": m.run_calls, "since": m.run_since, "last": m.last_call}
+    return None
 
 
 class PatchFormatError(ValueError):
@@ -167,6 +191,11 @@ class PoolModel:
         self._ids = _AdapterIds()
         #: Requests sent, by type, and context tensors sent (what a run costs on the wire).
         self.sent: dict[str, int] = {}
+        #: ``time.monotonic()`` of the last forward, of the first of this run, and its forwards.
+        self.last_call: float | None = None
+        self.run_since: float | None = None
+        self.run_calls = 0
+        _MODELS.add(self)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -281,6 +310,11 @@ class PoolModel:
             tensors["attention_mask"] = _cpu(attention_mask)
         device = parts[0].device
         receive = (lambda _name, t: t.to(device)) if device.type != "cpu" else None
+        now = time.monotonic()
+        if self.last_call is None or now - self.last_call > BUSY_WINDOW_S:
+            self.run_since, self.run_calls = now, 0
+        self.run_calls += 1
+        self.last_call = now
         with self._lock:
             cid, new = self._context_id(context)
             for _ in range(_TRIES):
