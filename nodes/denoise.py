@@ -96,14 +96,16 @@ class ModelHandle:
                                        max_tokens=self.max_tokens,
                                        should_cancel=watch.should_cancel if watch is not None else None)
 
-    def comfy_model(self):
-        """ComfyUI's ``MODEL`` over this transformer (``nodes._model``), or None without ComfyUI.
-        When the pool has lost the model (restarted, freed) the MODEL's next call loads it again."""
+    def comfy_model(self, loaded: dict):
+        """ComfyUI's ``MODEL`` over this transformer (``nodes._model``; ``loaded``: the load's
+        result), or None without ComfyUI. When the pool has lost the model (restarted, freed,
+        another loaded under its name) the MODEL's next call loads it again."""
         if _comfy.comfy_module("comfy.model_patcher") is None:
             return None
         from ltx_mgpu.client.model import PoolModel
 
-        pool_model = PoolModel(lambda: self.pool.client, lambda: self.ensure_loaded(self.pool.client))
+        pool_model = PoolModel(lambda: self.pool.client, lambda: self.ensure_loaded(self.pool.client),
+                               name=loaded["model"], key=loaded.get("key"))
         return _model.pool_model_patcher(pool_model, self.checkpoint, self.dtype)
 
     def comfy_vae(self):
@@ -159,9 +161,9 @@ class LTXMGPUModelLoader:
              unique_id: str | None = None):
         handle = ModelHandle(pool, resolve_checkpoint(ckpt_name), dtype, tuple(parse_loras(loras)), int(max_tokens))
         with JobWatch(unique_id) as watch:
-            handle.ensure_loaded(pool.session(), watch)
+            loaded = handle.ensure_loaded(pool.session(), watch)
             watch.done()
-        return (handle, handle.comfy_model(), handle.comfy_vae())
+        return (handle, handle.comfy_model(loaded), handle.comfy_vae())
 
 
 class LTXMGPUSPSampler:

@@ -10,7 +10,9 @@
   second MODEL with other patches on the same resident model is honoured call by call;
 * what the pool cannot honour is refused by name: LyCORIS adapters, offsets, keys that match
   nothing, keyword arguments of nodes the pool does not implement; a model the pool freed is
-  loaded again.
+  loaded again;
+* a call names the model it was made for: another one loaded under the same name since is
+  never run in its place.
 
 The ComfyUI side (the MODEL object and ComfyUI's own samplers) is in ``test_comfyui_model.py``.
 """
@@ -92,8 +94,8 @@ def pool(base, tiny_ltx_23):
 def _model(pool, checkpoint, name="ltx", loras=(), av="scaled") -> PoolModel:
     load = lambda: remote_load_transformer(pool, str(checkpoint), dtype="fp32", name=name,  # noqa: E731
                                            loras=list(loras), timeout=120)
-    load()
-    return PoolModel(lambda: pool, load, name=name, av_timestep=av)
+    loaded = load()
+    return PoolModel(lambda: pool, load, name=name, av_timestep=av, key=loaded["key"])
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +284,18 @@ def test_model_arguments_the_pool_does_not_implement_are_refused_by_name(model, 
     tensors = {"x.0": x[0], "x.1": x[1], "t.0": t[0], "t.1": t[1], "context": _context(local)}
     with pytest.raises(BadInputError, match="ref_audio"):
         model.client().request("forward", params, tensors, timeout=60)
+
+
+def test_another_model_loaded_under_the_same_name_is_never_run_in_its_place(pool, model, local, base, tiny_ltx_23):
+    x, t = _inputs()
+    ctx = _context(local)
+    before = model.forward(x, t, ctx)
+    lora = _lora_file(base / "same-name.safetensors", _factors(7))
+    other = _model(pool, tiny_ltx_23, name=model.name, loras=[(lora, 1.0)])  # replaces it in the pool
+    theirs = other.forward(x, t, ctx)
+    assert _diff(theirs, before) > 1e-3
+    assert _diff(model.forward(x, t, ctx), before) == 0.0  # refused (no_model), loaded again, run
+    assert _diff(other.forward(x, t, ctx), theirs) == 0.0
 
 
 def test_a_model_the_pool_freed_is_loaded_again(pool, model, local):

@@ -179,11 +179,13 @@ class PoolModel:
         load: ``() -> dict``: loads the model in the pool (``load_transformer``) and returns its
             result; called again when the pool reports the model gone.
         name: its resident name; av_timestep: ``"scaled"`` / ``"raw"`` (``ltx_mgpu.choices``).
+        key: the ``key`` of the load's result: every call names it, so a call never runs another
+            model loaded under ``name`` since (the pool says ``no_model`` and it is loaded again).
     """
 
     def __init__(self, client: Callable[[], Any], load: Callable[[], dict], name: str = DEFAULT_MODEL,
-                 av_timestep: str = "scaled"):
-        self.client, self.load, self.name, self.av_timestep = client, load, name, av_timestep
+                 av_timestep: str = "scaled", key: str | None = None):
+        self.client, self.load, self.name, self.av_timestep, self.key = client, load, name, av_timestep, key
         self._lock = threading.RLock()
         self._contexts: list[tuple[torch.Tensor, str]] = []
         self._pool_patches = NO_PATCHES  # the patch set the pool has merged, as far as we know
@@ -201,12 +203,14 @@ class PoolModel:
 
     def _request(self, mtype: str, params: dict, tensors: dict, check_interrupt, receive=None) -> tuple[dict, dict]:
         self.sent[mtype] = self.sent.get(mtype, 0) + 1
-        return self.client().request(mtype, {"model": self.name, **params}, tensors, should_cancel=check_interrupt,
-                                     receive=receive)
+        named = {"model": self.name, **({"key": self.key} if self.key else {}), **params}
+        return self.client().request(mtype, named, tensors, should_cancel=check_interrupt, receive=receive)
 
     def _reloaded(self) -> None:
         """The pool lost the model: load it again; it holds no context, adapter or patch now."""
-        self.load()
+        loaded = self.load()
+        if isinstance(loaded, dict) and loaded.get("key"):
+            self.key = loaded["key"]
         self._contexts.clear()
         self._pool_patches, self._pool_adapters = NO_PATCHES, set()
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
@@ -82,18 +84,27 @@ class ResidentTransformer:
     adapters: dict = dataclasses.field(default_factory=dict)
     contexts: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
+    @property
+    def key(self) -> str:
+        """A digest of ``identity``: the same files and options give the same key (the MODEL
+        path's calls name it, so a call never runs another model loaded under the same name)."""
+        return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
 
-def resident_transformer(ctx: JobContext, name: str) -> ResidentTransformer:
-    """The transformer resident as ``name``.
+
+def resident_transformer(ctx: JobContext, name: str, key: str | None = None) -> ResidentTransformer:
+    """The transformer resident as ``name`` (and, with ``key``, loaded with that key).
 
     Raises:
         BadInput (reason ``no_model``): none of that name (never loaded, freed, or the pool
-            restarted).
+            restarted), or another model loaded under the name since.
     """
     resident = ctx.models.get(name)
     if not isinstance(resident, ResidentTransformer):
         raise BadInput(f"no LTX-2 transformer named '{name}' is loaded in the pool; load one first "
                        "(load_transformer / the Model Loader node)", reason="no_model")
+    if key is not None and key != resident.key:
+        raise BadInput(f"the pool's '{name}' is another model now ({Path(resident.denoiser.source).name}); "
+                       "load this one again", reason="no_model")
     return resident
 
 
@@ -195,7 +206,7 @@ def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) 
         "heads": {"video": int(t["num_attention_heads"]), "audio": int(t["audio_num_attention_heads"])},
         "valid_world_sizes": valid_world_sizes(m.transformer), "context_widths": list(m.context_widths),
         "has_connectors": m.video_connector is not None, "loras": [dataclasses.asdict(s) for s in m.loras],
-        "bytes": _model_bytes(m),
+        "bytes": _model_bytes(m), "key": r.key,
     }
 
 
@@ -210,7 +221,8 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     Returns:
         ``{"model", "reused", "checkpoint", "version", "dtype", "max_tokens", "world_size",
         "heads": {"video", "audio"}, "valid_world_sizes", "context_widths", "has_connectors",
-        "loras", "bytes"}`` (bytes of one rank's replica).
+        "loras", "bytes", "key"}`` (bytes of one rank's replica; ``key`` names what was loaded, for
+        the MODEL path's calls).
     Raises:
         BadInput (identically on every rank, before any collective): no such file, not an
         LTX-2 checkpoint, heads the world size does not divide (naming the GPU counts that

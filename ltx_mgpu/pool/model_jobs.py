@@ -82,7 +82,7 @@ def text_contexts_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
         BadInput: no such model (reason ``no_model``); a tensor that is not ``[B, L, D]`` float
             of the width the model's connectors (or its processed form) take.
     """
-    resident = resident_transformer(ctx, params.get("model", codec.DEFAULT_MODEL))
+    resident = resident_transformer(ctx, params.get("model", codec.DEFAULT_MODEL), params.get("key"))
     context = _context(_float_tensor(tensors, "context", (3,), "the CONDITIONING tensor"))
     extra = sorted(set(tensors) - {"context"})
     if extra:
@@ -109,7 +109,7 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
             ``FORWARD_KWARGS``; more video or audio tokens than the model's ``max_tokens``.
     """
     name = params.get("model", codec.DEFAULT_MODEL)
-    resident = resident_transformer(ctx, name)
+    resident = resident_transformer(ctx, name, params.get("key"))
     m = resident.denoiser
     want = params.get("patches", NO_PATCHES)
     if want != resident.patches:
@@ -214,7 +214,7 @@ def model_patches_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
             model (names the key); a merge that failed (agreed; the model is dropped).
     """
     name = params.get("model", codec.DEFAULT_MODEL)
-    resident = resident_transformer(ctx, name)
+    resident = resident_transformer(ctx, name, params.get("key"))
     new = _adapters(resident, params.get("adapters"), tensors)
     held = {**resident.adapters, **new}
     patches: dict[str, list[WeightPatch]] = {}

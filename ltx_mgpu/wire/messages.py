@@ -216,17 +216,17 @@ register_request(MessageSchema("sample", (
 
 # The MODEL path (ltx_mgpu.pool.model_jobs): ComfyUI's sampler runs its loop and calls the model.
 register_request(MessageSchema("text_contexts", (
-    F("model", ("str",), False), F("unprocessed", ("bool",), False)),
+    F("model", ("str",), False), F("key", ("str",), False), F("unprocessed", ("bool",), False)),
     tensors=True, doc="the text connectors (ComfyUI's preprocess_text_embeds) on tensor 'context' [B, L, D]"))
 register_request(MessageSchema("forward", (
-    F("model", ("str",), False), F("context_id", ("str",)),
+    F("model", ("str",), False), F("key", ("str",), False), F("context_id", ("str",)),
     F("frame_rate", ("number",), False, bounds=(1e-3, 1e4), hint="frames per second of the video"),
     F("av_timestep", ("str",), False, choices=AV_TIMESTEP_CONVENTIONS),
     F("patches", ("str",), False), F("kwargs", ("list",), False, items="str", max_items=16)),
     tensors=True, doc="one call of the transformer on ComfyUI's tensors: 'x.0' video, 'x.1' audio latent, "
                       "'t.0' / 't.1' their timesteps, 'context' (when new), 'attention_mask'"))
 register_request(MessageSchema("model_patches", (
-    F("model", ("str",), False), F("patches", ("str",)),
+    F("model", ("str",), False), F("key", ("str",), False), F("patches", ("str",)),
     F("entries", ("list",), items="object", max_items=MAX_PATCH_KEYS, hint="apply fewer LoRAs"),
     F("adapters", ("list",), False, items="object", max_items=MAX_ADAPTERS, hint="apply fewer LoRAs")),
     tensors=True, doc="merge ComfyUI's weight patches (LoRA loaders) into a resident transformer, by content id"))
