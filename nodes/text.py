@@ -1,8 +1,9 @@
 """Text nodes: Gemma 3 in the pool, prompt encoding through the embedding cache.
 
-* **Gemma Loader** (``LTXMGPU_GemmaLoader``) -> ``LTXMGPU_TEXT_ENCODER``: which Gemma 3 (a file
-  or a snapshot / NF4 directory from ``models/text_encoders``), which LTX-2 text projection
-  (the LTX checkpoint from ``models/checkpoints``, or a projection file from
+* **Gemma Loader** (``LTXMGPU_GemmaLoader``) -> ``LTXMGPU_TEXT_ENCODER`` and the same text
+  encoder as a ComfyUI ``CLIP`` (:class:`nodes._clip.GemmaClip`, for core ``CLIPTextEncode``):
+  which Gemma 3 (a file or a snapshot / NF4 directory from ``models/text_encoders``), which LTX-2
+  text projection (the LTX checkpoint from ``models/checkpoints``, or a projection file from
   ``models/text_encoders``), weights ``bf16 | nf4``, placement ``single | accelerate |
   batch_parallel``, keep loaded, compile (``torch.compile`` of the layers). Nothing is loaded
   here: Gemma loads in the pool on the first prompt that is not in the cache.
@@ -23,6 +24,7 @@ from ltx_mgpu.choices import PLACEMENTS, WEIGHTS
 from ltx_mgpu.text.config import TextEncoderConfig
 
 from . import _comfy
+from ._clip import GemmaClip
 from ._runtime import CATEGORY, POOL, TEXT_ENCODER, JobWatch, PoolHandle
 
 #: Files that make a directory in ``models/text_encoders`` a Gemma source (HF snapshot, NF4 artifact).
@@ -65,6 +67,31 @@ class TextEncoderHandle:
     config: TextEncoderConfig
     keep_loaded: bool = True
 
+    def encode(self, prompts: list[str], use_cache: bool = True, node_id: str | None = None, batch_size: int = 8,
+               whole: bool = False) -> tuple[list, Any, Any]:
+        """``(embeddings, CacheReport, cache)`` of ``prompts`` through the cache and the pool
+        (``ltx_mgpu.client.text.encode_prompts``), with the progress bar of node ``node_id`` and
+        Stop; Gemma is unloaded afterwards when it is not to stay loaded. ``whole``: no prompt is
+        cut at the token budget (the CLIP output, as ComfyUI's LTX-2 text encoder). The
+        embeddings are ``PromptEmbedding`` s, float32 ``[T_i, D]`` on CPU; ``cache`` is None
+        without ``use_cache``.
+
+        Raises:
+            ComfyUI's interrupt exception (Stop), and what ``encode_prompts`` raises.
+        """
+        from ltx_mgpu.client.text import default_cache, encode_prompts
+
+        cache = default_cache() if use_cache else None
+        session = self.pool.session()
+        with JobWatch(node_id) as watch:
+            embeddings, report = encode_prompts(session, self.config, prompts, cache=cache, batch_size=batch_size,
+                                                keep=False, on_progress=watch.on_progress,
+                                                should_cancel=watch.should_cancel, whole=whole)
+            if not self.keep_loaded and report.encoded:
+                session.request("unload", {"names": ["text_encoder", "text_embeddings"]}, timeout=120)
+            watch.done()
+        return embeddings, report, cache
+
 
 def _combo(choices: list[str], tooltip: str, **extra: Any) -> tuple:
     opts = {"tooltip": tooltip, **extra}
@@ -74,8 +101,9 @@ def _combo(choices: list[str], tooltip: str, **extra: Any) -> tuple:
 
 
 class LTXMGPUGemmaLoader:
-    """-> ``LTXMGPU_TEXT_ENCODER``. Raises FileNotFoundError / GemmaFormatError (headers only) /
-    ValueError (weights, placement, compile with NF4 or accelerate) before anything is loaded."""
+    """-> (``LTXMGPU_TEXT_ENCODER``, ``CLIP``: a :class:`GemmaClip` of it). Raises FileNotFoundError /
+    GemmaFormatError (headers only) / ValueError (weights, placement, compile with NF4 or accelerate)
+    before anything is loaded."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -108,9 +136,13 @@ class LTXMGPUGemmaLoader:
             },
         }
 
-    RETURN_TYPES = (TEXT_ENCODER,)
-    RETURN_NAMES = ("text_encoder",)
-    OUTPUT_TOOLTIPS = ("Gemma 3 + LTX-2 projection in the pool; connect it to Prompt Encode.",)
+    RETURN_TYPES = (TEXT_ENCODER, "CLIP")
+    RETURN_NAMES = ("text_encoder", "clip")
+    OUTPUT_TOOLTIPS = (
+        "Gemma 3 + LTX-2 projection in the pool; connect it to Prompt Encode.",
+        "The same text encoder as a ComfyUI CLIP, for CLIPTextEncode (in LTX-2 templates it replaces "
+        "LTXAVTextEncoderLoader's output): prompts encode in the pool, through the embedding cache, whole (no "
+        "cut at 1024 tokens), exactly as ComfyUI's own LTX-2 text encoder. Text-encoder LoRAs are not applied.")
     FUNCTION = "load"
     CATEGORY = CATEGORY
     DESCRIPTION = ("Chooses Gemma 3 and the LTX-2 text projection for the pool. Gemma is loaded on the first "
@@ -123,24 +155,8 @@ class LTXMGPUGemmaLoader:
         config = TextEncoderConfig(_comfy.full_path("text_encoders", gemma), resolve_projection(projection),
                                    weights=weights, placement=placement, compile=bool(compile))
         check_sources(config)  # headers only: a wrong file fails here, naming the supported formats
-        return (TextEncoderHandle(pool, config, bool(keep_loaded)),)
-
-
-def _encode(te: TextEncoderHandle, prompts: list[str], use_cache: bool, node_id: str | None,
-            batch_size: int = 8) -> tuple[list, Any, Any]:
-    """``(embeddings, CacheReport, cache)`` of ``prompts`` through the cache and the pool."""
-    from ltx_mgpu.client.text import default_cache, encode_prompts
-
-    cache = default_cache() if use_cache else None
-    session = te.pool.session()
-    with JobWatch(node_id) as watch:
-        embeddings, report = encode_prompts(session, te.config, prompts, cache=cache, batch_size=batch_size,
-                                            keep=False, on_progress=watch.on_progress,
-                                            should_cancel=watch.should_cancel)
-        if not te.keep_loaded and report.encoded:
-            session.request("unload", {"names": ["text_encoder", "text_embeddings"]}, timeout=120)
-        watch.done()
-    return embeddings, report, cache
+        handle = TextEncoderHandle(pool, config, bool(keep_loaded))
+        return (handle, GemmaClip(handle))
 
 
 class LTXMGPUPromptEncode:
@@ -174,7 +190,7 @@ class LTXMGPUPromptEncode:
 
     def encode(self, text_encoder: TextEncoderHandle, positive: str, negative: str, use_cache: bool,
                unique_id: str | None = None):
-        embeddings, _, _ = _encode(text_encoder, [positive, negative], bool(use_cache), unique_id)
+        embeddings, _, _ = text_encoder.encode([positive, negative], bool(use_cache), unique_id)
         return (embeddings[0].to_conditioning(), embeddings[1].to_conditioning())
 
 
@@ -207,7 +223,7 @@ class LTXMGPUPromptBatchEncode:
         lines = [line.strip() for line in prompts.splitlines() if line.strip()]
         if not lines:
             raise ValueError("Prompt Batch Encode: no prompts; write one prompt per line")
-        _, report, cache = _encode(text_encoder, lines, True, unique_id, batch_size=int(batch_size))
+        _, report, cache = text_encoder.encode(lines, True, unique_id, batch_size=int(batch_size))
         text = f"{report} (cache: {cache.root})"
         return {"ui": {"text": [text]}, "result": (text,)}
 

@@ -229,6 +229,36 @@ def test_partial_cache_encodes_only_misses_once_in_order(cache):
         assert torch.equal(cache.get(p, PARTS).tensor, fake_embedding(p).tensor)
 
 
+def test_whole_prompts_share_the_entries_of_prompts_that_fit_the_smaller_budget(cache):
+    """``short``: an encoder that cuts nothing up to 8192 tokens (``parts``) and the same encoder at
+    a budget of 4 tokens (``short``): a prompt that fits 4 tokens lives under ``short``, shared;
+    an entry there that dropped tokens is not the whole prompt; a longer one lives under ``parts``."""
+    whole = dataclasses.replace(PARTS, token_budget=8192)
+    short = dataclasses.replace(PARTS, token_budget=4)
+    fits, cut = PromptEmbedding(torch.randn(3, D), "2.3"), PromptEmbedding(torch.randn(4, D), "2.3", dropped_tokens=2)
+    cache.put("fits", short, fits)
+    cache.put("long", short, cut)  # what the budgeted encoder made of it
+    full = {"long": PromptEmbedding(torch.randn(6, D), "2.3"), "new": PromptEmbedding(torch.randn(2, D), "2.3"),
+            "new long": PromptEmbedding(torch.randn(9, D), "2.3")}
+    calls = []
+
+    def encode(prompts):
+        calls.append(list(prompts))
+        return [full[p] for p in prompts]
+
+    out, report = encode_cached(cache, ["fits", "long", "new", "new long"], whole, encode, batch_size=8, short=short)
+    assert calls == [["long", "new", "new long"]] and (report.hits, report.encoded) == (1, 3)
+    assert torch.equal(out[0].tensor, fits.tensor) and torch.equal(out[1].tensor, full["long"].tensor)
+    assert cache.get("fits", whole) is None and cache.get("new", whole) is None  # stored once, under short
+    assert torch.equal(cache.get("new", short).tensor, full["new"].tensor)
+    assert torch.equal(cache.get("long", whole).tensor, full["long"].tensor)
+    assert cache.get("long", short).dropped_tokens == 2  # the budgeted entry stays for the budgeted encoder
+    assert torch.equal(cache.get("new long", whole).tensor, full["new long"].tensor)
+    again, report = encode_cached(cache, ["fits", "long", "new", "new long"], whole, never_encode, batch_size=8,
+                                  short=short)
+    assert report.hits == 4 and all(torch.equal(a.tensor, b.tensor) for a, b in zip(again, out))
+
+
 def test_interrupted_batch_resumes(cache):
     prompts = [f"prompt {i}" for i in range(5)]
     with pytest.raises(KeyboardInterrupt):

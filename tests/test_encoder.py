@@ -135,6 +135,28 @@ def test_prompt_over_budget_is_truncated_with_a_warning(tower, tiny_ltx_23):
         strict.encode([long])
 
 
+def test_max_tokens_encodes_a_prompt_whole_whatever_the_budget(tower, tiny_ltx_23):
+    """``max_tokens`` (the CLIP's whole prompts): no cut at the budget, as an encoder with room for
+    the prompt; over ``max_tokens`` an error even when the encoder truncates; token_counts' tokens
+    are reused only by an encode with the same limits."""
+    proj = load_projection(tiny_ltx_23, num_layers=tower.num_hidden_states)
+    enc = PromptEncoder(tower, proj, token_budget=16)
+    roomy = PromptEncoder(tower, proj, token_budget=256)
+    long = " ".join(["word"] * 40)
+    n_tokens = len(tower.tokenizer(long)["input_ids"])
+    whole = enc.encode([long, "short prompt"], batch_size=2, max_tokens=256)
+    want = roomy.encode([long, "short prompt"], batch_size=2)
+    assert [e.num_tokens for e in whole] == [n_tokens, want[1].num_tokens] and whole[0].dropped_tokens == 0
+    assert all(torch.equal(w.tensor, r.tensor) for w, r in zip(whole, want))
+    with pytest.raises(PromptTooLongError, match=f"{n_tokens} tokens .*budget of 20"):
+        enc.encode([long], max_tokens=20)
+    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+        enc.encode([long], max_tokens=0)
+    assert enc.token_counts([long], max_tokens=256) == [n_tokens]
+    with pytest.warns(UserWarning, match="tokens were dropped"):  # other limits: tokenized again, cut
+        assert enc.encode([long])[0].num_tokens == 16
+
+
 def test_projection_gemma_mismatch_is_a_clear_error(tower, tmp_path):
     from safetensors.torch import save_file
 

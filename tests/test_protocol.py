@@ -19,7 +19,7 @@ from safetensors.torch import save as st_save
 
 from ltx_mgpu import wire
 from ltx_mgpu.wire.frames import Limits, ProtocolError
-from ltx_mgpu.wire.messages import SchemaError
+from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS, SchemaError
 
 
 def _send_async(sock, data: bytes, close: bool = True):
@@ -199,10 +199,12 @@ def test_text_job_params_are_declared_and_unknown_ones_refused_at_receipt():
     assert wire.parse_request({"type": "load_text_encoder", "id": "l", "params": load}).params == load
     wire.parse_request({"type": "load_text_encoder", "id": "l", "params": {"source": "/g", "key": None,
                                                                                 "max_memory": None}})
-    encode = {"prompts": ["a"], "batch_size": 2, "expect": "text:abc", "keep": False, "verify": True}
+    encode = {"prompts": ["a"], "batch_size": 2, "expect": "text:abc", "keep": False, "verify": True,
+              "max_tokens": MAX_TEXT_TOKENS}
     assert wire.parse_request({"type": "encode", "id": "e", "params": encode}).params == encode
     for mtype, params, match in [
-        ("encode", {"prompts": ["a"], "max_tokens": 1024}, r"unknown field\(s\) \['max_tokens'\]"),
+        ("encode", {"prompts": ["a"], "tokens": 1024}, r"unknown field\(s\) \['tokens'\]"),
+        ("encode", {"prompts": ["a"], "max_tokens": MAX_TEXT_TOKENS + 1}, r"max_tokens must be in 1\.\.8192"),
         ("load_text_encoder", {"source": "/g", "colour": "red"}, r"unknown field\(s\) \['colour'\]"),
         ("load_text_encoder", {"source": "/g", "truncate": "no"}, "truncate must be bool"),
         ("load_text_encoder", {"source": "/g", "token_budget": 1.5}, "token_budget must be int"),

@@ -12,10 +12,14 @@ the pool's resident text encoder is compared with this one by :func:`pool_key` (
 cache key parts and the placement, reported by ``status``) and loaded when it differs; each
 ``encode`` request carries the key as ``expect``, so a text encoder swapped by another client in
 between is noticed (bad input), reloaded and the request retried once.
+
+``encode_prompts(whole=True)`` encodes every prompt whole, as ComfyUI's LTX-2 text encoder does
+(the CLIP of the Gemma Loader node): the same resident encoder, without its token budget's cut.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,12 +37,16 @@ from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.features import PromptEmbedding
 from ltx_mgpu.text.gemma.sources import detect_gemma_format
 from ltx_mgpu.text.spec import check_not_truncated
+from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS
 
-__all__ = ["check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool", "ensure_text_encoder",
-           "loaded_key", "embeddings_from_result", "upcast"]
+__all__ = ["WHOLE_PROMPT_TOKENS", "check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool",
+           "ensure_text_encoder", "loaded_key", "embeddings_from_result", "upcast"]
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ProgressCallback = Callable[[str, int, int], Any]
+#: The most tokens (BOS included) of a prompt encoded whole (``encode_prompts(whole=True)``): the
+#: protocol's bound on a prompt's tokens, which the sampler's text conditioning shares.
+WHOLE_PROMPT_TOKENS = MAX_TEXT_TOKENS
 
 
 def check_sources(config: TextEncoderConfig) -> None:
@@ -131,7 +139,8 @@ def embeddings_from_result(result: Mapping[str, Any], tensors: Mapping[str, Any]
 def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Sequence[str], *,
                    cache: EmbeddingCache | None = None, batch_size: int = 8,
                    on_progress: ProgressCallback | None = None, should_cancel: Callable[[], bool] | None = None,
-                   timeout: float | None = None, keep: bool = True) -> tuple[list[PromptEmbedding], CacheReport]:
+                   timeout: float | None = None, keep: bool = True,
+                   whole: bool = False) -> tuple[list[PromptEmbedding], CacheReport]:
     """Embeddings of ``prompts`` (in order), encoding only the cache misses in the pool.
 
     The misses are sent in requests of ``batch_size`` prompts (``batch_size x ranks`` for
@@ -145,25 +154,39 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
         batch_size: prompts per Gemma forward in the pool.
         on_progress, should_cancel, timeout: as ``Job.wait`` (``timeout`` per request).
         keep: leave the last request's embeddings resident on every rank (``text_embeddings``).
+        whole: encode every prompt whole, up to :data:`WHOLE_PROMPT_TOKENS` tokens (BOS
+            included), whatever ``config.token_budget`` and ``config.truncate`` say, as ComfyUI's
+            LTX-2 text encoder does (the ``encode`` request's ``max_tokens``; the resident encoder
+            is not reloaded). Cache entries are keyed with that budget, except that a prompt
+            that fits ``config.token_budget`` shares the entry of the budgeted encode (the same
+            embedding; ``encode_cached(short=)``).
 
     Returns:
         ``(embeddings, CacheReport)``; embeddings are float32 ``[T_i, D]`` on CPU.
 
     Raises:
         FileNotFoundError, ValueError: a path or format problem found client-side (no pool call).
-        BadInputError, JobCancelledError, PoolTimeoutError, PoolFatalError, PoolStartError.
+        BadInputError (with ``whole``: also a prompt over :data:`WHOLE_PROMPT_TOKENS` tokens),
+        JobCancelledError, PoolTimeoutError, PoolFatalError, PoolStartError.
     """
     if not isinstance(config, TextEncoderConfig):
         raise ValueError(f"config must be a TextEncoderConfig, got {type(config).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not isinstance(whole, bool):
+        raise ValueError(f"whole must be True or False, got {whole!r}")
     prompts = list(prompts)
     parts = cache_key_parts(config)
     key = pool_key(config, parts)
+    params = {"batch_size": batch_size, "expect": key, "keep": keep}
+    short = None
+    if whole:
+        params["max_tokens"] = WHOLE_PROMPT_TOKENS
+        short, parts = parts, dataclasses.replace(parts, token_budget=WHOLE_PROMPT_TOKENS)
 
     def send(chunk: list[str]) -> list[PromptEmbedding]:
         result, tensors = client.request(
-            "encode", {"prompts": chunk, "batch_size": batch_size, "expect": key, "keep": keep},
+            "encode", {"prompts": chunk, **params},
             on_progress=on_progress, should_cancel=should_cancel, timeout=timeout, receive=upcast)
         return embeddings_from_result(result, tensors)
 
@@ -187,8 +210,8 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
     ranks = client.spec.nproc if config.placement == "batch_parallel" else 1
     request_size = batch_size * ranks
     if cache is not None:
-        out = encode_cached(cache, prompts, parts, encode_remote, request_size)
-        if not config.truncate:
+        out = encode_cached(cache, prompts, parts, encode_remote, request_size, short=short)
+        if not config.truncate and not whole:
             check_not_truncated(out[0], config.token_budget)
         return out
     t0 = time.perf_counter()

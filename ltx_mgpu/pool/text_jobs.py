@@ -270,7 +270,9 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     ``expect`` (the key the client loaded: a mismatch is bad input, so a client never gets
     another configuration's embeddings), ``keep`` (default true: keep the embeddings resident as
     ``text_embeddings`` on every rank), ``verify`` (a diagnostic of the broadcast: gather every
-    rank's SHA-256 of each embedding it holds to rank 0).
+    rank's SHA-256 of each embedding it holds to rank 0), ``max_tokens`` (optional: encode every
+    prompt whole up to that many tokens, BOS included, ignoring the loaded ``token_budget`` and
+    ``truncate``, as ComfyUI's LTX-2 text encoder does; ``PromptEncoder.encode(max_tokens=)``).
 
     ``single``/``accelerate``: rank 0 encodes in sub-batches; ``batch_parallel``: each rank
     its contiguous slice. Between sub-batches every rank passes ``check_cancel`` the same
@@ -289,11 +291,13 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         BadInput: no encoder loaded, an ``expect`` mismatch, bad parameters (more than
             ``MAX_PROMPTS`` prompts or a ``batch_size`` over it: refused at receipt), a prompt
             that is not valid Unicode text (a lone surrogate, from a non-UTF-8 command-line
-            argument); a prompt over the token budget with ``truncate=False``, out of memory or
-            any other failure of a holder's encode, on any rank (agreed).
+            argument); a prompt over the token budget with ``truncate=False`` (or over
+            ``max_tokens``), out of memory or any other failure of a holder's encode, on any
+            rank (agreed).
         JobCancelled: at a sub-batch boundary.
     """
     state, prompts, batch_size, keep, verify = _encode_params(ctx, params)
+    max_tokens = params.get("max_tokens")
     req, count = state.request, len(prompts)
     ctx.models.pop(EMBEDDINGS)
     owners = tp.prompt_owners(count, ctx.world_size, req.config.placement)
@@ -310,7 +314,7 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     dest = None
     if ctx.world_size == 1 and not keep:
         try:
-            dest = _HandOverRows(ctx, state.encoder.token_counts(prompts), req.width)
+            dest = _HandOverRows(ctx, state.encoder.token_counts(prompts, max_tokens), req.width)
         except Exception as e:  # noqa: BLE001 - PromptTooLongError, the tokenizer: reported as the encode would
             error = failure_message(e, "encoding")
     for k in range(rounds):
@@ -319,7 +323,8 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         if chunk and error is None:
             try:
                 out = state.encoder.encode([prompts[i] for i in chunk], batch_size=batch_size, out_dtype=out_dtype,
-                                           out=None if dest is None else (lambda j, chunk=chunk: dest(chunk[j])))
+                                           out=None if dest is None else (lambda j, chunk=chunk: dest(chunk[j])),
+                                           max_tokens=max_tokens)
             except Exception as e:  # noqa: BLE001 - a holder's encode runs no collective: agreed below
                 # PromptTooLongError (a ValueError), out of memory, the tokenizer, or the compiler on
                 # a new kind of batch

@@ -97,40 +97,53 @@ class PromptEncoder:
         # one encode at a time: the forward collects hidden states with hooks on the shared
         # layers, and the pinned staging buffer is reused
         self._lock = threading.Lock()
-        self._pretokenized: tuple[dict[str, int], torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._pretokenized: tuple[dict[str, int], torch.Tensor, torch.Tensor, list[int], tuple[int, bool]] | None = None
         if cuda_graphs is None:
             cuda_graphs = graphs.graphs_enabled()
         self.graphs = graphs.TowerGraphs(tower) if cuda_graphs and trim and graphs.ineligible(tower) is None else None
 
-    def token_counts(self, prompts: Sequence[str]) -> list[int]:
+    def _limits(self, max_tokens: int | None) -> tuple[int, bool]:
+        """``(max_length, truncate)`` for the tokenizer: the encoder's budget and truncation, or
+        ``max_tokens`` without truncation (every prompt whole)."""
+        if max_tokens is None:
+            return self.token_budget, self.truncate
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int (tokens) or None, got {max_tokens!r}")
+        return max_tokens, False
+
+    def token_counts(self, prompts: Sequence[str], max_tokens: int | None = None) -> list[int]:
         """The number of tokens (BOS included, after truncation to the budget) each prompt's
         embedding will have: the ``T_valid`` of :meth:`encode`'s rows, known before encoding.
+        ``max_tokens`` as :meth:`encode`.
 
         Raises:
-            ValueError: a non-string prompt or one that is not valid Unicode text;
-                PromptTooLongError: as :meth:`encode`.
+            ValueError: a non-string prompt or one that is not valid Unicode text, a bad
+                ``max_tokens``; PromptTooLongError: as :meth:`encode`.
         """
         self._check_prompts(prompts)
+        limits = self._limits(max_tokens)
         if not prompts:
             return []
-        ids, mask, dropped = tokenize(self.tower, list(prompts), max_length=self.token_budget, truncate=self.truncate)
+        ids, mask, dropped = tokenize(self.tower, list(prompts), max_length=limits[0], truncate=limits[1])
         # kept for the encode that follows (the pool's): its sub-batches take their rows from here
-        self._pretokenized = ({p: i for i, p in enumerate(prompts)}, ids, mask, list(dropped))
+        self._pretokenized = ({p: i for i, p in enumerate(prompts)}, ids, mask, list(dropped), limits)
         return [int(n) for n in mask.sum(dim=1).tolist()]
 
-    def _tokenize(self, chunk: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _tokenize(self, chunk: list[str],
+                  max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """``tokenize(chunk)``, or the same rows cut from the last :meth:`token_counts` when it
-        covered these prompts: left padding makes a row of a larger batch the chunk's row with
-        more pad columns in front, so keeping the last ``max(real tokens)`` columns gives exactly
-        what tokenizing the chunk gives."""
+        covered these prompts with the same limits: left padding makes a row of a larger batch
+        the chunk's row with more pad columns in front, so keeping the last ``max(real tokens)``
+        columns gives exactly what tokenizing the chunk gives."""
+        limits = self._limits(max_tokens)
         pre = self._pretokenized
-        if pre is not None and all(p in pre[0] for p in chunk):
-            index, ids, mask, dropped = pre
+        if pre is not None and pre[4] == limits and all(p in pre[0] for p in chunk):
+            index, ids, mask, dropped, _ = pre
             rows = [index[p] for p in chunk]
             m = mask[rows]
             width = int(m.sum(dim=1).max())
             return ids[rows][:, -width:].contiguous(), m[:, -width:].contiguous(), [dropped[i] for i in rows]
-        return tokenize(self.tower, chunk, max_length=self.token_budget, truncate=self.truncate)
+        return tokenize(self.tower, chunk, max_length=limits[0], truncate=limits[1])
 
     @staticmethod
     def _check_prompts(prompts: Sequence[str]) -> None:
@@ -138,7 +151,7 @@ class PromptEncoder:
 
     @torch.inference_mode()
     def encode(self, prompts: Sequence[str], batch_size: int = 8, out_dtype: torch.dtype = torch.float32,
-               out: RowAllocator | None = None) -> list[PromptEmbedding]:
+               out: RowAllocator | None = None, max_tokens: int | None = None) -> list[PromptEmbedding]:
         """Encode prompts in sub-batches of ``batch_size``.
 
         Args:
@@ -150,6 +163,11 @@ class PromptEncoder:
                 one; called when the row is ready to be written, after the forward (the pool
                 returns views of the shared memory its result will be handed over in, set
                 aside at that moment, when the memory is most likely ready).
+            max_tokens: None: the encoder's ``token_budget`` and ``truncate``. A number: every
+                prompt is encoded whole, up to that many tokens (BOS included), whatever the
+                budget, as ComfyUI's LTX-2 text encoder does (it cuts nothing: ``min_length=1024``
+                of ``Gemma3_12BTokenizer`` in ``comfy/text_encoders/lt.py`` only pads); a longer
+                prompt raises PromptTooLongError.
 
         Returns:
             One :class:`PromptEmbedding` per prompt, in order: ``[T_valid, D_out]`` in
@@ -158,16 +176,19 @@ class PromptEncoder:
 
         Raises:
             ValueError: ``batch_size < 1``, a non-string prompt or one that is not valid Unicode
-                text (a lone surrogate), or a tensor from ``out`` of the wrong shape, dtype or device.
-            PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False.
+                text (a lone surrogate), a bad ``max_tokens``, or a tensor from ``out`` of the wrong
+                shape, dtype or device.
+            PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False, or exceeds
+                ``max_tokens``.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self._check_prompts(prompts)
+        self._limits(max_tokens)
         result: list[PromptEmbedding] = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
-            ids, mask, dropped = self._tokenize(chunk)
+            ids, mask, dropped = self._tokenize(chunk, max_tokens)
             for j, n in enumerate(dropped):
                 if n:
                     warnings.warn(

@@ -510,6 +510,7 @@ def encode_cached(
     encode_fn: Callable[[list[str]], Sequence[PromptEmbedding]],
     batch_size: int,
     device: torch.device | str | None = None,
+    short: CacheKeyParts | None = None,
 ) -> tuple[list[PromptEmbedding], CacheReport]:
     """Embeddings for ``prompts``, encoding only those not cached.
 
@@ -530,6 +531,11 @@ def encode_cached(
         encode_fn: ``list[str] -> list[PromptEmbedding]``, one result per prompt, in order.
         batch_size: most prompts per ``encode_fn`` call (>= 1).
         device: move every returned tensor there (cache entries stay on CPU).
+        short: with ``parts`` describing an encoder that truncates nothing up to its budget
+            (prompts encoded whole), the parts of the same encoder at a smaller budget. A prompt
+            that fits the smaller budget has the same embedding under both, so it is looked up
+            and stored under ``short`` (an entry there that dropped tokens is passed over), and
+            entries are shared with the truncating encoder; a longer prompt under ``parts``.
 
     Returns:
         ``(embeddings in input order, CacheReport)``: hits as :meth:`EmbeddingCache.get`
@@ -555,7 +561,9 @@ def encode_cached(
         cache._warn_root(reason)  # this module's own class
     writable = reason is None
     for p in unique if reason is None else ():
-        hit = cache.get(p, parts, device)
+        hit = cache.get(p, short, device) if short is not None else None
+        if hit is None or hit.dropped_tokens:
+            hit = cache.get(p, parts, device)
         if hit is not None:
             found[p] = hit
     missing = [p for p in unique if p not in found]
@@ -569,7 +577,8 @@ def encode_cached(
                 raise TypeError(f"encode_fn must return PromptEmbedding objects, got {type(emb).__name__}")
             try:
                 if writable:
-                    cache.put(prompt, parts, emb)
+                    fits = short is not None and not emb.dropped_tokens and emb.num_tokens <= short.token_budget
+                    cache.put(prompt, short if fits else parts, emb)
             except _RootError as exc:
                 warnings.warn(f"ltx_mgpu embedding cache: could not write: {exc}; not caching", stacklevel=2)
                 writable = False
