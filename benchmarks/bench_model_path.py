@@ -60,6 +60,13 @@ from ltx_mgpu.nested import NestedTensorLike  # noqa: E402
 #: safetensors' dtype names (the format's header, https://github.com/huggingface/safetensors).
 _ST_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 PREFIX = "model.diffusion_model."
+#: The legs of one MODEL-path call, between ``PoolModel.last_clock`` marks (the client's
+#: ``Job.clock`` and the pool's ``timeline``, one host clock): the client's preparation, the
+#: request to the pool, its queue, the job (the transformer), the result back, the client's
+#: hand-off and the copy to its GPU.
+LEGS = {"client_prepare": ("call", "sent"), "to_pool": ("sent", "received"), "queue": ("received", "started"),
+        "job": ("started", "finished"), "to_client": ("finished", "arrived"), "handoff": ("arrived", "queued"),
+        "return_and_sync": ("queued", "end")}
 
 
 def write_shaped_checkpoint(path: str | os.PathLike, config: dict, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -135,13 +142,20 @@ def main(argv=None) -> int:
             t = (torch.full((2,), 0.9, device=device), torch.full((2,), 0.9, device=device))
             context = torch.cat(ctx).to(device, dtype)
 
+            legs: dict[str, list[float]] = {k: [] for k in LEGS}
+
             def model_step():
+                start = time.monotonic()
                 out = pm.forward(x, t, context, frame_rate=24.0)
                 sync(device)
+                marks = {"call": start, **pm.last_clock, "end": time.monotonic()}
+                for (name, (a0, a1)) in LEGS.items():
+                    legs[name].append((marks[a1] - marks[a0]) * 1e3)
                 return out
 
             for _ in range(a.warmup):
                 model_step()
+            legs = {k: [] for k in LEGS}
             times = []
             for _ in range(a.runs):
                 t0 = time.perf_counter()
@@ -165,6 +179,7 @@ def main(argv=None) -> int:
             sent = sum(v.numel() * v.element_size() for v in x) + 2 * 2 * 4
             got = sent - 2 * 2 * 4
             row = {"video_tokens": f * h * w, "model_path_step_ms": model_ms, "model_path_runs_ms": times,
+                   "model_path_legs_ms": {k: statistics.median(v) for k, v in legs.items()},
                    "pool_sampler_step_ms": pool_ms, "sample_1_step_ms": one, f"sample_{1 + a.steps}_steps_ms": many,
                    "overhead": model_ms / pool_ms - 1.0, "bytes_sent_per_step": sent,
                    "bytes_received_per_step": got, "context_bytes_once": context.numel() * context.element_size(),
@@ -174,6 +189,8 @@ def main(argv=None) -> int:
             print(f"{f * h * w:>6} video tokens: MODEL path {model_ms:8.1f} ms/step, in-pool sampler "
                   f"{pool_ms:8.1f} ms/step, overhead {100 * row['overhead']:+.2f} % "
                   f"({sent / 2**20:.1f} MiB sent, {got / 2**20:.1f} MiB received per step)", flush=True)
+            print("        legs (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in row["model_path_legs_ms"].items()),
+                  flush=True)
             if a.out:
                 write_json(a.out, results)
         results["pool_status"] = client.status()

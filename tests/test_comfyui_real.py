@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -216,6 +217,9 @@ def test_sp_sampler_matches_comfyuis_own_sampler(server, parts):
         prompt["51"] = {"class_type": "LTXVImgToVideoInplace", "inputs": {
             "vae": ["5", 2], "image": ["50", 0], "latent": ["7", 0], "strength": 0.8, "bypass": False}}
     prompt["13"]["inputs"]["latent"] = prompt["14"]["inputs"]["latent_image"] = latent
+    # ComfyUI's own model for ComfyUI's sampler (the workflow's CFGGuider takes our MODEL)
+    prompt["5"] = {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "tiny-ltx-2.3.safetensors"}}
+    prompt["10"]["inputs"]["model"] = ["5", 0]
     prompt["20"] = {"class_type": "LTXMGPU_ModelLoader", "inputs": {
         "pool": ["1", 0], "ckpt_name": "tiny-ltx-2.3.safetensors", "dtype": "fp32", "loras": "", "max_tokens": 32768}}
     prompt["21"] = {"class_type": "LTXMGPU_SPSampler", "inputs": {
@@ -250,6 +254,7 @@ def test_sp_sampler_matches_comfyuis_own_sampler(server, parts):
 
 
 def test_status_and_free_routes(server):
+    time.sleep(2.5)  # a MODEL call of an earlier test counts as busy for 2 s (ltx_mgpu.client.model.BUSY_WINDOW_S)
     for prefix in ("", "/api"):
         status, payload = http(f"{server.url}{prefix}/ltx_mgpu/status")
         assert status == 200 and payload["available"] is True

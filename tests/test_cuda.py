@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from pool_support import cleanup, short_dir
 
 from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
 from ltx_mgpu.text.config import TextEncoderConfig
@@ -246,3 +247,36 @@ def test_a_failed_capture_falls_back_to_eager_on_the_callers_stream():
     assert runner.disabled and runner.shapes == [] and torch.cuda.current_stream() == before
     for e, g in zip(eager.encode(GRAPH_PROMPTS), graphed.encode(GRAPH_PROMPTS)):
         torch.testing.assert_close(g.tensor, e.tensor, rtol=0.02, atol=0.02)
+
+
+def test_the_model_path_on_a_gpu_pool_equals_the_call_in_process():
+    """ComfyUI's tensors on the GPU (as its sampler holds them) through a one-GPU pool's
+    ``forward`` give the in-process ``comfy_forward`` of the same checkpoint on that GPU."""
+    from ltx_mgpu.client.denoise import remote_load_transformer
+    from ltx_mgpu.client.model import PoolModel
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.denoise.forward import comfy_forward, processed_context
+    from ltx_mgpu.denoise.model import load_ltx_model
+
+    ckpt = tiny_ltx_checkpoint("2.3")
+    local = load_ltx_model(ckpt, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(2, 128, 3, 3, 5, generator=g).cuda(), torch.randn(2, 8, 7, 16, generator=g).cuda()]
+    t = (torch.full((2,), 0.7, device="cuda"), torch.full((2,), 0.7, device="cuda"))
+    text = torch.randn(2, 9, 48, generator=g).cuda()
+    with torch.no_grad():
+        ctx = processed_context(local, text, True)
+        want = comfy_forward(local, local.transformer, x, t, ctx)
+    base = short_dir()
+    client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
+    try:
+        loaded = remote_load_transformer(client, str(ckpt), dtype="fp32", timeout=300)
+        pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
+        got_ctx = pm.text_contexts(text, True)
+        got = pm.forward(x, t, got_ctx)
+    finally:
+        client.shutdown()
+        cleanup(base)
+    assert got_ctx.device.type == "cuda" and (got_ctx - ctx).abs().max().item() <= 1e-5
+    assert all(g.device.type == "cuda" for g in got)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= 1e-4

@@ -197,6 +197,10 @@ class PoolModel:
         self.last_call: float | None = None
         self.run_since: float | None = None
         self.run_calls = 0
+        #: The last call's ``time.monotonic()`` marks: the client's (``sent``, ``arrived``,
+        #: ``queued``, ``returned``: ``Job.clock``) and the pool's (``received``, ``started``,
+        #: ``finished``: the result's ``timeline``), for the benchmarks.
+        self.last_clock: dict[str, float] = {}
         _MODELS.add(self)
 
     # ------------------------------------------------------------------ plumbing
@@ -204,7 +208,10 @@ class PoolModel:
     def _request(self, mtype: str, params: dict, tensors: dict, check_interrupt, receive=None) -> tuple[dict, dict]:
         self.sent[mtype] = self.sent.get(mtype, 0) + 1
         named = {"model": self.name, **({"key": self.key} if self.key else {}), **params}
-        return self.client().request(mtype, named, tensors, should_cancel=check_interrupt, receive=receive)
+        job = self.client().submit(mtype, named, tensors, receive=receive)
+        result, out = job.wait(should_cancel=check_interrupt)
+        self.last_clock = {**result.get("timeline", {}), **job.clock}
+        return result, out
 
     def _reloaded(self) -> None:
         """The pool lost the model: load it again; it holds no context, adapter or patch now."""
