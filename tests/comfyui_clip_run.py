@@ -26,14 +26,12 @@ results described, the progress ticks, the LoRA log lines).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from comfyui_support import collect_warnings, load_pack_in_process  # noqa: E402 - this script runs from tests/
 
 
 def shrink_gemma(config: dict, widths: tuple[int, int]) -> None:
@@ -109,20 +107,8 @@ def main() -> int:
     for folder in ("text_encoders", "checkpoints", "loras"):
         folder_paths.add_model_folder_path(folder, spec[folder])
 
-    pack_spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
-                                                       submodule_search_locations=[str(REPO)])
-    pack = importlib.util.module_from_spec(pack_spec)
-    sys.modules["ltx_mgpu_pack"] = pack
-    pack_spec.loader.exec_module(pack)
-    ours_nodes = pack.NODE_CLASS_MAPPINGS
-
-    logs: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            logs.append(record.getMessage())
-
-    logging.getLogger().addHandler(Catch(level=logging.WARNING))
+    ours_nodes = load_pack_in_process()
+    logs = collect_warnings()
 
     theirs = LTXAVTextEncoderLoader.execute(text_encoder=spec["gemma"], ckpt_name=spec["checkpoint"]).result[0]
     (pool,) = ours_nodes["LTXMGPU_Pool"]().make(gpus="cpu", cpu_ranks=2, lifetime="with-owner", free_comfy_vram=False)

@@ -18,14 +18,12 @@ MODEL.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from comfyui_support import collect_warnings, load_pack_in_process  # noqa: E402 - this script runs from tests/
 
 
 def _rss() -> int:
@@ -52,20 +50,8 @@ def main() -> int:
     import nodes as comfy_nodes
 
     folder_paths.add_model_folder_path("loras", spec["loras_dir"])
-    pack_spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
-                                                       submodule_search_locations=[str(REPO)])
-    pack = importlib.util.module_from_spec(pack_spec)
-    sys.modules["ltx_mgpu_pack"] = pack
-    pack_spec.loader.exec_module(pack)
-    ours_nodes = pack.NODE_CLASS_MAPPINGS
-
-    warnings: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            warnings.append(record.getMessage())
-
-    logging.getLogger().addHandler(Catch(level=logging.WARNING))
+    ours_nodes = load_pack_in_process()
+    warnings = collect_warnings()
 
     checkpoint = spec["checkpoint"]
     theirs = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clip=False)[0]

@@ -68,6 +68,44 @@ save_file(sd, dst, metadata=meta)
 """
 
 
+#: The skip mark of every test that needs a real ComfyUI (``COMFYUI_DIR``).
+NEEDS_COMFYUI_REASON = ("COMFYUI_DIR does not point at a ComfyUI checkout (docs/testing.md: 'Testing against a real "
+                        "ComfyUI'); these tests need ComfyUI's own environment with torchaudio")
+
+
+def has_comfyui() -> bool:
+    """Whether ``COMFYUI_DIR`` points at a ComfyUI checkout."""
+    return bool(COMFYUI_DIR) and (Path(COMFYUI_DIR) / "main.py").is_file()
+
+
+def load_pack_in_process() -> dict:
+    """In a process that has imported ComfyUI: load this repository as ComfyUI loads a custom node
+    (a package under another name, so its ``nodes`` does not shadow ComfyUI's) and return its
+    ``NODE_CLASS_MAPPINGS``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
+                                                  submodule_search_locations=[str(REPO)])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules["ltx_mgpu_pack"] = pack
+    spec.loader.exec_module(pack)
+    return pack.NODE_CLASS_MAPPINGS
+
+
+def collect_warnings() -> list[str]:
+    """A list that receives the message of every WARNING (or worse) logged from now on."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger().addHandler(Collect(level=logging.WARNING))
+    return messages
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -74,3 +74,13 @@ def model_folders(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_
         mp.setenv("LTX_MGPU_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         yield models
     cleanup(base)
+
+
+@contextlib.contextmanager
+def cpu_pool(ranks: int = 2):
+    """A Pool node's handle on ``ranks`` CPU ranks; the pool is shut down on leaving."""
+    handle = node("LTXMGPU_Pool").make("cpu", ranks, "with-owner", True)[0]
+    try:
+        yield handle
+    finally:
+        handle.client.shutdown()

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 import torch
-from nodes_support import PACK, node
+from nodes_support import PACK, cpu_pool, node
 
 from ltx_mgpu.text.spec import LocalTextEncoder
 
@@ -50,9 +50,8 @@ class NoPool:
 
 @pytest.fixture(scope="module")
 def pool(env):
-    handle = node("LTXMGPU_Pool").make("cpu", 2, "with-owner", True)[0]
-    yield handle
-    handle.client.shutdown()
+    with cpu_pool() as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")

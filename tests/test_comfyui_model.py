@@ -36,13 +36,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from comfyui_support import COMFYUI_DIR  # noqa: E402
+from comfyui_support import COMFYUI_DIR, NEEDS_COMFYUI_REASON, has_comfyui  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not COMFYUI_DIR or not (Path(COMFYUI_DIR or ".") / "main.py").is_file(),
-                       reason="COMFYUI_DIR does not point at a ComfyUI checkout (docs/testing.md: 'Testing against "
-                              "a real ComfyUI'); these tests need ComfyUI's own environment with torchaudio"),
+    pytest.mark.skipif(not has_comfyui(), reason=NEEDS_COMFYUI_REASON),
 ]
 
 SCRIPT = Path(__file__).resolve().parent / "comfyui_model_run.py"

@@ -46,11 +46,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_support import (  # noqa: E402
     COMFYUI_DIR,
+    NEEDS_COMFYUI_REASON,
     REPO,
     api_workflow,
     cdp_page,
     chromium_page,
     comfyui_server,
+    has_comfyui,
     http,
     run_prompt,
     tiny_prompt,
@@ -65,9 +67,7 @@ WORKFLOWS = ("ltx_mgpu_precompute_prompts", "ltx_mgpu_text_to_video", "ltx_mgpu_
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not COMFYUI_DIR or not (Path(COMFYUI_DIR or ".") / "main.py").is_file(),
-                       reason="COMFYUI_DIR does not point at a ComfyUI checkout (docs/testing.md: 'Testing against "
-                              "a real ComfyUI'); these tests need ComfyUI's own environment with torchaudio"),
+    pytest.mark.skipif(not has_comfyui(), reason=NEEDS_COMFYUI_REASON),
 ]
 
 

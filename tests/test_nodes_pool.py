@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nodes_support import av_latent, bridge, node, routes
+from nodes_support import av_latent, bridge, cpu_pool, node, routes
 
 from ltx_mgpu.text.spec import LocalTextEncoder
 
@@ -58,9 +58,8 @@ def progress():
 
 @pytest.fixture(scope="module")
 def pool(env):
-    handle = node("LTXMGPU_Pool").make("cpu", 2, "with-owner", True)[0]
-    yield handle
-    handle.client.shutdown()
+    with cpu_pool() as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")
