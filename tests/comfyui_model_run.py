@@ -43,6 +43,7 @@ def main() -> int:
     import comfy.nested_tensor
     import comfy.sd
     import folder_paths
+    import node_helpers
     import torch
     from comfy_extras import nodes_custom_sampler as ncs
     from comfy_extras import nodes_lt
@@ -72,14 +73,76 @@ def main() -> int:
         return [[t, {"pooled_output": None, "unprocessed_ltxav_embeds": True, "frame_rate": 25.0}]]
 
     positive, negative, third = conditioning(1), conditioning(2), conditioning(3)
+    positives = (positive, negative)
     video = torch.zeros(1, 128, 2, 2, 3)
     latents = {"video": {"samples": video},
                "av": {"samples": comfy.nested_tensor.NestedTensor((video, torch.zeros(1, 8, 5, 16)))}}
+
+    class StubVAE:
+        """A stand-in video / audio VAE for the conditioning nodes: a deterministic latent of the
+        right shape from the pixels or waveform (the pool never sees a VAE; both models get the
+        same latents)."""
+
+        downscale_index_formula = (8, 32, 32)
+        audio_sample_rate = 16000
+
+        def encode(self, pixels):
+            g = torch.Generator().manual_seed(int(pixels.double().abs().sum() * 1000) % (2 ** 31))
+            if pixels.ndim == 3:  # audio [B, samples, channels] -> [B, 8, N, 16]
+                return torch.randn(pixels.shape[0], 8, 1 + pixels.shape[1] // 640, 16, generator=g)
+            f, h, w = pixels.shape[0], pixels.shape[1] // 32, pixels.shape[2] // 32
+            return torch.randn(1, 128, (f - 1) // 8 + 1, h, w, generator=g)
+
+    vae = StubVAE()
+
+    def image(seed: int, frames: int = 1):
+        return torch.rand(frames, 96, 160, 3, generator=torch.Generator().manual_seed(seed))
+
+    def conditioned(model, case, positive, negative, latent):
+        """Apply the case's LTX conditioning nodes (ComfyUI's own); returns what sampling takes
+        and what to do with its output (LTXVCropGuides after sampling)."""
+        kind = case.get("conditioning")
+        after = None
+        if kind in ("i2v", "guides", "guides_crop", "guides_odd"):
+            f = 4 if kind != "guides_odd" else 3
+            video = {"samples": torch.zeros(1, 128, f, 3, 5)}
+            if kind == "i2v":
+                (video,) = nodes_lt.LTXVImgToVideoInplace.execute(vae, image(1), video, 1.0).result
+            else:
+                add = nodes_lt.LTXVAddGuide.execute
+                positive, negative, video = add(positive, negative, vae, video, image(2), 0, 1.0).result
+                positive, negative, video = add(positive, negative, vae, video, image(3), -1, 0.7).result
+            if kind == "guides_crop":
+                def after(out, positive=positive, negative=negative):
+                    v, a = nodes_lt.LTXVSeparateAVLatent.execute({"samples": out}).result
+                    _, _, v = nodes_lt.LTXVCropGuides.execute(positive, negative, v).result
+                    return comfy.nested_tensor.NestedTensor((v["samples"], a["samples"]))
+            audio = {"samples": torch.zeros(1, 8, 5, 16), "type": "audio"}
+            (latent,) = nodes_lt.LTXVConcatAVLatent.execute(video, audio).result
+        elif kind == "ref_audio":
+            reference = {"waveform": torch.randn(1, 1, 16000 * 2 // 10, generator=torch.Generator().manual_seed(4)),
+                         "sample_rate": 16000}
+            model, positive, negative = nodes_lt.LTXVReferenceAudio.execute(model, positive, negative, reference, vae,
+                                                                            3.0, 0.0, 1.0).result
+        elif kind == "a2v":
+            audio = {"samples": torch.randn(1, 8, 5, 16, generator=torch.Generator().manual_seed(5)), "type": "audio"}
+            (audio,) = comfy_nodes.SetLatentNoiseMask().set_mask(audio, torch.zeros(1, 5, 16))
+            (latent,) = nodes_lt.LTXVConcatAVLatent.execute({"samples": torch.zeros(1, 128, 2, 2, 3)}, audio).result
+        elif kind == "text_mask":
+            mask = torch.ones(1, 1024, dtype=torch.long)
+            mask[:, -100:] = 0
+            positive = node_helpers.conditioning_set_values(positive, {"attention_mask": mask})
+        return model, positive, negative, latent, after
 
     def sample(model, case):
         for name, strength in case.get("loras", []):
             (model,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, strength)
         latent = latents[case.get("latent", "av")]
+        model, positive, negative, latent, after = conditioned(model, case, positives[0], positives[1], latent)
+        out = sample_graph(model, case, positive, negative, latent)
+        return after(out) if after is not None else out
+
+    def sample_graph(model, case, positive, negative, latent):
         steps, cfg, seed = case.get("steps", 3), case.get("cfg", 1.0), case.get("seed", 42)
         graph = case.get("graph", "advanced")
         if graph == "ksampler":

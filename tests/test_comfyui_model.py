@@ -15,6 +15,10 @@ nodes on both:
 * ``LoraLoaderModelOnly`` (one LoRA at 0.5 and -1, two stacked) equals ComfyUI's own model
   with the same LoRAs; the loader's MODEL without them again equals the base; a LoRA key that
   matches nothing is warned about by ComfyUI's own loader, key named, as for its own model;
+* ComfyUI's LTX conditioning nodes: ``LTXVImgToVideoInplace``, ``LTXVAddGuide`` (two guides,
+  strength 0.7, a token count not divisible by the world size; world size 1 and 2 agree),
+  ``LTXVCropGuides``, ``LTXVReferenceAudio`` (ID-LoRA reference audio and its identity guidance),
+  audio-to-video (a zero audio noise mask returns the audio exactly), a text attention mask;
 * Stop (ComfyUI's interrupt) during the second model call ends the sampling, and the next run
   on the same pool works;
 * the MODEL is one byte to ComfyUI's model management and ComfyUI's RSS grows by less than
@@ -86,6 +90,15 @@ def _cases() -> list[dict]:
                                                                          ["b.safetensors", 0.5]]},
         {"id": "lora-removed", "sampler": "euler", "cfg": 3.0},
         {"id": "lora-unknown-key", "sampler": "euler", "cfg": 3.0, "loras": [["unknown.safetensors", 1.0]]},
+        {"id": "cond-i2v", "conditioning": "i2v", "sampler": "euler_ancestral", "cfg": 3.0},
+        {"id": "cond-guides", "conditioning": "guides", "sampler": "euler_ancestral", "cfg": 3.0},
+        {"id": "cond-guides_odd", "conditioning": "guides_odd", "sampler": "gradient_estimation", "cfg": 3.0},
+        {"id": "cond-guides_odd-1rank", "conditioning": "guides_odd", "sampler": "gradient_estimation", "cfg": 3.0,
+         "ranks": 1, "who": ["ours"]},
+        {"id": "cond-guides_crop", "conditioning": "guides_crop", "sampler": "euler", "cfg": 1.0},
+        {"id": "cond-ref_audio", "conditioning": "ref_audio", "sampler": "euler", "cfg": 3.0},
+        {"id": "cond-a2v", "conditioning": "a2v", "sampler": "euler_ancestral", "cfg": 3.0},
+        {"id": "cond-text_mask", "conditioning": "text_mask", "sampler": "euler", "cfg": 3.0},
         {"id": "stop", "sampler": "euler", "cfg": 3.0, "steps": 8, "stop_after": 2, "who": ["ours"]},
         {"id": "after-stop", "sampler": "euler", "cfg": 3.0},
     ]
@@ -133,6 +146,31 @@ def test_comfyuis_samplers_on_our_model_equal_comfyuis_own_model(run, case):
     theirs, ours = _read(out, case, "comfy"), _read(out, case, "ours")
     assert len(theirs) == (1 if case.endswith("-video") else 2)
     assert _rel(theirs, ours) <= REL, case
+
+
+CONDITIONED = ("cond-i2v", "cond-guides", "cond-guides_odd", "cond-guides_crop", "cond-ref_audio", "cond-a2v",
+               "cond-text_mask")
+
+
+@pytest.mark.parametrize("case", CONDITIONED)
+def test_ltx_conditioning_nodes_on_our_model_equal_comfyuis_own_model(run, case):
+    """LTXVImgToVideoInplace, LTXVAddGuide (first and last frame, strengths 1 and 0.7; 75 video
+    tokens: not divisible by the 2 ranks), LTXVCropGuides, LTXVReferenceAudio (ID-LoRA, with its
+    identity-guidance pass), audio-to-video (SetLatentNoiseMask 0 on the audio), a text mask."""
+    out, _ = run
+    theirs, ours = _read(out, case, "comfy"), _read(out, case, "ours")
+    assert _rel(theirs, ours) <= REL, case
+    plain = _read(out, "euler-cfg3-av", "ours")
+    if [t.shape for t in plain] == [t.shape for t in ours]:
+        assert _rel(plain, ours) > 1e-3  # the conditioning changed the result
+    if case == "cond-guides_crop":  # the guide frames are cropped off again
+        assert ours[0].shape[2] == 4
+    if case == "cond-a2v":  # a zero audio mask returns the audio exactly
+        assert torch.equal(ours[1], theirs[1])
+        g = torch.Generator().manual_seed(5)
+        assert torch.equal(ours[1], torch.randn(1, 8, 5, 16, generator=g))
+    if case == "cond-guides_odd":
+        assert _rel(ours, _read(out, "cond-guides_odd-1rank", "ours")) <= 1e-5
 
 
 def test_the_same_seed_twice_and_world_sizes_1_and_2_agree(run):

@@ -156,7 +156,8 @@ def test_forward_on_two_ranks_equals_the_call_in_process(model, local, case):
     ctx = _context(local)
     want = _reference(local, x, t, ctx, av=av, frame_rate=24.0)
     pm = PoolModel(model.client, model.load, model.name, av_timestep=av)
-    got = pm.forward(x, t, ctx, frame_rate=24.0, kwargs=["denoise_mask"] if case == "av_per_token" else [])
+    conds = {"denoise_mask": torch.ones(2, 128, 3, 3, 5)} if case == "av_per_token" else {}
+    got = pm.forward(x, t, ctx, frame_rate=24.0, conds=conds)
     assert _diff(got, want) <= TOL
     assert type(got) is type(x)
     if case == "av_raw":  # the conventions differ on audio-video latents
@@ -278,12 +279,97 @@ def test_a_patch_for_a_weight_the_model_lacks_is_refused_naming_it(model, local)
 
 def test_model_arguments_the_pool_does_not_implement_are_refused_by_name(model, local):
     x, t = _inputs()
-    with pytest.raises(BadInputError, match="keyframe_idxs"):
-        model.forward(x, t, _context(local), kwargs=["keyframe_idxs"])
-    params = {"model": model.name, "context_id": "c", "kwargs": ["ref_audio"]}
+    with pytest.raises(BadInputError, match="guiding_frame_index"):
+        model.forward(x, t, _context(local), conds={"guiding_frame_index": torch.ones(1)})
+    params = {"model": model.name, "context_id": "c", "kwargs": ["ref_audio_v2"]}
     tensors = {"x.0": x[0], "x.1": x[1], "t.0": t[0], "t.1": t[1], "context": _context(local)}
-    with pytest.raises(BadInputError, match="ref_audio"):
+    with pytest.raises(BadInputError, match="ref_audio_v2"):
         model.client().request("forward", params, tensors, timeout=60)
+    entry = {"pre_filter_count": 15, "strength": 0.5, "latent_shape": [1, 3, 5], "pixel_mask": None, "gamma": 2}
+    with pytest.raises(BadInputError, match="gamma"):
+        model.forward(x, t, _context(local), conds={"guide_attention_entries": [entry]})
+
+
+# --------------------------------------------------------------------------- guides, reference audio
+
+
+def _guided(batch=2, seed=5, strengths=(0.7, 1.0), drop=True):
+    """A 2-frame latent + two 1-frame guides appended (3 x 5 tokens each: 60 tokens in all), as
+    LTXVAddGuide leaves it: keyframe pixel coordinates, entries, the noise mask (guide frames at
+    1 - strength; with ``drop`` the second guide's first row negative: those tokens leave the
+    call), per-token timesteps mask x sigma."""
+    g = torch.Generator().manual_seed(seed)
+    video = torch.randn(batch, 128, 4, 3, 5, generator=g)
+    audio = torch.randn(batch, 8, 7, 16, generator=g)
+    mask = torch.ones(batch, 1, 4, 3, 5)
+    kf = []
+    for i, (frame, s) in enumerate(zip((0, 16), strengths)):
+        mask[:, :, 2 + i] = 1.0 - s
+        t_ = torch.full((1, 3, 5), float(frame))
+        hh, ww = torch.meshgrid(torch.arange(3) * 32.0, torch.arange(5) * 32.0, indexing="ij")
+        start = torch.stack([t_[0], hh, ww]).reshape(3, -1)
+        end = start + torch.tensor([1.0, 32.0, 32.0]).view(3, 1)
+        kf.append(torch.stack([start, end], dim=-1))
+    if drop:
+        mask[:, :, 3, 0] = -1.0
+    keyframe_idxs = torch.cat(kf, dim=1).unsqueeze(0).expand(batch, -1, -1, -1).contiguous()
+    entries = [{"pre_filter_count": 15, "strength": s, "latent_shape": [1, 3, 5], "pixel_mask": None}
+               for s in strengths]
+    sigma = 0.6
+    v_t = (mask * sigma).permute(0, 2, 3, 4, 1).reshape(batch, -1, 1)
+    t = (v_t, torch.full((batch,), sigma))
+    conds = {"denoise_mask": mask.expand(-1, 128, -1, -1, -1), "keyframe_idxs": keyframe_idxs,
+             "guide_attention_entries": entries}
+    return [video, audio], t, conds
+
+
+def _local_conds(conds: dict):
+    from ltx_mgpu.denoise.extra_conds import extra_conds, grid_mask
+
+    mask = conds.get("denoise_mask")
+    keep = grid_mask(mask) if mask is not None and conds.get("keyframe_idxs") is not None else None
+    return extra_conds(keyframe_idxs=conds.get("keyframe_idxs"), keep=keep,
+                       guide_attention_entries=conds.get("guide_attention_entries"),
+                       ref_audio=conds.get("ref_audio"), attention_mask=conds.get("attention_mask"))
+
+
+@pytest.mark.parametrize("case", ["two_guides", "guide_strength_1", "dropped_tokens", "ref_audio", "text_mask",
+                                  "all"])
+def test_guides_reference_audio_and_text_masks_on_two_ranks_equal_the_call_in_process(model, local, case):
+    x, t, conds = _guided(strengths=(1.0, 1.0) if case == "guide_strength_1" else (0.7, 1.0),
+                          drop=case in ("dropped_tokens", "all"))
+    if case in ("ref_audio", "text_mask"):
+        conds = {}
+    ctx = _context(local)
+    if case in ("ref_audio", "all"):
+        conds["ref_audio"] = {"tokens": torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(3))}
+    if case in ("text_mask", "all"):
+        text_mask = torch.ones(2, ctx.shape[1], dtype=torch.long)
+        text_mask[1, -300:] = 0
+        conds["attention_mask"] = text_mask
+    want = _reference(local, x, t, ctx, frame_rate=24.0, conds=_local_conds(conds))
+    got = model.forward(x, t, ctx, frame_rate=24.0, conds=conds)
+    assert _diff(got, want) <= TOL
+    plain = _reference(local, x, t, ctx, frame_rate=24.0)
+    assert _diff(got, plain) > 1e-3  # each condition changes the result
+    if case in ("dropped_tokens", "all"):  # tokens the grid mask drops get a zero velocity (ComfyUI's)
+        assert bool((got[0][:, :, 3, 0] == 0).all()) and bool((got[0][:, :, 3, 1:] != 0).any())
+
+
+def test_guide_inputs_that_do_not_fit_are_refused_naming_them(model, local):
+    x, t, conds = _guided()
+    ctx = _context(local)
+    bad = dict(conds, guide_attention_entries=[dict(conds["guide_attention_entries"][0], pre_filter_count=14),
+                                               conds["guide_attention_entries"][1]])
+    with pytest.raises(BadInputError, match="pre_filter_counts sum to 29"):
+        model.forward(x, t, ctx, conds=bad)
+    with pytest.raises(BadInputError, match="denoise mask"):
+        model.forward(x, t, ctx, conds={k: v for k, v in conds.items() if k != "denoise_mask"})
+    with pytest.raises(BadInputError, match="reference audio tokens"):
+        model.forward(x, t, ctx, conds={"ref_audio": {"tokens": torch.randn(1, 5, 64)}})
+    with pytest.raises(BadInputError, match="needs an audio-video latent"):
+        model.forward(x[0], t, ctx, conds={"ref_audio": {"tokens": torch.randn(1, 5, 128)}})
+    model.forward(x, t, ctx, conds=conds)  # serving
 
 
 def test_another_model_loaded_under_the_same_name_is_never_run_in_its_place(pool, model, local, base, tiny_ltx_23):

@@ -42,7 +42,7 @@ from ltx_mgpu.wire.codec import DEFAULT_MODEL
 from ltx_mgpu.wire.messages import FORWARD_KWARGS, NO_PATCHES
 
 __all__ = ["BUSY_WINDOW_S", "CONTEXTS_KEPT", "PatchFormatError", "PoolModel", "WirePatches", "model_activity",
-           "wire_patches"]
+           "wire_conds", "wire_patches"]
 
 #: Text contexts the client remembers having sent (the pool keeps as many; see
 #: ``ltx_mgpu.pool.model_jobs.CONTEXT_SLOTS``).
@@ -167,6 +167,64 @@ def wire_patches(patches: Mapping[str, Sequence], ids: Callable[[Any], str]) -> 
     return WirePatches(entries, adapters)
 
 
+#: The fields of a ``guide_attention_entries`` item (``comfy_extras/nodes_lt.py``).
+_GUIDE_FIELDS = frozenset({"pre_filter_count", "strength", "latent_shape", "pixel_mask"})
+
+
+def wire_conds(conds: Mapping[str, Any]) -> tuple[dict, dict]:
+    """ComfyUI's keyword arguments of a model call as a ``forward`` request's ``(params,
+    tensors)`` (``ltx_mgpu.wire.messages.FORWARD_TENSORS``): ``kwargs`` names those present;
+    ``attention_mask``, ``keyframe_idxs``, ``ref_audio`` (its ``tokens``) travel as tensors; the
+    video ``denoise_mask`` only with keyframes, as sample 0's minimum over channels (all that
+    ComfyUI's grid mask reads: a token leaves the call where any channel is negative); the guide
+    entries as ``guides`` (their pixel masks as ``guide.<i>.pixel_mask``). The pool checks the
+    values (``ltx_mgpu.denoise.extra_conds``).
+
+    Raises:
+        BadInputError: a keyword outside ``FORWARD_KWARGS`` (a node upstream added conditioning
+            or a model patch this pool does not implement), guide entries that are not dicts of
+            the known fields, reference audio without tokens.
+    """
+    present = {k: v for k, v in conds.items() if v is not None}
+    refused = sorted(set(present) - set(FORWARD_KWARGS) - {"attention_mask"})
+    if refused:
+        raise BadInputError(f"the model call has argument(s) {refused} the multi-GPU pool does not implement "
+                            f"(implemented: {[*FORWARD_KWARGS, 'attention_mask']}); a node upstream of the sampler "
+                            "added them: remove it, or update ltx_mgpu if a newer ComfyUI adds them")
+    params: dict = {"kwargs": sorted(k for k in present if k != "attention_mask")}
+    tensors: dict = {}
+    if "attention_mask" in present:
+        tensors["attention_mask"] = _cpu(present["attention_mask"])
+    if "keyframe_idxs" in present:
+        tensors["keyframe_idxs"] = _cpu(present["keyframe_idxs"]).float()
+        mask = present.get("denoise_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 5:
+            tensors["denoise_mask"] = _cpu(mask[:1].amin(dim=1, keepdim=True)).float()
+    if "ref_audio" in present:
+        ref = present["ref_audio"]
+        tokens = ref.get("tokens") if isinstance(ref, dict) else ref
+        if not isinstance(tokens, torch.Tensor):
+            raise BadInputError("ref_audio (from LTXVReferenceAudio) must hold a 'tokens' tensor")
+        tensors["ref_audio"] = _cpu(tokens)
+    entries = present.get("guide_attention_entries")
+    if entries:
+        if not isinstance(entries, (list, tuple)) or not all(isinstance(e, dict) for e in entries):
+            raise BadInputError("guide_attention_entries (from LTXVAddGuide) must be a list of dicts")
+        guides = []
+        for i, e in enumerate(entries):
+            unknown = sorted(set(e) - _GUIDE_FIELDS)
+            if unknown:
+                raise BadInputError(f"guide_attention_entries[{i}] has the field(s) {unknown} the multi-GPU pool "
+                                    f"does not implement (implemented: {sorted(_GUIDE_FIELDS)}); update ltx_mgpu")
+            shape = e.get("latent_shape")
+            guides.append({"pre_filter_count": e.get("pre_filter_count"), "strength": e.get("strength", 1.0),
+                           "latent_shape": list(shape) if isinstance(shape, (list, tuple)) else shape})
+            if isinstance(e.get("pixel_mask"), torch.Tensor):
+                tensors[f"guide.{i}.pixel_mask"] = _cpu(e["pixel_mask"]).float()
+        params["guides"] = guides
+    return params, tensors
+
+
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
@@ -288,7 +346,7 @@ class PoolModel:
             raise BadInputError(f"the pool did not keep the weight patches of '{self.name}' ({_TRIES} tries)")
 
     def forward(self, x: Any, timestep: Any, context: torch.Tensor, *, frame_rate: float = 25.0,
-                attention_mask: torch.Tensor | None = None, kwargs: Sequence[str] = (),
+                conds: Mapping[str, Any] | None = None,
                 patches: tuple[str, Mapping[str, Sequence] | None] = (NO_PATCHES, None),
                 check_interrupt=None) -> Any:
         """One call of the transformer as ComfyUI's ``LTXAVModel.forward`` (``x``: the video
@@ -297,28 +355,24 @@ class PoolModel:
         velocity alone when there is no audio (ComfyUI's ``recombine_audio_and_video_latents``),
         in the model dtype on ``x``'s device.
 
-        ``kwargs`` names the other ComfyUI keyword arguments of the call (their values are
-        already folded into the timesteps); ``patches`` is ``(patches_uuid, patches)`` of the
-        calling ModelPatcher, merged first when the pool holds others.
+        ``conds`` holds the call's other ComfyUI keyword arguments (``FORWARD_KWARGS`` and the
+        text ``attention_mask``; None values are absent), sent as :func:`wire_conds` encodes
+        them; ``patches`` is ``(patches_uuid, patches)`` of the calling ModelPatcher, merged
+        first when the pool holds others.
 
         Raises:
-            BadInputError: a keyword argument outside ``FORWARD_KWARGS`` (before any request),
-                inputs the pool refuses (names them).
+            BadInputError: a keyword argument outside ``FORWARD_KWARGS`` or a guide entry of
+                unknown fields (before any request), inputs the pool refuses (names them).
             PatchFormatError: see :meth:`sync_patches`.
         """
-        refused = sorted(set(kwargs) - set(FORWARD_KWARGS))
-        if refused:
-            raise BadInputError(f"the model call has argument(s) {refused} the multi-GPU pool does not implement "
-                                f"(implemented: {list(FORWARD_KWARGS)}); they come from a node that adds "
-                                "conditioning the pool cannot run (keyframe guides, reference audio, ...)")
+        cond_params, cond_tensors = wire_conds(conds or {})
         parts = list(x) if isinstance(x, (list, tuple)) else [x]
         if len(parts) == 2 and parts[1].numel() == 0:
             parts = parts[:1]
         steps = list(timestep) if isinstance(timestep, (list, tuple)) else [timestep]
         tensors = {f"x.{i}": _cpu(p) for i, p in enumerate(parts)}
         tensors.update({f"t.{i}": _cpu(t).float() for i, t in enumerate(steps[:2])})
-        if attention_mask is not None:
-            tensors["attention_mask"] = _cpu(attention_mask)
+        tensors.update(cond_tensors)
         device = parts[0].device
         receive = (lambda _name, t: t.to(device)) if device.type != "cpu" else None
         now = time.monotonic()
@@ -331,7 +385,7 @@ class PoolModel:
             for _ in range(_TRIES):
                 self.sync_patches(*patches, check_interrupt=check_interrupt)
                 params = {"context_id": cid, "frame_rate": float(frame_rate), "av_timestep": self.av_timestep,
-                          "patches": self._pool_patches, "kwargs": sorted(kwargs)}
+                          "patches": self._pool_patches, **cond_params}
                 send = dict(tensors)
                 if new:
                     send["context"] = _cpu(context)

@@ -16,9 +16,11 @@ context, attention_mask=None, frame_rate=25, transformer_options={}, keyframe_id
   :func:`processed_context`), split ``[video | audio]`` here;
 * ``frame_rate``: frames per second of the video positions.
 
-It returns the velocities in the same layout (``[video, audio]`` or the video tensor), in the
-model dtype. :func:`comfy_forward` is that call; the keyword arguments it does not implement are
-refused by name (:data:`ACCEPTED_KWARGS`), never ignored.
+The other keyword arguments (keyframe guides, guide attention, reference audio, the text
+``attention_mask``) arrive as an :class:`~ltx_mgpu.denoise.extra_conds.ExtraConds` and are
+applied as ComfyUI's model applies them (:mod:`ltx_mgpu.denoise.extra_conds`); the denoise
+masks are in the per-token timesteps already (``LTXAV.process_timestep``). It returns the
+velocities in ``x``'s layout (``[video, audio]`` or the video tensor), in the model dtype.
 
 The audio-video cross-attention AdaLN timesteps: ltx-core 1.0.0 (and ComfyUI after
 Comfy-Org/ComfyUI#14097) scale them by ``timestep_scale_multiplier``; ComfyUI up to 0.20.1 passes
@@ -26,70 +28,38 @@ the raw sigma. :func:`av_timestep_convention` sets which one a call follows, by 
 ``MultiModalTransformerArgsPreprocessor._prepare_cross_attention_timestep`` on the model's two
 preprocessors for the call (ltx-core's code is not changed).
 
-:func:`transformer_call` is the one place both samplers call the transformer: the SP Sampler's
-steps (:mod:`ltx_mgpu.denoise.sampler`) and the MODEL's forward (:func:`comfy_forward`).
+:func:`~ltx_mgpu.denoise.transformer_call.transformer_call` is the one place both samplers call
+the transformer: the SP Sampler's steps (:mod:`ltx_mgpu.denoise.sampler`) and the MODEL's
+forward (:func:`comfy_forward`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
-from ltx_core.model.transformer.modality import Modality
+from ltx_core.components.patchifiers import AudioPatchifier
 
 from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS
 from ltx_mgpu.denoise.conditioning import text_contexts
+from ltx_mgpu.denoise.extra_conds import ExtraConds, apply_extra_conds, restore_outputs
 from ltx_mgpu.denoise.latents import latent_to_tokens, tokens_to_latent
+from ltx_mgpu.denoise.transformer_call import ModalityInput, transformer_call
 from ltx_mgpu.nested import NestedTensorLike
-from ltx_mgpu.wire.messages import FORWARD_KWARGS
 
-__all__ = ["ACCEPTED_KWARGS", "ForwardError", "ModalityInput", "av_timestep_convention",
-           "comfy_forward", "processed_context", "transformer_call"]
+__all__ = ["ForwardError", "av_timestep_convention", "comfy_forward", "processed_context"]
 
-#: The keyword arguments of ComfyUI's LTXAV forward this implements (the protocol's
-#: ``FORWARD_KWARGS``, already folded into the per-token timesteps, plus the two it takes).
-ACCEPTED_KWARGS = frozenset({"attention_mask", "frame_rate", *FORWARD_KWARGS})
 AvConvention = Literal["scaled", "raw"]
+#: The audio timing of LTX-2's audio VAE (16 kHz, hop 160, 4x latent downsampling): the one
+#: ``latent_to_tokens`` uses, which also places the reference audio.
+_AUDIO_PATCHIFIER = AudioPatchifier(patch_size=1)
 
 
 class ForwardError(ValueError):
     """Inputs of a model call that do not form an LTX-2 forward (names the input and the fix)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModalityInput:
-    """One modality of a transformer call (the fields of ltx-core's ``Modality``).
-
-    Attributes:
-        tokens: patchified latent ``[B, T, C]`` in the model dtype on its device.
-        timesteps: per-token sigmas ``[B, T]`` float32 (ComfyUI's timestep: the sigma itself for
-            LTX-2's flow matching; ltx-core scales them by ``timestep_scale_multiplier``).
-        positions: ltx-core positions ``[B, 3, T, 2]`` (video) / ``[B, 1, T, 2]`` (audio).
-        context: this modality's text context ``[B, L, D]`` in the model dtype.
-    """
-
-    tokens: torch.Tensor
-    timesteps: torch.Tensor
-    positions: torch.Tensor
-    context: torch.Tensor
-
-
-def transformer_call(velocity: Callable, inputs: Mapping[str, ModalityInput]) -> dict[str, torch.Tensor]:
-    """The one transformer call both samplers make (the SP Sampler's steps and the MODEL's
-    forward): ltx-core ``Modality`` per entry of ``inputs`` (``"video"`` / ``"audio"``), with
-    ``sigma`` the per-sample maximum of its timesteps (the cross-modal AdaLN input), through
-    ``velocity(video, audio, perturbations)`` (``LTXModel.forward``'s contract).
-
-    Returns:
-        ``{name: velocity [B, T, C_out]}`` for each modality given.
-    """
-    mods = {k: Modality(latent=m.tokens, sigma=m.timesteps.amax(dim=1), timesteps=m.timesteps,
-                        positions=m.positions, context=m.context) for k, m in inputs.items()}
-    vx, ax = velocity(mods.get("video"), mods.get("audio"), None)
-    return {k: v for k, v in (("video", vx), ("audio", ax)) if k in inputs}
 
 
 def processed_context(model, context: torch.Tensor, unprocessed: bool) -> torch.Tensor:
@@ -122,40 +92,32 @@ def _token_timesteps(t: torch.Tensor, batch: int, tokens: int, what: str) -> tor
 
 
 def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: torch.Tensor, *,
-                  frame_rate: float = 25.0, attention_mask: torch.Tensor | None = None,
-                  extra: dict | None = None) -> Any:
+                  frame_rate: float = 25.0, conds: ExtraConds | None = None) -> Any:
     """One ComfyUI-layout call of the transformer (see the module doc).
 
     Args:
         model: the :class:`~ltx_mgpu.denoise.model.LTXDenoiser` (dtype, device, widths).
         velocity: ``f(video, audio, perturbations) -> (vx, ax)`` (``model.velocity_model(group)``).
-        x: the video latent, or ``[video, audio]``.
+        x: the video latent (guide frames appended), or ``[video, audio]``.
         timestep: ``(video, audio)`` timesteps (or one for both).
         context: the processed context ``[B, L, Dv + Da]``.
-        frame_rate: video frames per second; attention_mask: ``[B, L]`` ones (a text mask with
-            zeros is not implemented and refused).
-        extra: the other keyword arguments of the call, checked against :data:`ACCEPTED_KWARGS`.
+        frame_rate: video frames per second.
+        conds: keyframe guides, guide attention, reference audio, text mask (none by default).
     Returns:
         The velocities, ``[video, audio]`` or the video tensor, in the model dtype on its device.
     Raises:
-        ForwardError: a keyword this does not implement, or inputs of the wrong layout.
+        ForwardError: inputs of the wrong layout.
+        ExtraCondsError: conditions that do not fit the latent or context.
         LatentFormatError: a latent that is not LTX-2's.
     """
-    unknown = sorted(set(extra or {}) - ACCEPTED_KWARGS)
-    if unknown:
-        raise ForwardError(f"the model call has argument(s) {unknown} this pool does not implement "
-                           "(they come from a node that patches the model or adds conditioning)")
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     if len(parts) not in (1, 2) or not all(isinstance(p, torch.Tensor) for p in parts):
         raise ForwardError("x must be the video latent or [video latent, audio latent]")
     if len(parts) == 2 and parts[1].numel() == 0:
         parts = parts[:1]
     latent = {"samples": NestedTensorLike(parts)} if len(parts) == 2 else {"samples": parts[0]}
-    state = latent_to_tokens(latent, float(frame_rate))
+    state = latent_to_tokens(latent, float(frame_rate), audio_patchifier=_AUDIO_PATCHIFIER)
     v_t, a_t = timestep if isinstance(timestep, (list, tuple)) and len(timestep) == 2 else (timestep, timestep)
-    if attention_mask is not None and not bool((attention_mask != 0).all()):
-        raise ForwardError("a text attention_mask with zeros is not implemented; the LTX-2 text encoders give "
-                           "all-ones masks")
     if not isinstance(context, torch.Tensor) or context.ndim != 3:
         raise ForwardError(f"context must be [B, L, D], got {getattr(context, 'shape', type(context).__name__)}")
     vw, aw = model.context_widths
@@ -175,9 +137,10 @@ def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: tor
         ts = _token_timesteps(t, batch, tokens_state.tokens.shape[1], name).to(model.device)
         inputs[name] = ModalityInput(tokens=tokens_state.tokens.to(device=model.device, dtype=model.dtype),
                                      timesteps=ts, positions=tokens_state.positions.to(model.device), context=c)
-    v = transformer_call(velocity, inputs)
+    inputs, layout = apply_extra_conds(inputs, conds or ExtraConds(), float(frame_rate), _AUDIO_PATCHIFIER)
+    v = restore_outputs(transformer_call(velocity, inputs), layout)
     vx, ax = v.get("video"), v.get("audio")
-    out = tokens_to_latent(dataclasses.replace(state, extras={}), vx, ax)["samples"]
+    out = tokens_to_latent(dataclasses.replace(state, extras={}), vx, ax, audio_patchifier=_AUDIO_PATCHIFIER)["samples"]
     if len(parts) == 2:
         return [t.to(model.dtype) for t in out.unbind()]
     return out.to(model.dtype)

@@ -50,8 +50,8 @@ from ltx_core.components.schedulers import LTX2Scheduler
 from ltx_mgpu.cancellation import Cancelled
 from ltx_mgpu.choices import SAMPLERS
 from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning, sampling_frame_rate
-from ltx_mgpu.denoise.forward import ModalityInput, transformer_call
 from ltx_mgpu.denoise.latents import latent_to_tokens, repeat_to_batch, tokens_to_latent
+from ltx_mgpu.denoise.transformer_call import ModalityInput, transformer_call
 from ltx_mgpu.nested import is_nested
 
 __all__ = ["SAMPLERS", "SCHEDULER_OPTIONS", "SamplingCancelled", "check_scheduler_options", "comfy_noise",

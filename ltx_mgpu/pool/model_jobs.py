@@ -10,7 +10,9 @@ A transformer loaded by ``load_transformer`` (:mod:`ltx_mgpu.pool.denoise_jobs`)
   the same :class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer` and the same
   transformer call as the SP Sampler. Tensors: ``x.0`` video latent ``[B, 128, F, H, W]``,
   ``x.1`` audio latent ``[B, 8, N, 16]`` (optional), ``t.0`` / ``t.1`` their timesteps (``[B]``
-  or per token), ``attention_mask`` (optional), ``context`` (only when new). The text context
+  or per token), ``context`` (only when new), and the call's keyframe guides, guide attention,
+  reference audio and text mask (``wire.messages.FORWARD_TENSORS``, params ``kwargs`` /
+  ``guides``; applied by :mod:`ltx_mgpu.denoise.extra_conds`). The text context
   is kept per model under the client's ``context_id`` (:data:`CONTEXT_SLOTS`, oldest dropped), so
   a sampling run sends it once, not per step. Returns ``out.0`` / ``out.1``, the velocities in
   the model dtype (into the client's shared memory when offered: ``JobContext.result_buffers``).
@@ -36,6 +38,7 @@ import math
 import torch
 
 from ltx_mgpu.denoise.conditioning import ConditioningError
+from ltx_mgpu.denoise.extra_conds import ExtraConds, ExtraCondsError, extra_conds, grid_mask
 from ltx_mgpu.denoise.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
 from ltx_mgpu.denoise.latents import LatentFormatError
 from ltx_mgpu.denoise.patches import PATCH_KINDS, WeightPatch
@@ -43,14 +46,12 @@ from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError
 from ltx_mgpu.pool.denoise_jobs import ResidentTransformer, resident_transformer, set_weight_patches
 from ltx_mgpu.pool.engines import BadInput, JobContext, register_engine
 from ltx_mgpu.wire import codec
-from ltx_mgpu.wire.messages import FORWARD_KWARGS, MAX_BATCH, MAX_TEXT_TOKENS, NO_PATCHES
+from ltx_mgpu.wire.messages import FORWARD_KWARGS, FORWARD_TENSORS, MAX_BATCH, MAX_TEXT_TOKENS, NO_PATCHES
 
 __all__ = ["CONTEXT_SLOTS", "forward_job", "model_patches_job", "text_contexts_job"]
 
 #: Text contexts kept per model (cond and uncond batched is one; separate, two; DualCFG, three).
 CONTEXT_SLOTS = 4
-#: The tensors a ``forward`` may carry.
-_FORWARD_TENSORS = frozenset({"x.0", "x.1", "t.0", "t.1", "context", "attention_mask"})
 
 
 def _float_tensor(tensors: dict, name: str, ndim: tuple[int, ...], what: str) -> torch.Tensor:
@@ -97,6 +98,28 @@ def text_contexts_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
     return {"shape": list(out.shape)}, {"context": out.cpu()}
 
 
+def _extra_conds(kwargs: list, guides: list, tensors: dict) -> ExtraConds:
+    """The call's keyframe guides, guide attention, reference audio and text mask, checked
+    (:func:`ltx_mgpu.denoise.extra_conds.extra_conds`; ``wire_conds`` of the client encodes them)."""
+    if ("guide_attention_entries" in kwargs) != bool(guides):
+        raise BadInput("the forward names guide_attention_entries and sends no guides, or the reverse")
+    for name in ("keyframe_idxs", "ref_audio"):
+        if (name in kwargs) != (name in tensors):
+            raise BadInput(f"the forward names {name} and sends no tensor {name!r}, or the reverse")
+    entries = []
+    for i, g in enumerate(guides):
+        if not isinstance(g, dict):
+            raise BadInput(f"guides[{i}] must be an object")
+        entries.append({**g, "pixel_mask": tensors.get(f"guide.{i}.pixel_mask")})
+    try:
+        keep = grid_mask(tensors["denoise_mask"]) if "denoise_mask" in tensors else None
+        return extra_conds(keyframe_idxs=tensors.get("keyframe_idxs"), keep=keep,
+                           guide_attention_entries=entries or None, ref_audio=tensors.get("ref_audio"),
+                           attention_mask=tensors.get("attention_mask"))
+    except ExtraCondsError as e:
+        raise BadInput(str(e)) from None
+
+
 @register_engine("forward")
 def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """One transformer call on ComfyUI's tensors (module doc), sequence-parallel on every rank.
@@ -115,9 +138,12 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     if want != resident.patches:
         raise BadInput(f"the pool's '{name}' has weight patches {resident.patches}, the call expects {want}",
                        reason="stale_patches")
-    unknown = sorted(set(tensors) - _FORWARD_TENSORS)
+    guides = params.get("guides") or []
+    allowed = set(FORWARD_TENSORS) | {f"guide.{i}.pixel_mask" for i in range(len(guides))}
+    unknown = sorted(set(tensors) - allowed)
     if unknown:
-        raise BadInput(f"forward takes the tensors {sorted(_FORWARD_TENSORS)}, got also {unknown[:5]}")
+        raise BadInput(f"forward takes the tensors {list(FORWARD_TENSORS)} (and guide.<i>.pixel_mask), got also "
+                       f"{unknown[:5]}")
     kwargs = list(params.get("kwargs") or [])
     refused = sorted(set(kwargs) - set(FORWARD_KWARGS))
     if refused:
@@ -142,7 +168,7 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     if context is None:
         raise BadInput(f"the pool does not hold text context {cid!r}; send it", reason="unknown_context")
     resident.contexts.move_to_end(cid)
-    mask = tensors.get("attention_mask")
+    conds = _extra_conds(kwargs, guides, tensors)
     frame_rate = float(params.get("frame_rate", 25.0))
     # On the model's device first: patchifying and the positions then run there, and the
     # velocities stay there until they are copied out once.
@@ -152,8 +178,8 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     try:
         with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")):
             out = comfy_forward(m, resident.velocity, parts if len(parts) == 2 else video, tuple(steps), context,
-                                frame_rate=frame_rate, attention_mask=mask, extra=dict.fromkeys(kwargs))
-    except (ForwardError, LatentFormatError, SequenceParallelConfigError) as e:
+                                frame_rate=frame_rate, conds=conds)
+    except (ForwardError, ExtraCondsError, LatentFormatError, SequenceParallelConfigError) as e:
         # raised before the transformer's first collective, from the request alone (every rank)
         raise BadInput(str(e)) from None
     if not ctx.is_main:

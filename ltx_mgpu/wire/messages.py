@@ -29,6 +29,8 @@ __all__ = [
     "parse_request", "make_request", "make_event", "parse_event", "job_types",
     "MAX_STEPS", "MAX_PROMPTS", "MAX_TEXT_TOKENS", "MAX_VIDEO_TOKENS", "MAX_LATENT_PARTS", "MAX_BATCH", "MAX_LORAS",
     "FORWARD_KWARGS",
+    "FORWARD_TENSORS",
+    "MAX_GUIDES",
     "NO_PATCHES",
     "MAX_ADAPTERS",
     "MAX_PATCH_KEYS",
@@ -68,11 +70,22 @@ MAX_LORAS = 64
 #: and the adapters (LoRA factor pairs, diffs) it may reference.
 MAX_PATCH_KEYS = 16384
 MAX_ADAPTERS = 65536
-#: The keyword arguments of ComfyUI's LTXAV model call a ``forward`` implements (its ``kwargs``
-#: names those present): the denoise masks, which ComfyUI has already folded into the per-token
-#: timesteps (``LTXAV.process_timestep``). Any other (keyframe guides, reference audio, ...) is
-#: refused by name, never ignored.
-FORWARD_KWARGS = ("denoise_mask", "audio_denoise_mask")
+#: The keyword arguments of ComfyUI's LTXAV model call a ``forward`` implements
+#: (``LTXAV.extra_conds``): the denoise masks (ComfyUI has folded them into the per-token
+#: timesteps, ``LTXAV.process_timestep``; with keyframe guides the video one also drops tokens),
+#: keyframe guides, guide attention, reference audio and ``latent_shapes`` (the packed latent's
+#: shapes, which ComfyUI's model does not read either). Any other is refused by name, never
+#: ignored.
+FORWARD_KWARGS = ("denoise_mask", "audio_denoise_mask", "keyframe_idxs", "guide_attention_entries", "ref_audio",
+                  "latent_shapes")
+#: The tensors of a ``forward`` request: the latent parts ``x.<i>`` and timesteps ``t.<i>``, the
+#: processed text ``context`` (when new), the text ``attention_mask``, and the guide inputs:
+#: ``denoise_mask`` (sample 0's minimum over channels ``[1, 1, F, H, W]``: what ComfyUI's grid
+#: mask reads), ``keyframe_idxs``, ``ref_audio`` and ``guide.<i>.pixel_mask``.
+FORWARD_TENSORS = ("x.0", "x.1", "t.0", "t.1", "context", "attention_mask", "denoise_mask", "keyframe_idxs",
+                   "ref_audio")
+#: Guide attention entries one ``forward`` may carry.
+MAX_GUIDES = 256
 #: The ``patches`` id of a transformer with its loaded weights (no ComfyUI weight patches merged).
 NO_PATCHES = "none"
 
@@ -224,9 +237,10 @@ register_request(MessageSchema("forward", (
     F("model", ("str",), False), F("key", ("str",), False), F("context_id", ("str",)),
     F("frame_rate", ("number",), False, bounds=(1e-3, 1e4), hint="frames per second of the video"),
     F("av_timestep", ("str",), False, choices=AV_TIMESTEP_CONVENTIONS),
-    F("patches", ("str",), False), F("kwargs", ("list",), False, items="str", max_items=16)),
-    tensors=True, doc="one call of the transformer on ComfyUI's tensors: 'x.0' video, 'x.1' audio latent, "
-                      "'t.0' / 't.1' their timesteps, 'context' (when new), 'attention_mask'"))
+    F("patches", ("str",), False), F("kwargs", ("list",), False, items="str", max_items=16),
+    F("guides", ("list",), False, items="object", max_items=MAX_GUIDES, hint="use fewer LTXVAddGuide nodes")),
+    tensors=True, doc="one call of the transformer on ComfyUI's tensors (FORWARD_TENSORS): 'x.0' video, 'x.1' "
+                      "audio latent, 't.0' / 't.1' their timesteps, 'context' (when new), the guide inputs"))
 register_request(MessageSchema("model_patches", (
     F("model", ("str",), False), F("key", ("str",), False), F("patches", ("str",)),
     F("entries", ("list",), items="object", max_items=MAX_PATCH_KEYS, hint="apply fewer LoRAs"),
