@@ -115,7 +115,8 @@ def test_unsupported_quantized_comfy_weights(gemma, tmp_path):
         meta = dict(f.metadata())
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(128, 32, dtype=torch.uint8)  # packed 4-bit
     save_file(tensors, str(path), metadata=meta)
-    with pytest.raises(GemmaFormatError, match=r"up_proj\.weight is stored as U8.*bf16, fp16 or fp8"):
+    with pytest.raises(GemmaFormatError, match=r"up_proj\.weight is stored as U8 without a ComfyUI comfy_quant "
+                                               r"marker.*bf16, fp16 and fp32.*nvfp4"):
         load_gemma_text_tower(path)
 
 

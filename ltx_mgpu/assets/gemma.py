@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save
 
+from ltx_mgpu.assets.quant_plans import PLANS, quantize_text_tensors
 from ltx_mgpu.text.gemma.tokenizer import tokenizer_from_spm
 
 #: Tiny Gemma 3 text dimensions (multiples of 64/32 so bitsandbytes' packed CPU NF4 path
@@ -76,7 +77,8 @@ _WORDS = [
     "camera", "slowly", "walks", "video", "scene", "woman", "man", "city", "night", "sound", "music", "wind", "rain",
 ]
 
-ComfyWeightFormat = Literal["bf16", "fp16", "fp8_e4m3fn_scaled"]
+ComfyWeightFormat = Literal["bf16", "fp16", "fp8_e4m3fn_scaled", "nvfp4", "fp4_mixed", "fp8", "int8", "int8_convrot"]
+_FORMATS = ("bf16", "fp16", "fp8_e4m3fn_scaled", *PLANS)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -316,17 +318,20 @@ def build_tiny_gemma_comfy_file(snapshot_dir: Path, out_path: Path, weight_forma
     (JSON), since tiny dims cannot be inferred from 12B defaults.
 
     ``weight_format``: ``"bf16"`` (as stored in the snapshot), ``"fp16"`` (every float tensor
-    cast), or ``"fp8_e4m3fn_scaled"`` (text linear weights stored as ``float8_e4m3fn`` with a
+    cast), ``"fp8_e4m3fn_scaled"`` (text linear weights stored as ``float8_e4m3fn`` with a
     per-tensor fp32 ``<layer>.weight_scale`` = amax / 448, ComfyUI's ``QUANTIZATION.md`` format,
-    plus ``_quantization_metadata`` in the header). Deterministic bytes.
+    plus ``_quantization_metadata`` in the header, the older way of marking layers), or one of
+    ``ltx_mgpu.assets.quant_plans.PLANS`` (``"nvfp4"``, ``"fp4_mixed"``, ``"fp8"``, ``"int8"``,
+    ``"int8_convrot"``: the text projections in ComfyUI's quantized layouts, each layer with its
+    ``comfy_quant`` marker). Deterministic bytes.
 
     Raises:
         FileNotFoundError: ``snapshot_dir`` lacks ``model.safetensors``, ``config.json`` or
             ``tokenizer.model``.
         ValueError: unknown ``weight_format``.
     """
-    if weight_format not in ("bf16", "fp16", "fp8_e4m3fn_scaled"):
-        raise ValueError(f"weight_format must be 'bf16', 'fp16' or 'fp8_e4m3fn_scaled', got {weight_format!r}")
+    if weight_format not in _FORMATS:
+        raise ValueError(f"weight_format must be one of {_FORMATS}, got {weight_format!r}")
     snapshot_dir = Path(snapshot_dir)
     hf = load_file(str(snapshot_dir / "model.safetensors"))
     config = json.loads((snapshot_dir / "config.json").read_text(encoding="utf-8"))
@@ -349,6 +354,8 @@ def build_tiny_gemma_comfy_file(snapshot_dir: Path, out_path: Path, weight_forma
             tensors[key[: -len("weight")] + "weight_scale"] = scale.reshape(())
             quantized[key[: -len(".weight")]] = {"format": "float8_e4m3fn"}
         tensors[key] = t.contiguous()
+    if weight_format in PLANS:
+        tensors, _ = quantize_text_tensors(tensors, weight_format, config["text_config"]["num_hidden_layers"])
     tensors["spiece_model"] = torch.frombuffer(bytearray(spm_bytes), dtype=torch.uint8)
 
     metadata = {"format": "pt", "ltx_mgpu_gemma_config": json.dumps(config["text_config"], sort_keys=True)}

@@ -50,8 +50,9 @@ from ltx_mgpu.text.features import (
     load_projection,
     projection_gemma,
 )
+from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
 from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
-from ltx_mgpu.text.gemma.sources import comfy_text_config, detect_gemma_format, gemma_source_files
+from ltx_mgpu.text.gemma.sources import detect_gemma_format, gemma_source_files
 from ltx_mgpu.text.nf4.artifact import read_manifest
 from ltx_mgpu.text.sharding import dispatch_text_tower
 from ltx_mgpu.text.spec import LocalTextEncoder
@@ -149,11 +150,7 @@ def read_gemma_shape(path: str | os.PathLike) -> GemmaShape:
         cfg = AutoConfig.from_pretrained(str(p))
         cfg = cfg.text_config if cfg.model_type == "gemma3" else cfg
     elif fmt == "comfy_file":
-        with safe_open(str(p), framework="pt", device="cpu") as f:
-            meta = dict(f.metadata() or {})
-            shapes = {k: tuple(f.get_slice(k).get_shape())
-                      for k in f.keys() if k.startswith("model.")}  # noqa: SIM118 - safe_open is not iterable
-        cfg = comfy_text_config(meta, shapes, p)
+        cfg = open_comfy_file(p).config()
     else:
         from transformers import Gemma3TextConfig  # deferred: transformers takes seconds to import
 

@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ltx_mgpu.choices import WEIGHTS, check_choice
+from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
 from ltx_mgpu.text.gemma.forward import offload_embeddings, use_causal_skip
-from ltx_mgpu.text.gemma.keys import COMFY_AUX_SUFFIXES, SNAPSHOT_KEY_MAPPING, TEXT_KEY, ScaledFp8
+from ltx_mgpu.text.gemma.keys import SNAPSHOT_KEY_MAPPING, TEXT_KEY
 from ltx_mgpu.text.gemma.sources import (
-    GemmaFormatError,
     GemmaWeightsError,
-    comfy_text_config,
     detect_gemma_format,
     find_tokenizer_files,
     no_tokenizer_error,
@@ -112,42 +110,24 @@ def _load_snapshot(d: Path, device: Any, dtype: torch.dtype, attn_implementation
 def _load_comfy(path: Path, device: Any, dtype: torch.dtype, attn_implementation: str) -> GemmaTextTower:
     from transformers import Gemma3TextModel
 
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        keys = set(f.keys())
-        meta = dict(f.metadata() or {})
-        spm_bytes = f.get_tensor("spiece_model").numpy().tobytes() if "spiece_model" in keys else None
-        state: dict[str, Any] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for key in sorted(keys):
-            if not key.startswith("model.") or key.endswith(COMFY_AUX_SUFFIXES):
-                continue
-            sl = f.get_slice(key)
-            shapes[key] = tuple(sl.get_shape())
-            kind = sl.get_dtype()
-            if kind in ("F8_E4M3", "F8_E5M2"):
-                base = key[: -len(".weight")] if key.endswith(".weight") else key
-                scale_key = next((k for k in (base + ".weight_scale", base + ".scale_weight") if k in keys), None)
-                sl = ScaledFp8(sl, f.get_tensor(scale_key) if scale_key else None)
-            elif kind not in ("BF16", "F16", "F32"):
-                raise GemmaFormatError(
-                    f"{path}: tensor {key} is stored as {kind}; quantized ComfyUI formats other than fp8 e4m3 "
-                    "(e.g. nvfp4 'fp4_mixed', int8) are not supported. Use the bf16, fp16 or fp8 Gemma 3 file."
-                )
-            state[key[len("model.") :]] = sl
-        cfg = comfy_text_config(meta, shapes, path)
-        with _without_load_report():
-            model, info = Gemma3TextModel.from_pretrained(
-                None,
-                config=cfg,
-                state_dict=state,
-                dtype=dtype,
-                attn_implementation=attn_implementation,
-                device_map={"": device},
-                ignore_mismatched_sizes=True,
-                output_loading_info=True,
-            )
+    src = open_comfy_file(path)
+    cfg = src.config()
+    # quantized layers are dequantized on the target device, into ComfyUI's compute dtype for
+    # the file; transformers' loader casts the result to ``dtype``
+    state = {name: src.lazy(name, device) for name in src.shapes}
+    with _without_load_report():
+        model, info = Gemma3TextModel.from_pretrained(
+            None,
+            config=cfg,
+            state_dict=state,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            device_map={"": device},
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+        )
     _check_loading_info(info, path)
-    tok, tok_files = comfy_file_tokenizer(path, spm_bytes)
+    tok, tok_files = comfy_file_tokenizer(path, src.spm)
     return GemmaTextTower(model.eval(), check_tokenizer(tok, path), cfg, "comfy_file", path, (path, *tok_files))
 
 
@@ -168,8 +148,9 @@ def load_gemma_text_tower(
             (``ltx_mgpu.text.gemma.sources`` describes both), or an ltx_mgpu NF4 artifact
             directory (always loaded as NF4, whatever ``weights`` says: ``ltx_mgpu.text.nf4.load.load_nf4``).
         device: where the weights are placed.
-        dtype: weight dtype; fp16/fp8 source weights are upcast to it (fp8 times its scale).
-            NF4 requires bf16.
+        dtype: weight dtype; other stored dtypes are cast to it. A ComfyUI file's quantized
+            layers (nvfp4, fp8, int8: ``ltx_mgpu.text.gemma.comfy_file``) are first dequantized as
+            ComfyUI does, into the dtype of the file's norms. NF4 requires bf16.
         attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...
         weights: ``"bf16"`` (plain weights in ``dtype``) or ``"nf4"`` (quantized while loading:
             ``ltx_mgpu.text.nf4.load.load_nf4_on_the_fly``).

@@ -6,14 +6,21 @@ Formats (:data:`SUPPORTED_FORMATS`):
   the multimodal layout of ``Gemma3ForConditionalGeneration`` (``language_model.model.*`` or
   ``model.language_model.*``) or the text-only ``Gemma3ForCausalLM`` layout (``model.*``).
 * ``"comfy_file"``: ComfyUI's single-file Gemma 3 (``models/text_encoders/gemma_3_12B_it*.safetensors``):
-  text keys ``model.layers.N.*`` (bf16, fp16, or fp8-e4m3 with optional per-tensor scales), the
+  text keys ``model.layers.N.*`` in bf16, fp16 or fp32, or quantized layer by layer as ComfyUI
+  stores them (``gemma_3_12B_it_fp4_mixed``: nvfp4 layers beside plain ones; ``fp8_scaled``;
+  int8, with or without ConvRot; :mod:`ltx_mgpu.quantized.layers` reads the markers), the
   SentencePiece tokenizer embedded as a uint8 tensor ``spiece_model`` (or a tokenizer beside it).
+  :func:`comfy_file_quant` checks every text tensor's storage from the header and the markers, so
+  a file ltx_mgpu cannot read is refused before anything is loaded.
 * ``"nf4_artifact"``: an ltx_mgpu NF4 artifact directory (``ltx_mgpu_nf4.json``); detected here,
   loaded by ``ltx_mgpu.text.nf4.quantize``. The manifest is written last, so a directory with NF4 shards
   but no manifest (an interrupted quantization) is rejected with a message saying so.
 
-Everything here reads only file names, ``config.json`` and safetensors headers, never weights:
-the prompt cache keys on :func:`gemma_identity` before any model is loaded.
+Everything here reads only file names, ``config.json``, safetensors headers and ComfyUI's small
+per-layer quantization markers, never weights: the prompt cache keys on :func:`gemma_identity`
+before any model is loaded. The identity covers how the weights are decoded: a ComfyUI file with
+quantized layers adds their formats and the dequantization's version
+(``ltx_mgpu.quantized.dequant.DECODER``) to its digest.
 """
 
 from __future__ import annotations
@@ -26,8 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from safetensors import safe_open
+
 from ltx_mgpu.files import safetensors_header
 from ltx_mgpu.identity import file_digest
+from ltx_mgpu.quantized.dequant import describe_decoding
+from ltx_mgpu.quantized.layers import AUX_SUFFIXES, READABLE, FileQuant, QuantFormatError, read_file_quant
 
 __all__ = [
     "SUPPORTED_FORMATS",
@@ -35,6 +46,7 @@ __all__ = [
     "GemmaWeightsError",
     "TokenizerFiles",
     "detect_gemma_format",
+    "comfy_file_quant",
     "find_tokenizer_files",
     "comfy_tokenizer_files",
     "gemma_source_files",
@@ -47,9 +59,15 @@ __all__ = [
 SUPPORTED_FORMATS = (
     "Supported Gemma 3 formats: (1) a Hugging Face snapshot directory with config.json and *.safetensors "
     "weights, in the multimodal (Gemma3ForConditionalGeneration) or text-only (Gemma3ForCausalLM) key layout; "
-    "(2) a ComfyUI single-file Gemma 3 text encoder .safetensors with model.layers.* keys (bf16, fp16 or fp8 "
-    "e4m3 weights), e.g. gemma_3_12B_it.safetensors; (3) an ltx_mgpu NF4 artifact directory (ltx_mgpu_nf4.json)."
+    "(2) a ComfyUI single-file Gemma 3 text encoder .safetensors with model.layers.* keys: bf16, fp16 or fp32 "
+    "weights, or ComfyUI's quantized layers (nvfp4, float8_e4m3fn / e5m2, int8_tensorwise with or without ConvRot), "
+    "e.g. gemma_3_12B_it.safetensors, gemma_3_12B_it_fp8_scaled.safetensors, gemma_3_12B_it_fp4_mixed.safetensors; "
+    "(3) an ltx_mgpu NF4 artifact directory (ltx_mgpu_nf4.json)."
 )
+#: What to use instead of a ComfyUI file whose storage cannot be read.
+_READABLE_FILES = ("; use ComfyUI's gemma_3_12B_it.safetensors (bf16), gemma_3_12B_it_fp8_scaled.safetensors or "
+                   "gemma_3_12B_it_fp4_mixed.safetensors, or a Hugging Face snapshot of Gemma 3")
+_PLAIN_DTYPES = ("BF16", "F16", "F32")
 NF4_MANIFEST = "ltx_mgpu_nf4.json"
 #: Name prefix of the temporary directory an NF4 artifact is built in (``ltx_mgpu.text.nf4.artifact``).
 NF4_PARTIAL_PREFIX = ".nf4-partial-"
@@ -128,6 +146,7 @@ def detect_gemma_format(path: str | os.PathLike) -> str:
     keys, _ = safetensors_keys(p)
     key_set = set(keys)
     if "model.embed_tokens.weight" in key_set and "model.layers.0.self_attn.q_norm.weight" in key_set:
+        comfy_file_quant(p)  # refuses a storage that cannot be read, before anything is loaded
         return "comfy_file"
     if any(k.startswith(("language_model.model.", "model.language_model.")) for k in keys):
         hint = "it looks like one shard of a Hugging Face snapshot: pass the snapshot directory instead"
@@ -137,6 +156,36 @@ def detect_gemma_format(path: str | os.PathLike) -> str:
             f"first keys: {sorted(keys)[:5]}"
         )
     raise GemmaFormatError(f"{p}: {hint}. {SUPPORTED_FORMATS}")
+
+
+def comfy_file_quant(path: str | os.PathLike) -> FileQuant:
+    """The quantized text-tower layers of a ComfyUI file (``model.*``), every other text tensor
+    checked to be bf16, fp16 or fp32. Reads the header and the ``comfy_quant`` markers only.
+
+    Raises:
+        GemmaFormatError: a text layer in a format ltx_mgpu cannot read (the message names the
+            layer, the format and what to use instead), a damaged marker or scale, or a text
+            tensor stored in another dtype without a marker.
+    """
+    p = Path(path)
+    try:
+        quant = read_file_quant(p, prefix="model.", hint=_READABLE_FILES)
+    except QuantFormatError as exc:
+        raise GemmaFormatError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - safetensors' own errors for a bad file
+        raise GemmaFormatError(f"{p}: not a readable .safetensors file ({exc}). {SUPPORTED_FORMATS}") from None
+    with safe_open(str(p), framework="pt", device="cpu") as f:
+        for key in sorted(f.keys()):
+            if not key.startswith("model.") or key.endswith(AUX_SUFFIXES) or quant.of(key) is not None:
+                continue
+            kind = f.get_slice(key).get_dtype()
+            if kind not in _PLAIN_DTYPES:
+                raise GemmaFormatError(
+                    f"{p}: tensor {key} is stored as {kind} without a ComfyUI comfy_quant marker saying how to read "
+                    f"it; ltx_mgpu reads bf16, fp16 and fp32 tensors, fp8 weights, and the quantized layers "
+                    f"ComfyUI marks ({', '.join(READABLE)}){_READABLE_FILES}"
+                )
+    return quant
 
 
 # --------------------------------------------------------------------------- tokenizer files
@@ -241,10 +290,14 @@ def gemma_source_listing(path: str | os.PathLike) -> tuple[tuple[Path, ...], tup
 def source_identity(source: Path, files: Sequence[Path]) -> str:
     """SHA-256 hex over ``(role, file_digest)`` pairs: the role is the path inside a source
     directory, or ``"<weights>"`` / the tokenizer's file name for a single file, so renaming or
-    moving a source keeps its identity while any byte change alters it.
+    moving a source keeps its identity while any byte change alters it. A ComfyUI file with
+    quantized layers adds ``("<decoding>", ltx_mgpu.quantized.dequant.describe_decoding(...))``:
+    the formats and the dequantization's version, so a change of how they are decoded never
+    serves an embedding of the old weights (files without quantized layers keep their digest).
 
     Raises:
         ValueError: ``files`` is empty (a tower built in memory has no content identity).
+        GemmaFormatError: as :func:`comfy_file_quant`.
     """
     if not files:
         raise ValueError("no source files to digest (a tower built in memory has no content identity)")
@@ -253,6 +306,10 @@ def source_identity(source: Path, files: Sequence[Path]) -> str:
     for f in files:
         role = os.path.relpath(f, source) if source.is_dir() else ("<weights>" if f == source else f.name)
         roles.append((role, file_digest(f)))
+    if source.suffix == ".safetensors" and source.is_file():
+        decoding = describe_decoding(comfy_file_quant(source))
+        if decoding:
+            roles.append(("<decoding>", decoding))
     for role, digest in sorted(roles):
         h.update(f"{role}\0{digest}\n".encode())
     return h.hexdigest()

@@ -244,7 +244,8 @@ def write_artifact(out_dir: Path, groups: Iterable[Mapping[str, torch.Tensor]], 
         groups: the stored tensors of each parameter, in module order (one mapping per parameter).
         config: the ``Gemma3TextConfig`` (recorded as JSON).
         expected: parameter name -> ``(shape, "nf4" | "bfloat16")`` (``ltx_mgpu.text.nf4.model.skeleton``).
-        source_info: ``{"format", "name", "identity"}`` of the source.
+        source_info: ``{"format", "name", "identity"}`` of the source, and ``"stored_as"``: the
+            quantized formats of a ComfyUI file that has any.
         write_tokenizer: puts the tokenizer files into a directory, returns their manifest entry.
         device: where the tensors were quantized (its type is recorded).
         shard_bytes: target shard size (bytes).

@@ -62,7 +62,7 @@ def quantize_tensor(name: str, w: torch.Tensor, device: torch.device) -> dict[st
 
 def source_groups(src: GemmaSource, expected: dict, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     """The source's parameters in module order, each as the tensors stored for it, on ``device``."""
-    for name, t in iter_source(src, list(expected)):
+    for name, t in iter_source(src, list(expected), device):
         if expected[name][1] == NF4:
             yield quantize_tensor(name, t, device)
         else:
@@ -101,16 +101,19 @@ def quantize_nf4(source: str | os.PathLike, out_dir: str | os.PathLike, device: 
     detected as an artifact.
 
     Args:
-        source: HF snapshot directory or ComfyUI single file (bf16, fp16 or fp8 weights).
+        source: HF snapshot directory or ComfyUI single file (bf16, fp16 or fp32 weights, or
+            ComfyUI's quantized layers, dequantized on ``device`` first).
         out_dir: the artifact directory to create (must not exist).
         device: where to quantize (default: CUDA if available, else CPU).
         shard_bytes: target size of each ``nf4-NNNNN.safetensors`` shard (bytes).
 
     Returns:
-        ``out_dir``. Its manifest records the source's :func:`gemma_identity`, format and file
-        name, the library versions, :data:`QUANT_SETTINGS` and the device type, the text config,
-        every parameter with its shape and dtype (``"nf4"`` or ``"bfloat16"``), every shard
-        with its size and tensors, and the tokenizer files.
+        ``out_dir``. Its manifest records the source's :func:`gemma_identity` (which covers how
+        a quantized ComfyUI file is decoded), format, file name and the quantized formats it
+        stores (``stored_as``, e.g. ``"float8_e4m3fn,nvfp4"``; absent for plain weights), the library versions,
+        :data:`QUANT_SETTINGS` and the device type, the text config, every parameter with its
+        shape and dtype (``"nf4"`` or ``"bfloat16"``), every shard with its size and tensors, and
+        the tokenizer files.
 
     Raises:
         FileNotFoundError, GemmaFormatError: as ``detect_gemma_format``; an NF4 artifact as source.
@@ -123,7 +126,8 @@ def quantize_nf4(source: str | os.PathLike, out_dir: str | os.PathLike, device: 
     dev = _resolve_device(device)
     _, expected = skeleton(src.config)
     check_source(src, expected)
-    info = {"format": src.format, "name": src.path.name, "identity": gemma_identity(src.path)}
+    info = {"format": src.format, "name": src.path.name, "identity": gemma_identity(src.path),
+            **({"stored_as": src.stored_as} if src.stored_as else {})}
     return write_artifact(Path(out_dir), source_groups(src, expected, dev), src.config, expected, info,
                           src.write_tokenizer, dev, shard_bytes)
 
@@ -208,7 +212,8 @@ def save_nf4(tower: GemmaTextTower, out_dir: str | os.PathLike, *, shard_bytes: 
             return tok_files
     else:
         src = open_source(tower.path)
-        info = {"format": src.format, "name": src.path.name, "identity": tower.identity}
+        info = {"format": src.format, "name": src.path.name, "identity": tower.identity,
+                **({"stored_as": src.stored_as} if src.stored_as else {})}
         write_tokenizer = src.write_tokenizer
     return write_artifact(Path(out_dir), groups(), tower.config, expected, info, write_tokenizer, device,
                           shard_bytes)

@@ -1,11 +1,13 @@
-"""Stream a bf16/fp16/fp8 Gemma 3 source tensor by tensor, for NF4 quantization.
+"""Stream a Gemma 3 source tensor by tensor, for NF4 quantization.
 
 Both source formats of ``ltx_mgpu.text.gemma.sources`` are read with safetensors' ``safe_open``
 one tensor at a time (the file is reopened per tensor, so at most one tensor of the source is
 mapped or held in host memory), under the key handling of ``ltx_mgpu.text.gemma.loading``: the
 multimodal / text-only prefixes of an HF snapshot are stripped (vision tower, projector and
-``lm_head`` are not text-tower keys and are never read); a ComfyUI file's ``model.*`` keys are
-used without their fp8 scale companions, and fp8 weights are upcast times their scale.
+``lm_head`` are not text-tower keys and are never read); a ComfyUI file is read through
+``ltx_mgpu.text.gemma.comfy_file``: its quantized layers (nvfp4 ``fp4_mixed``, fp8, int8) are
+dequantized as ComfyUI does, on the device that then quantizes them to NF4, so NF4 is made from
+the same dense weights ComfyUI computes with.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from ltx_mgpu.text.gemma.keys import COMFY_AUX_SUFFIXES, SNAPSHOT_KEY_MAPPING, TEXT_KEY, ScaledFp8
+from ltx_mgpu.text.gemma.comfy_file import ComfyGemmaFile, open_comfy_file
+from ltx_mgpu.text.gemma.keys import SNAPSHOT_KEY_MAPPING, TEXT_KEY
 from ltx_mgpu.text.gemma.sources import (
     SUPPORTED_FORMATS,
     GemmaFormatError,
     GemmaWeightsError,
-    comfy_text_config,
     comfy_tokenizer_files,
     detect_gemma_format,
     find_tokenizer_files,
@@ -35,19 +37,19 @@ from ltx_mgpu.text.gemma.tokenizer import check_tokenizer, comfy_file_tokenizer,
 __all__ = ["GemmaSource", "open_source"]
 
 _PLAIN_DTYPES = ("BF16", "F16", "F32")
-_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 
 
 @dataclass
 class GemmaSource:
-    """A Gemma 3 bf16-family source opened for streaming (headers read, no weights).
+    """A Gemma 3 source opened for streaming (headers read, no weights).
 
     Attributes:
         path: the snapshot directory or ComfyUI file.
         format: ``"hf_snapshot"`` or ``"comfy_file"``.
         config: its ``Gemma3TextConfig``.
-        shapes: ``Gemma3TextModel`` parameter name -> shape, from the safetensors headers.
+        shapes: ``Gemma3TextModel`` parameter name -> dense shape, from the safetensors headers.
         locations: the same names -> ``(file, key in the file)``.
+        comfy: the opened ComfyUI file (``"comfy_file"`` only), which reads its tensors.
     """
 
     path: Path
@@ -56,19 +58,23 @@ class GemmaSource:
     shapes: dict[str, tuple[int, ...]]
     locations: dict[str, tuple[Path, str]]
     _spm: bytes | None = field(default=None, repr=False)
+    comfy: ComfyGemmaFile | None = field(default=None, repr=False)
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor of parameter ``name`` on CPU in its stored dtype (fp8 upcast to float32
-        times its scale). The file is opened for this tensor only."""
+    def read(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor of parameter ``name`` on ``device``: as stored, or, for a ComfyUI file's
+        quantized layer, dequantized there into the file's compute dtype
+        (``ComfyGemmaFile.read``). The file is opened for this tensor only."""
+        if self.comfy is not None:
+            return self.comfy.read(name, device)
         file, key = self.locations[name]
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            sl = f.get_slice(key)
-            if sl.get_dtype() in _FP8_DTYPES:
-                base = key[: -len(".weight")] if key.endswith(".weight") else key
-                keys = set(f.keys())
-                scale_key = next((k for k in (base + ".weight_scale", base + ".scale_weight") if k in keys), None)
-                return ScaledFp8(sl, f.get_tensor(scale_key) if scale_key else None)[...]
-            return f.get_tensor(key)
+            return f.get_tensor(key).to(device)
+
+    @property
+    def stored_as(self) -> str:
+        """The quantized formats a ComfyUI file stores (``"float8_e4m3fn,nvfp4"``); ``""`` for
+        plain weights and for snapshots."""
+        return self.comfy.quant.describe() if self.comfy is not None else ""
 
     def tokenizer(self) -> Any:
         """The source's checked tokenizer (left padding, ``<bos>``, no ``<eos>``)."""
@@ -134,31 +140,14 @@ def _open_snapshot(d: Path) -> GemmaSource:
 
 
 def _open_comfy(path: Path) -> GemmaSource:
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    locations: dict[str, tuple[Path, str]] = {}
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        keys = list(f.keys())
-        meta = dict(f.metadata() or {})
-        spm = f.get_tensor("spiece_model").numpy().tobytes() if "spiece_model" in keys else None
-        for key in sorted(keys):
-            if not key.startswith("model.") or key.endswith(COMFY_AUX_SUFFIXES):
-                continue
-            sl = f.get_slice(key)
-            if sl.get_dtype() not in _PLAIN_DTYPES + _FP8_DTYPES:
-                raise GemmaFormatError(
-                    f"{path}: tensor {key} is stored as {sl.get_dtype()}; quantized ComfyUI formats other than "
-                    "fp8 e4m3 (e.g. nvfp4 'fp4_mixed', int8) are not supported. Use the bf16, fp16 or fp8 Gemma 3 "
-                    "file."
-                )
-            shapes[key[len("model."):]] = tuple(sl.get_shape())
-            locations[key[len("model."):]] = (path, key)
-    cfg = comfy_text_config(meta, {"model." + k: v for k, v in shapes.items()}, path)
-    return GemmaSource(path, "comfy_file", cfg, shapes, locations, spm)
+    comfy = open_comfy_file(path)
+    locations = {name: (path, "model." + name) for name in comfy.shapes}
+    return GemmaSource(path, "comfy_file", comfy.config(), dict(comfy.shapes), locations, comfy.spm, comfy)
 
 
 def open_source(path: str | Path) -> GemmaSource:
-    """Open a bf16-family Gemma 3 source (HF snapshot directory or ComfyUI file) for streaming.
+    """Open a Gemma 3 source (HF snapshot directory or ComfyUI file, quantized layers included)
+    for streaming.
 
     Reads file names, ``config.json`` and safetensors headers only.
 
@@ -177,7 +166,8 @@ def open_source(path: str | Path) -> GemmaSource:
     return _open_snapshot(p) if fmt == "hf_snapshot" else _open_comfy(p)
 
 
-def iter_source(source: GemmaSource, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, CPU tensor)`` for ``names`` in that order, one tensor read at a time."""
+def iter_source(source: GemmaSource, names: list[str],
+                device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor on device)`` for ``names`` in that order, one tensor read at a time."""
     for name in names:
-        yield name, source.read(name)
+        yield name, source.read(name, device)

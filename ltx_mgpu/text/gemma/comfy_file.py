@@ -1,0 +1,119 @@
+"""A ComfyUI single-file Gemma 3 opened for reading: :func:`open_comfy_file`.
+
+Both the bf16 loader (``ltx_mgpu.text.gemma.loading``) and the NF4 source reader
+(``ltx_mgpu.text.nf4.source``) read a ComfyUI file through :class:`ComfyGemmaFile`: its text-tower
+tensors under ``Gemma3TextModel``'s names (``model.`` stripped; vision tower and projector are
+never read), their dense shapes, the embedded tokenizer, and each tensor's dense value. A plain
+tensor is read as stored; a quantized layer (``ltx_mgpu.text.gemma.sources.comfy_file_quant``:
+nvfp4, fp8, int8) is dequantized by ``ltx_mgpu.quantized.dequant`` into ComfyUI's compute dtype
+for the file, the dtype of its norms (``comfy/sd.py`` / ``hunyuan_video.llama_detect``:
+``model.norm.weight``), so its weights are those ComfyUI computes with. Loading in another dtype
+casts that result, as ComfyUI casts its weights to the input's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ltx_mgpu.quantized.dequant import dequantize
+from ltx_mgpu.quantized.layers import AUX_SUFFIXES, FileQuant
+from ltx_mgpu.text.gemma.sources import comfy_file_quant, comfy_text_config
+
+__all__ = ["ComfyGemmaFile", "LazyDense", "open_comfy_file"]
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+#: The tensors whose dtype ComfyUI takes as the text encoder's compute dtype (first present).
+_NORM_KEYS = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
+
+
+@dataclass(frozen=True)
+class ComfyGemmaFile:
+    """A ComfyUI Gemma 3 file's text tower, headers read (no weights).
+
+    Attributes:
+        path: the file.
+        metadata: the safetensors header metadata.
+        quant: its quantized text layers (``ltx_mgpu.quantized.layers.FileQuant``).
+        shapes: ``Gemma3TextModel`` parameter name -> dense shape (nvfp4's packed columns
+            counted twice).
+        compute_dtype: what quantized layers dequantize to (the norms' dtype; bf16 if neither
+            norm is a float tensor).
+        spm: the embedded SentencePiece model's bytes, or ``None``.
+    """
+
+    path: Path
+    metadata: dict[str, str]
+    quant: FileQuant
+    shapes: dict[str, tuple[int, ...]]
+    compute_dtype: torch.dtype
+    spm: bytes | None = field(default=None, repr=False)
+
+    def config(self) -> Any:
+        """The ``Gemma3TextConfig`` (``ltx_mgpu.text.gemma.sources.comfy_text_config``)."""
+        return comfy_text_config(self.metadata, {"model." + k: v for k, v in self.shapes.items()}, self.path)
+
+    def read(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Parameter ``name``'s dense value on ``device``: as stored for a plain tensor, in
+        :attr:`compute_dtype` for a quantized layer. The file is opened for this tensor only.
+
+        Raises:
+            KeyError: no such text-tower tensor.
+        """
+        key = "model." + name
+        if name not in self.shapes:
+            raise KeyError(f"{self.path}: no text-tower tensor {key}")
+        quant = self.quant.of(key)
+        with safe_open(str(self.path), framework="pt", device="cpu") as f:
+            if quant is None:
+                return f.get_tensor(key).to(device)
+            layer = key[: -len(".weight")]
+            parts = {"weight": f.get_tensor(key), **{p: f.get_tensor(f"{layer}.{p}") for p in quant.parts}}
+        return dequantize(quant, parts, self.compute_dtype, device=device)
+
+    def lazy(self, name: str, device: torch.device | str = "cpu") -> LazyDense:
+        """:meth:`read` deferred until transformers' loader indexes it."""
+        return LazyDense(self, name, device)
+
+
+@dataclass(frozen=True)
+class LazyDense:
+    """One tensor of a :class:`ComfyGemmaFile`, read (and dequantized, on ``device``) when
+    indexed: ``[...]`` like a safetensors slice, which is all transformers' loader uses."""
+
+    file: ComfyGemmaFile
+    name: str
+    device: torch.device | str = "cpu"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.file.read(self.name, self.device)[index]
+
+
+def open_comfy_file(path: str | os.PathLike) -> ComfyGemmaFile:
+    """Open a ComfyUI Gemma 3 file: header, markers and the embedded tokenizer only.
+
+    Raises:
+        GemmaFormatError: as ``ltx_mgpu.text.gemma.sources.comfy_file_quant`` (a storage ltx_mgpu
+            cannot read), naming the tensor and what to use instead.
+    """
+    p = Path(path)
+    quant = comfy_file_quant(p)
+    shapes: dict[str, tuple[int, ...]] = {}
+    with safe_open(str(p), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        meta = dict(f.metadata() or {})
+        spm = f.get_tensor("spiece_model").numpy().tobytes() if "spiece_model" in keys else None
+        for key in sorted(keys):
+            if not key.startswith("model.") or key.endswith(AUX_SUFFIXES):
+                continue
+            stored = tuple(f.get_slice(key).get_shape())
+            q = quant.of(key)
+            shapes[key[len("model."):]] = q.logical_shape(stored) if q is not None else stored
+        norm = next((k for k in _NORM_KEYS if k in keys), None)
+        compute = _DTYPES.get(f.get_slice(norm).get_dtype(), torch.bfloat16) if norm else torch.bfloat16
+    return ComfyGemmaFile(p, meta, quant, shapes, compute, spm)
