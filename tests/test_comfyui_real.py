@@ -16,7 +16,8 @@ classes, so ``LTXVAudioVAELoader`` accepts it). Then:
 * Stop: ``POST /interrupt`` during a 300-step SP sampling ends it (``execution_interrupted``)
   and the next prompt still runs on the same pool;
 * parity: the SP Sampler and ComfyUI's ``SamplerCustomAdvanced`` (same seed, sigmas, cfg,
-  conditioning, fp32) give the same latent for video, image-to-video and audio+video latents
+  conditioning, fp32) give the same latent for video, image-to-video, keyframe guides and
+  audio+video latents
   (the last an expected failure on ComfyUI versions whose cross-modal AdaLN timesteps are unscaled);
 * ``GET /ltx_mgpu/status`` (and under ``/api``) and ``POST /ltx_mgpu/free``;
 * ``/api/workflow_templates`` offers the three UI workflows (Browse Templates) and serves them;
@@ -197,11 +198,12 @@ def _comfy_unscaled_cross_timesteps() -> bool:
     return "timestep.max().expand_as(a_timestep_flat)" in source.read_text()
 
 
-@pytest.mark.parametrize("parts", ["video", "image_to_video", "audio_video"])
+@pytest.mark.parametrize("parts", ["video", "image_to_video", "audio_video", "guides"])
 def test_sp_sampler_matches_comfyuis_own_sampler(server, parts):
     """Same seed, sigmas (LTXVScheduler), cfg 3 and conditioning: our SP Sampler on 2 CPU ranks and
     ComfyUI's SamplerCustomAdvanced + CFGGuider + euler give the same latent (fp32 both sides), for
-    a video latent, one with the noise_mask of ``LTXVImgToVideoInplace``, and the audio-video pair."""
+    a video latent, one with the noise_mask of ``LTXVImgToVideoInplace``, the audio-video pair,
+    and a video with two keyframe guides (``LTXVAddGuide``, first frame at 1, last at 0.7)."""
     from safetensors.torch import load_file
 
     if parts == "audio_video" and _comfy_unscaled_cross_timesteps():
@@ -210,12 +212,22 @@ def test_sp_sampler_matches_comfyuis_own_sampler(server, parts):
     prompt = tiny_prompt(api_workflow("ltx_mgpu_encode_core_sampler"), steps=3)
     for node in ("15", "16", "17", "18", "19"):  # decoding is covered above
         del prompt[node]
-    latent = {"video": ["7", 0], "image_to_video": ["51", 0], "audio_video": ["9", 0]}[parts]
+    latent = {"video": ["7", 0], "image_to_video": ["51", 0], "audio_video": ["9", 0], "guides": ["53", 2]}[parts]
+    prompt["50"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
+                                                            "color": 0x3366CC}}
     if parts == "image_to_video":  # first frame from an image at strength 0.8: noise_mask 0.2 there
-        prompt["50"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
-                                                                "color": 0x3366CC}}
         prompt["51"] = {"class_type": "LTXVImgToVideoInplace", "inputs": {
             "vae": ["5", 2], "image": ["50", 0], "latent": ["7", 0], "strength": 0.8, "bypass": False}}
+    conditioning = (["4", 0], ["4", 1])
+    if parts == "guides":  # first and last frame guides (LTXVAddGuide), strengths 1 and 0.7
+        prompt["52"] = {"class_type": "LTXVAddGuide", "inputs": {
+            "positive": ["4", 0], "negative": ["4", 1], "vae": ["5", 2], "latent": ["7", 0], "image": ["50", 0],
+            "frame_idx": 0, "strength": 1.0}}
+        prompt["53"] = {"class_type": "LTXVAddGuide", "inputs": {
+            "positive": ["52", 0], "negative": ["52", 1], "vae": ["5", 2], "latent": ["52", 2], "image": ["50", 0],
+            "frame_idx": -1, "strength": 0.7}}
+        conditioning = (["53", 0], ["53", 1])
+        prompt["10"]["inputs"]["positive"], prompt["10"]["inputs"]["negative"] = conditioning
     prompt["13"]["inputs"]["latent"] = prompt["14"]["inputs"]["latent_image"] = latent
     # ComfyUI's own model for ComfyUI's sampler (the workflow's CFGGuider takes our MODEL)
     prompt["5"] = {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "tiny-ltx-2.3.safetensors"}}
@@ -223,7 +235,7 @@ def test_sp_sampler_matches_comfyuis_own_sampler(server, parts):
     prompt["20"] = {"class_type": "LTXMGPU_ModelLoader", "inputs": {
         "pool": ["1", 0], "ckpt_name": "tiny-ltx-2.3.safetensors", "dtype": "fp32", "loras": "", "max_tokens": 32768}}
     prompt["21"] = {"class_type": "LTXMGPU_SPSampler", "inputs": {
-        "model": ["20", 0], "positive": ["4", 0], "negative": ["4", 1], "latent": latent, "steps": 3,
+        "model": ["20", 0], "positive": conditioning[0], "negative": conditioning[1], "latent": latent, "steps": 3,
         "cfg": prompt["10"]["inputs"]["cfg"], "seed": prompt["11"]["inputs"]["noise_seed"], "sampler": "euler",
         "sigmas": ["13", 0]}}
     prefix = f"parity/{uuid.uuid4().hex[:8]}"

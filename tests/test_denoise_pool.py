@@ -112,7 +112,41 @@ def model23(tiny_ltx_23):
     return load_ltx_model(tiny_ltx_23, dtype=F32)
 
 
+def _guides(f=2, h=3, w=5, seed=11):
+    """What ``LTXVAddGuide`` (twice: frame 0 at strength 1, the last frame at 0.7) and
+    ``LTXVReferenceAudio`` leave: a video latent with the two guide frames appended and its noise
+    mask (75 tokens: not divisible by the 2 ranks), and the conditioning options (keyframe pixel
+    coordinates, guide entries, reference audio tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    v, a = torch.randn(1, 128, f + 2, h, w, generator=g), torch.randn(1, 8, 7, 16, generator=g)
+    vm = torch.ones(1, 1, f + 2, h, w)
+    vm[:, :, f], vm[:, :, f + 1] = 0.0, 0.3
+    coords = []
+    for frame in (0, (f - 1) * 8):
+        hh, ww = torch.meshgrid(torch.arange(h) * 32.0, torch.arange(w) * 32.0, indexing="ij")
+        start = torch.stack([torch.full((h, w), float(frame)), hh, ww]).reshape(3, -1)
+        coords.append(torch.stack([start, start + torch.tensor([1.0, 32.0, 32.0]).view(3, 1)], dim=-1))
+    options = {"keyframe_idxs": torch.cat(coords, dim=1).unsqueeze(0),
+               "guide_attention_entries": [{"pre_filter_count": h * w, "strength": s, "pixel_mask": None,
+                                            "latent_shape": [1, h, w]} for s in (1.0, 0.7)],
+               "ref_audio": {"tokens": torch.randn(1, 4, 128, generator=g)}}
+    latent = {"samples": NestedTensorLike([v, a]), "type": "audio",
+              "noise_mask": NestedTensorLike([vm, torch.ones(1, 1, 7, 1)])}
+    return latent, options
+
+
 # --------------------------------------------------------------------------- parity and seeds
+
+
+def test_guides_and_reference_audio_through_two_ranks_equal_the_in_process_sampler(pool2, model23):
+    latent, options = _guides()
+    pos, neg = _cond(9, 1, frame_rate=24.0, **options), _cond(5, 2, frame_rate=24.0, **options)
+    got = remote_sample(pool2, SampleRequest(pos, neg, latent, cfg=3.0, seed=42, sigmas=SIGMAS), timeout=120)
+    ref = sample(model23, pos, neg, latent, cfg=3.0, seed=42, sigmas=SIGMAS)
+    assert _max_diff(got, ref) <= TOL
+    plain = sample(model23, _cond(9, 1, frame_rate=24.0), _cond(5, 2, frame_rate=24.0), latent, cfg=3.0, seed=42,
+                   sigmas=SIGMAS)
+    assert _max_diff(got, plain) > 1e-3
 
 
 @pytest.mark.parametrize("cfg, masked, sigmas", [(1.0, False, True), (3.0, True, False)],
@@ -205,7 +239,7 @@ def test_too_many_tokens_is_bad_input_and_a_fitting_latent_still_samples(pool2, 
 
 
 def test_bad_requests_name_the_fix_and_the_pool_keeps_serving(pool2, tmp_path, tiny_ltx_23):
-    with pytest.raises(BadInputError, match="'keyframe_idxs' .*LTXVAddGuide"):
+    with pytest.raises(BadInputError, match=r"keyframe_idxs \(from LTXVAddGuide\) must be"):
         remote_sample(pool2, SampleRequest(_cond(9, 1, keyframe_idxs=torch.zeros(1, 3)), None, _av_latent(),
                                            sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="'my_hook'; .*refuses to ignore"):

@@ -23,6 +23,7 @@ from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 
 from ltx_mgpu.denoise.conditioning import ConditioningError, text_contexts
+from ltx_mgpu.denoise.extra_conds import ExtraCondsError
 from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.denoise.sampler import SamplingCancelled, comfy_noise, ltx2_sigmas, sample
 from ltx_mgpu.nested import NestedTensorLike
@@ -230,10 +231,17 @@ def test_processed_20_form_is_passed_through(model20):
     assert out["samples"].shape == latent["samples"].shape and torch.isfinite(out["samples"]).all()
 
 
-@pytest.mark.parametrize("key", ["keyframe_idxs", "guide_attention_entries", "ref_audio", "my_custom_key"])
+@pytest.mark.parametrize("key", ["generated_keyframes", "my_custom_key"])
 def test_unsupported_conditioning_key_is_rejected_by_name(model23, key):
     pos = _cond(48, 9, 1, **{key: torch.zeros(1)})
     with pytest.raises(ConditioningError, match=f"'{key}'"):
+        sample(model23, pos, None, _av_latent(), sigmas=SIGMAS)
+
+
+@pytest.mark.parametrize("key", ["keyframe_idxs", "ref_audio"])
+def test_guides_and_reference_audio_of_the_wrong_layout_are_refused_naming_them(model23, key):
+    pos = _cond(48, 9, 1, **{key: torch.zeros(1)})
+    with pytest.raises(ExtraCondsError, match=key):
         sample(model23, pos, None, _av_latent(), sigmas=SIGMAS)
 
 
@@ -355,3 +363,43 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def test_sampler_applies_guides_and_reference_audio_as_the_model_call_does(model23):
+    """One euler step at cfg 1 with keyframe guides (one strength 0.5, one dropped row) and
+    reference audio: ``x1 = x0 + (x0 - denoised) / sigma * dt`` with the velocity of
+    :func:`comfy_forward` given the same conditions (the MODEL path's call, which equals ComfyUI's
+    own model: tests/test_comfyui_model.py)."""
+    from ltx_mgpu.denoise.extra_conds import extra_conds, grid_mask
+    from ltx_mgpu.denoise.forward import comfy_forward, processed_context
+    from ltx_mgpu.denoise.sampler import comfy_noise
+
+    g = torch.Generator().manual_seed(7)
+    v, a = torch.randn(1, 128, 3, 3, 5, generator=g), torch.randn(1, 8, 7, 16, generator=g)
+    vm = torch.ones(1, 1, 3, 3, 5)
+    vm[:, :, 2] = 0.5
+    vm[:, :, 2, 0] = -1.0  # LTXVAddGuide with a guide mask: these guide tokens leave the call
+    hh, ww = torch.meshgrid(torch.arange(3) * 32.0, torch.arange(5) * 32.0, indexing="ij")
+    start = torch.stack([torch.zeros(3, 5), hh, ww]).reshape(3, -1)
+    kf = torch.stack([start, start + torch.tensor([1.0, 32.0, 32.0]).view(3, 1)], dim=-1).unsqueeze(0)
+    entries = [{"pre_filter_count": 15, "strength": 0.5, "pixel_mask": None, "latent_shape": [1, 3, 5]}]
+    ref = {"tokens": torch.randn(1, 3, 128, generator=g)}
+    latent = {"samples": NestedTensorLike([v, a]), "noise_mask": NestedTensorLike([vm, torch.ones(1, 1, 7, 1)])}
+    pos = _cond(48, 9, 1, keyframe_idxs=kf, guide_attention_entries=entries, ref_audio=ref)
+    sigmas = torch.tensor([0.8, 0.5])
+    out = _tensors(sample(model23, pos, None, latent, sigmas=sigmas, seed=3))
+    noise = comfy_noise(latent, 3)
+    x0 = [0.8 * n + 0.2 * lat for n, lat in zip(noise, (v, a))]
+    m = [vm.expand_as(v), torch.ones_like(a)]
+    x_in = [x * mm + lat * (1 - mm) for x, mm, lat in zip(x0, m, (v, a))]
+    t_v = (vm * 0.8).permute(0, 2, 3, 4, 1).reshape(1, -1)
+    conds = extra_conds(keyframe_idxs=kf, keep=grid_mask(vm), guide_attention_entries=entries, ref_audio=ref)
+    ctx = processed_context(model23, pos[0][0], True)
+    with torch.no_grad():
+        vel = comfy_forward(model23, model23.transformer, x_in, (t_v, torch.full((1,), 0.8)), ctx, conds=conds)
+    for got, x, xi, vv, mm, lat in zip(out, x0, x_in, vel, m, (v, a)):
+        denoised = (xi - 0.8 * vv) * mm + lat * (1 - mm)
+        want = (x + (x - denoised) / 0.8 * (0.5 - 0.8)) / (1 - 0.5)  # CONST's inverse noise scaling
+        assert (got - want).abs().max() <= 1e-5
+    plain = _tensors(sample(model23, _cond(48, 9, 1), None, latent, sigmas=sigmas, seed=3))
+    assert max((p - q).abs().max() for p, q in zip(plain, out)) > 1e-3

@@ -9,12 +9,15 @@ and ``comfy_extras/nodes_lt.py``):
 * ComfyUI's processed compat form for LTX-2.0 checkpoints: ``[B, >=1024, 2 * caption_channels]``
   and no flag, passed through (as is a 2.3 ``[B, L, 4096 + 2048]`` without the flag);
 * the ``frame_rate`` added by ``LTXVConditioning`` (default 25 fps), and an all-ones
-  ``attention_mask``.
+  ``attention_mask``;
+* keyframe guides (``keyframe_idxs``, ``guide_attention_entries``: ``LTXVAddGuide``) and
+  reference audio (``ref_audio``: ``LTXVReferenceAudio``), kept in ``extras`` for the sampler
+  (:mod:`ltx_mgpu.denoise.extra_conds` checks and applies them).
 
-Anything a core LTX node adds that we do not implement yet (keyframe guides, reference audio,
-...) and any other unknown key is rejected with a :class:`ConditioningError` naming it —
-never silently ignored, since ignoring it would change the video. Only ``pooled_output`` (LTX-2
-has no pooled embedding) is accepted and ignored.
+Anything else a core LTX node adds that we do not implement and any other unknown key is
+rejected with a :class:`ConditioningError` naming it — never silently ignored, since ignoring it
+would change the video. Only ``pooled_output`` (LTX-2 has no pooled embedding) is accepted and
+ignored.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from ltx_mgpu.denoise.latents import DEFAULT_FRAME_RATE, FLOAT_DTYPES, frame_rate_from_conditioning
 
 __all__ = [
+    "EXTRA_KEYS",
     "ConditioningError",
     "PromptConditioning",
     "parse_conditioning",
@@ -38,10 +42,7 @@ __all__ = [
 
 #: Keys core / LTX nodes add that change sampling and are not implemented here, with the node.
 UNSUPPORTED_KEYS = {
-    "keyframe_idxs": "LTXVAddGuide (keyframe guides)",
-    "guide_attention_entries": "LTXVAddGuide (guide attention)",
     "generated_keyframes": "LTX keyframe nodes",
-    "ref_audio": "LTXVReferenceAudio (ID-LoRA reference audio)",
     "concat_mask": "inpaint-model conditioning",
     "denoise_mask": "a conditioning-level denoise mask",
     "audio_denoise_mask": "a conditioning-level audio denoise mask",
@@ -55,7 +56,9 @@ UNSUPPORTED_KEYS = {
     "gligen": "GLIGEN",
     "hooks": "hook keyframes / LoRA hooks",
 }
-_KNOWN = {"pooled_output", "unprocessed_ltxav_embeds", "frame_rate", "attention_mask"}
+#: The model conditions a conditioning may carry (applied by ``ltx_mgpu.denoise.extra_conds``).
+EXTRA_KEYS = ("keyframe_idxs", "guide_attention_entries", "ref_audio")
+_KNOWN = {"pooled_output", "unprocessed_ltxav_embeds", "frame_rate", "attention_mask", *EXTRA_KEYS}
 
 
 class ConditioningError(ValueError):
@@ -70,11 +73,14 @@ class PromptConditioning:
         tensor: ``[B, T, D]`` as given (float, any device).
         unprocessed: the ``unprocessed_ltxav_embeds`` flag.
         frame_rate: ``frame_rate`` if present (frames per second), else None.
+        extras: the :data:`EXTRA_KEYS` present (keyframe guides from ``LTXVAddGuide``, reference
+            audio from ``LTXVReferenceAudio``), as given; checked where they are applied.
     """
 
     tensor: torch.Tensor
     unprocessed: bool
     frame_rate: float | None
+    extras: dict = dataclasses.field(default_factory=dict)
 
 
 def _check_attention_mask(mask: Any, tensor: torch.Tensor, name: str) -> None:
@@ -142,7 +148,8 @@ def parse_conditioning(conditioning: Any, name: str = "positive") -> PromptCondi
                                 f"{flag!r:.40}; ComfyUI's LTX-2 text encoder sets it to true")
     fps = frame_rate_from_conditioning([entry], default=math.nan)  # raises ValueError for a bad value
     return PromptConditioning(tensor, bool(opts.get("unprocessed_ltxav_embeds", False)),
-                              None if math.isnan(fps) else fps)
+                              None if math.isnan(fps) else fps,
+                              {k: opts[k] for k in EXTRA_KEYS if opts.get(k) is not None})
 
 
 def sampling_frame_rate(positive: PromptConditioning, negative: PromptConditioning | None) -> float:

@@ -77,7 +77,7 @@ class ExtraConds:
     """The checked conditions of one call (module doc); the default is none of them.
 
     Attributes:
-        keyframe_idxs: float ``[B or 1, 3, Tk, 2]`` guide pixel coordinates, or None.
+        keyframe_idxs: float32 ``[B or 1, 3, Tk, 2]`` guide pixel coordinates, or None.
         keep: bool ``[T]``: the video tokens that stay in the call (ComfyUI's ``grid_mask``,
             :func:`grid_mask`); given exactly when ``keyframe_idxs`` is.
         guides: the guide attention entries (their counts sum to Tk).
@@ -138,11 +138,17 @@ def grid_mask(denoise_mask: torch.Tensor) -> torch.Tensor:
     return ~(denoise_mask[0] < 0).any(dim=0).flatten()
 
 
-def _float(t: Any, name: str, ndim: int, layout: str, source: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.ndim != ndim or 0 in t.shape:
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _float(t: Any, name: str, ndim: int, layout: str, source: str, ints: bool = False) -> torch.Tensor:
+    """``t`` when it is a finite float (or, with ``ints``, integer) tensor of ``ndim`` dims."""
+    real = isinstance(t, torch.Tensor) and (t.dtype.is_floating_point or (ints and t.dtype in _INTS))
+    if not real or t.ndim != ndim or 0 in t.shape:
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ExtraCondsError(f"{name} (from {source}) must be a float tensor {layout}, got {got}")
-    if not bool(torch.isfinite(t).all()):
+        kind = "a float or integer" if ints else "a float"
+        raise ExtraCondsError(f"{name} (from {source}) must be {kind} tensor {layout}, got {got}")
+    if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
         raise ExtraCondsError(f"{name} (from {source}) holds NaN or infinite values")
     return t
 
@@ -178,7 +184,8 @@ def extra_conds(*, keyframe_idxs: Any = None, keep: torch.Tensor | None = None, 
     """The checked :class:`ExtraConds` of ComfyUI's model-call values.
 
     Args:
-        keyframe_idxs: ``[B, 3, Tk, 2]`` float (``LTXVAddGuide``), or None.
+        keyframe_idxs: ``[B, 3, Tk, 2]`` (``LTXVAddGuide`` makes them int64 pixel coordinates;
+            float is taken too), or None.
         keep: the :func:`grid_mask` of the call's video denoise mask (needed with
             ``keyframe_idxs``).
         guide_attention_entries: the list of dicts ``LTXVAddGuide`` adds, or None.
@@ -190,7 +197,7 @@ def extra_conds(*, keyframe_idxs: Any = None, keep: torch.Tensor | None = None, 
     """
     kf = None
     if keyframe_idxs is not None:
-        kf = _float(keyframe_idxs, "keyframe_idxs", 4, "[B, 3, tokens, 2]", "LTXVAddGuide")
+        kf = _float(keyframe_idxs, "keyframe_idxs", 4, "[B, 3, tokens, 2]", "LTXVAddGuide", ints=True)
         if kf.shape[1] != 3 or kf.shape[3] != 2:
             raise ExtraCondsError(f"keyframe_idxs (from LTXVAddGuide) must be [B, 3, tokens, 2] pixel coordinates, "
                                   f"got {tuple(kf.shape)}")

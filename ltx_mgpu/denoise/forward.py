@@ -41,21 +41,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
-from ltx_core.components.patchifiers import AudioPatchifier
 
 from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS
 from ltx_mgpu.denoise.conditioning import text_contexts
 from ltx_mgpu.denoise.extra_conds import ExtraConds, apply_extra_conds, restore_outputs
-from ltx_mgpu.denoise.latents import latent_to_tokens, tokens_to_latent
+from ltx_mgpu.denoise.latents import AUDIO_PATCHIFIER, latent_to_tokens, tokens_to_latent
 from ltx_mgpu.denoise.transformer_call import ModalityInput, transformer_call
 from ltx_mgpu.nested import NestedTensorLike
 
 __all__ = ["ForwardError", "av_timestep_convention", "comfy_forward", "processed_context"]
 
 AvConvention = Literal["scaled", "raw"]
-#: The audio timing of LTX-2's audio VAE (16 kHz, hop 160, 4x latent downsampling): the one
-#: ``latent_to_tokens`` uses, which also places the reference audio.
-_AUDIO_PATCHIFIER = AudioPatchifier(patch_size=1)
 
 
 class ForwardError(ValueError):
@@ -116,7 +112,7 @@ def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: tor
     if len(parts) == 2 and parts[1].numel() == 0:
         parts = parts[:1]
     latent = {"samples": NestedTensorLike(parts)} if len(parts) == 2 else {"samples": parts[0]}
-    state = latent_to_tokens(latent, float(frame_rate), audio_patchifier=_AUDIO_PATCHIFIER)
+    state = latent_to_tokens(latent, float(frame_rate), audio_patchifier=AUDIO_PATCHIFIER)
     v_t, a_t = timestep if isinstance(timestep, (list, tuple)) and len(timestep) == 2 else (timestep, timestep)
     if not isinstance(context, torch.Tensor) or context.ndim != 3:
         raise ForwardError(f"context must be [B, L, D], got {getattr(context, 'shape', type(context).__name__)}")
@@ -137,10 +133,10 @@ def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: tor
         ts = _token_timesteps(t, batch, tokens_state.tokens.shape[1], name).to(model.device)
         inputs[name] = ModalityInput(tokens=tokens_state.tokens.to(device=model.device, dtype=model.dtype),
                                      timesteps=ts, positions=tokens_state.positions.to(model.device), context=c)
-    inputs, layout = apply_extra_conds(inputs, conds or ExtraConds(), float(frame_rate), _AUDIO_PATCHIFIER)
+    inputs, layout = apply_extra_conds(inputs, conds or ExtraConds(), float(frame_rate), AUDIO_PATCHIFIER)
     v = restore_outputs(transformer_call(velocity, inputs), layout)
     vx, ax = v.get("video"), v.get("audio")
-    out = tokens_to_latent(dataclasses.replace(state, extras={}), vx, ax, audio_patchifier=_AUDIO_PATCHIFIER)["samples"]
+    out = tokens_to_latent(dataclasses.replace(state, extras={}), vx, ax, audio_patchifier=AUDIO_PATCHIFIER)["samples"]
     if len(parts) == 2:
         return [t.to(model.dtype) for t in out.unbind()]
     return out.to(model.dtype)

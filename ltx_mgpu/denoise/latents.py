@@ -38,6 +38,7 @@ from ltx_core.types import VIDEO_SCALE_FACTORS, AudioLatentShape, VideoLatentSha
 from ltx_mgpu.nested import NestedTensorLike, is_nested  # noqa: F401 - re-exported for callers
 
 __all__ = [
+    "AUDIO_PATCHIFIER",
     "DEFAULT_FRAME_RATE",
     "FLOAT_DTYPES",
     "LatentFormatError",
@@ -58,6 +59,9 @@ DEFAULT_FRAME_RATE = 25.0
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _VIDEO_PATCHIFIER = VideoLatentPatchifier(patch_size=1)
+#: LTX-2's audio timing (16 kHz, hop 160, 4x latent downsampling: ltx-core's defaults), the
+#: default of every conversion here; the reference audio of a call is placed with it too.
+AUDIO_PATCHIFIER = AudioPatchifier(patch_size=1)
 
 
 class LatentFormatError(ValueError):
@@ -277,7 +281,7 @@ def latent_to_tokens(
         raise LatentFormatError("expected a ComfyUI LATENT: a dict with a 'samples' entry")
     if not (frame_rate > 0 and math.isfinite(frame_rate)):
         raise ValueError(f"frame_rate must be a positive number of frames per second, got {frame_rate}")
-    patchifier = audio_patchifier or AudioPatchifier(patch_size=1)
+    patchifier = audio_patchifier or AUDIO_PATCHIFIER
     samples, mask = latent["samples"], latent.get("noise_mask")
     extras = {k: v for k, v in latent.items() if k != "samples"}
     if is_nested(samples):
@@ -347,7 +351,7 @@ def tokens_to_latent(
     Raises:
         ValueError: tokens whose shape does not match the state.
     """
-    patchifier = audio_patchifier or AudioPatchifier(patch_size=1)
+    patchifier = audio_patchifier or AUDIO_PATCHIFIER
     out = dict(state.extras)
     video = _restore(state.video, video_tokens, _VIDEO_PATCHIFIER.unpatchify) if state.video else None
     audio = _restore(state.audio, audio_tokens, patchifier.unpatchify) if state.audio else None

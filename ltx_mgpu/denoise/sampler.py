@@ -39,6 +39,7 @@ equal ComfyUI after that fix (video-only and image-to-video latents agree with 0
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -50,9 +51,19 @@ from ltx_core.components.schedulers import LTX2Scheduler
 from ltx_mgpu.cancellation import Cancelled
 from ltx_mgpu.choices import SAMPLERS
 from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning, sampling_frame_rate
-from ltx_mgpu.denoise.latents import latent_to_tokens, repeat_to_batch, tokens_to_latent
+from ltx_mgpu.denoise.extra_conds import (
+    ExtraConds,
+    apply_extra_conds,
+    concat_extra_conds,
+    extra_conds,
+    restore_outputs,
+)
+from ltx_mgpu.denoise.latents import AUDIO_PATCHIFIER, latent_to_tokens, repeat_to_batch, tokens_to_latent
 from ltx_mgpu.denoise.transformer_call import ModalityInput, transformer_call
 from ltx_mgpu.nested import is_nested
+
+LOG = logging.getLogger("ltx_mgpu")
+_said: set[str] = set()
 
 __all__ = ["SAMPLERS", "SCHEDULER_OPTIONS", "SamplingCancelled", "check_scheduler_options", "comfy_noise",
            "ltx2_sigmas", "resolve_sigmas", "sample"]
@@ -215,8 +226,10 @@ class _Stream:
     contexts: list  # per pass: [B, L, D] in the model dtype
 
 
-def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype, velocity: Callable) -> dict:
-    """Denoised float32 tokens per modality at ``sigma`` (KSamplerX0Inpaint + CFG + CONST)."""
+def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype, velocity: Callable,
+             conds: list[ExtraConds], frame_rate: float) -> dict:
+    """Denoised float32 tokens per modality at ``sigma`` (KSamplerX0Inpaint + CFG + CONST);
+    ``conds[i]``: the model conditions of pass ``i`` (cond, uncond)."""
     inputs = {k: (s.x * s.mask + s.latent * (1 - s.mask)) if s.mask is not None else s.x for k, s in streams.items()}
     timesteps = {k: s.timestep_mask * sigma for k, s in streams.items()}
     passes = len(next(iter(streams.values())).contexts)
@@ -227,10 +240,15 @@ def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype,
                              positions=s.positions.repeat(n, 1, 1, 1), context=torch.cat([s.contexts[i] for i in idx]))
 
     def run(idx: list[int]) -> dict:
-        outs = transformer_call(velocity, {k: modality(k, idx) for k in streams})
+        batch = next(iter(inputs.values())).shape[0]
+        call = concat_extra_conds([conds[i] for i in idx], [batch] * len(idx))
+        modalities, layout = apply_extra_conds({k: modality(k, idx) for k in streams}, call, frame_rate,
+                                               AUDIO_PATCHIFIER)
+        outs = restore_outputs(transformer_call(velocity, modalities), layout)
         return {k: (inputs[k].repeat(len(idx), 1, 1) - outs[k].float() * sigma).chunk(len(idx)) for k in streams}
 
-    batchable = all(len({tuple(c.shape) for c in s.contexts}) == 1 for s in streams.values())
+    batchable = all(len({tuple(c.shape) for c in s.contexts}) == 1 for s in streams.values()) and all(
+        conds[0].batchable_with(c) for c in conds[1:])
     if batchable:  # ComfyUI batches cond and uncond when their conditioning shapes match
         den = run(list(range(passes)))
     else:
@@ -241,6 +259,17 @@ def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype,
         d = den[k][1] + (den[k][0] - den[k][1]) * cfg if passes == 2 else den[k][0] * cfg
         out[k] = d * s.mask + s.latent * (1 - s.mask) if s.mask is not None else d
     return out
+
+
+def _pass_conds(prompt, video) -> ExtraConds:
+    """A prompt's keyframe guides and reference audio as the conditions of its model pass; the
+    grid mask is read from the LATENT's noise mask (sample 0, as ComfyUI's model reads it)."""
+    ex = prompt.extras
+    keep = None
+    if ex.get("keyframe_idxs") is not None and video is not None:
+        keep = video.denoise_mask[0] >= 0
+    return extra_conds(keyframe_idxs=ex.get("keyframe_idxs"), keep=keep,
+                       guide_attention_entries=ex.get("guide_attention_entries"), ref_audio=ex.get("ref_audio"))
 
 
 @torch.no_grad()
@@ -312,7 +341,13 @@ def sample(
         if k in mods and mods[k].tokens.shape[-1] != want:
             raise ValueError(f"the {k} latent has {mods[k].tokens.shape[-1]} channels per token, "
                              f"the model takes {want}")
-    ctxs = [model.preprocess_text_embeds(p.tensor, p.unprocessed) for p in ([pos, neg] if use_cfg else [pos])]
+    prompts = [pos, neg] if use_cfg else [pos]
+    conds = [_pass_conds(p, state.video) for p in prompts]  # raises ExtraCondsError before any model call
+    if any(p.extras.get("ref_audio") is not None for p in prompts) and not _said:
+        _said.add("ref_audio")
+        LOG.info("ltx_mgpu: the SP Sampler conditions on the reference audio in context; LTXVReferenceAudio's "
+                 "identity guidance (its MODEL output) needs ComfyUI's sampler on the Model Loader's comfy_model")
+    ctxs = [model.preprocess_text_embeds(p.tensor, p.unprocessed) for p in prompts]
     has_mask = latent.get("noise_mask") is not None
     streams = {}
     for _i, (k, m) in enumerate(mods.items()):
@@ -333,7 +368,7 @@ def sample(
         if should_stop is not None and should_stop():
             raise SamplingCancelled(i, total)
         sigma, dt = sig[i], sig[i + 1] - sig[i]
-        denoised = _predict(streams, sigma, float(cfg), model.dtype, velocity)
+        denoised = _predict(streams, sigma, float(cfg), model.dtype, velocity, conds, state.frame_rate)
         for k, s in streams.items():
             s.x = s.x + (s.x - denoised[k]) / sigma * dt
         if on_step is not None:

@@ -19,7 +19,9 @@ Wire layout of a ``sample`` request (``params`` JSON + tensors):
   ``MAX_BATCH`` on (:mod:`ltx_mgpu.wire.messages`), before building anything.
 * CONDITIONING: ``params["positive"]`` (and ``"negative"``) = one ``{"options": {...},
   "tensor_options": [key, ...]}`` per entry; tensors ``positive.{i}`` (the ``[B, T, D]``
-  embedding) and ``positive.{i}.{key}`` for tensor-valued options (``attention_mask``).
+  embedding) and ``positive.{i}.{key}`` for tensor-valued options (``attention_mask``,
+  ``keyframe_idxs``); tensors inside dict / list options (``ref_audio["tokens"]``, a guide
+  entry's ``pixel_mask``) as ``positive.{i}.{key}.{path}``, ``{"$tensor": name}`` in the JSON.
   Options that are neither JSON nor a tensor are sent as a ``"<Type object>"`` placeholder:
   the pool still sees the key and rejects unsupported keys by name (never silently).
 * SIGMAS: tensor ``sigmas`` (float32 ``[steps + 1]``), or ``params["steps"]`` for the LTX-2
@@ -43,6 +45,7 @@ from ltx_mgpu.wire.messages import MAX_BATCH, MAX_LATENT_PARTS
 
 __all__ = [
     "DEFAULT_MODEL",
+    "TENSOR_REF",
     "RequestFormatError",
     "conditioning_from_request",
     "conditioning_to_request",
@@ -229,8 +232,43 @@ def json_option(value: Any) -> Any:
         return f"<{type(value).__name__} object>"
 
 
+#: The JSON stand-in for a tensor inside a nested option value (``{"$tensor": name}``).
+TENSOR_REF = "$tensor"
+
+
+def _nested_to_request(value: Any, name: str, tensors: dict) -> Any:
+    """``value`` with every tensor inside dicts / lists (``ref_audio["tokens"]``, a guide entry's
+    ``pixel_mask``) replaced by ``{"$tensor": name.<path>}`` and put in ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        tensors[name] = value.detach()
+        return {TENSOR_REF: name}
+    if isinstance(value, Mapping):
+        return {str(k): _nested_to_request(v, f"{name}.{k}", tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nested_to_request(v, f"{name}.{j}", tensors) for j, v in enumerate(value)]
+    return json_option(value)
+
+
+def _nested_from_request(value: Any, prefix: str, tensors: Mapping[str, torch.Tensor], refs: set) -> Any:
+    if isinstance(value, Mapping):
+        if set(value) == {TENSOR_REF}:
+            ref = value[TENSOR_REF]
+            if not isinstance(ref, str) or not ref.startswith(prefix) or ref not in tensors:
+                raise RequestFormatError(f"an option of {prefix[:-1]} references the tensor {ref!r:.60}, which the "
+                                         "request does not carry under that entry")
+            refs.add(ref)
+            return tensors[ref]
+        return {k: _nested_from_request(v, prefix, tensors, refs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nested_from_request(v, prefix, tensors, refs) for v in value]
+    return value
+
+
 def conditioning_to_request(conditioning: Any, name: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """A ComfyUI CONDITIONING -> ``(entries, tensors)`` under ``name`` ("positive"/"negative").
+
+    Tensor options travel as tensors ``name.<i>.<key>``; tensors inside dict or list options as
+    ``name.<i>.<key>.<path>``, referenced from the JSON as ``{"$tensor": name}``.
 
     Raises:
         RequestFormatError: not a list of ``[tensor, dict]`` entries.
@@ -248,7 +286,7 @@ def conditioning_to_request(conditioning: Any, name: str) -> tuple[list[dict], d
                 tensors[f"{name}.{i}.{key}"] = value.detach()
                 tensor_keys.append(str(key))
             else:
-                options[str(key)] = json_option(value)
+                options[str(key)] = _nested_to_request(value, f"{name}.{i}.{key}", tensors)
         entries.append({"options": options, "tensor_options": tensor_keys})
     return entries, tensors
 
@@ -257,7 +295,8 @@ def conditioning_from_request(entries: Any, tensors: Mapping[str, torch.Tensor],
     """The CONDITIONING a :func:`conditioning_to_request` layout describes (pool side).
 
     Raises:
-        RequestFormatError: a malformed entry or missing tensors.
+        RequestFormatError: a malformed entry, missing tensors, or a tensor reference outside
+            its entry.
     """
     if not isinstance(entries, list) or not entries:
         raise RequestFormatError(f"params.{name} must be a non-empty list of conditioning entries")
@@ -272,10 +311,21 @@ def conditioning_from_request(entries: Any, tensors: Mapping[str, torch.Tensor],
         missing = [n for n in names if n not in tensors]
         if missing:
             raise RequestFormatError(f"the request lacks the tensor(s) {missing}")
-        options = dict(entry.get("options", {}))
+        options = {k: _nested_from_request(v, f"{name}.{i}.", tensors, set())
+                   for k, v in dict(entry.get("options", {})).items()}
         options.update({k: tensors[f"{name}.{i}.{k}"] for k in keys})
         out.append([tensors[f"{name}.{i}"], options])
     return out
+
+
+def _tensor_refs(value: Any) -> set[str]:
+    if isinstance(value, Mapping):
+        if set(value) == {TENSOR_REF} and isinstance(value[TENSOR_REF], str):
+            return {value[TENSOR_REF]}
+        return set().union(*(_tensor_refs(v) for v in value.values())) if value else set()
+    if isinstance(value, list):
+        return set().union(*(_tensor_refs(v) for v in value)) if value else set()
+    return set()
 
 
 def sample_tensor_names(params: Mapping[str, Any]) -> set[str]:
@@ -291,5 +341,6 @@ def sample_tensor_names(params: Mapping[str, Any]) -> set[str]:
         for i, entry in enumerate(params.get(side) or []):
             names.add(f"{side}.{i}")
             names.update(f"{side}.{i}.{k}" for k in entry.get("tensor_options", []))
+            names.update(_tensor_refs(entry.get("options", {})))
     names.add("sigmas")
     return names
