@@ -273,7 +273,8 @@ class PoolClient:
                 return
             if not info.alive():
                 runtime.kill_processes([p for p in procs if runtime.is_alive(p)], grace=3.0)
-                runtime.remove_pool_files(self.dir, instance)
+                with contextlib.suppress(TimeoutError), runtime.launch_lock(self.dir, timeout=30.0):
+                    runtime.remove_pool_files(self.dir, instance)  # not while a new pool is launching
                 return
             if time.monotonic() > deadline or self._closing.wait(0.1):
                 return

@@ -200,10 +200,11 @@ def rank_records(dir: Path) -> list[dict]:
 
 def remove_pool_files(dir: Path, instance: str | None = None) -> None:
     """Remove socket, token, pool.json and rank files. With ``instance`` given, only when
-    ``pool.json`` still belongs to that instance (a newer pool's files are left alone)."""
+    ``pool.json`` still belongs to that instance: a newer pool's files, or those of a launch that
+    has removed the old ``pool.json`` and not yet written its own, are left alone."""
     if instance is not None:
         info = PoolInfo.read(dir)
-        if info is not None and info.instance != instance:
+        if info is None or info.instance != instance:
             return
     names = [SOCKET_NAME, TOKEN_NAME, INFO_NAME] + [p.name for p in dir.glob("rank*.json")]
     names += [p.name for p in dir.glob("rank*.error")]
