@@ -104,8 +104,9 @@ def test_files_are_in_comfyuis_saved_layout(files):
     assert mixed.describe() == "float8_e4m3fn,nvfp4"
 
 
-def _comfy_kitchen_dense(quant, parts, shape):
-    """What ComfyUI gets: comfy-kitchen's QuantizedTensor with ComfyUI's Params for the layer."""
+def _comfy_kitchen_dense(quant, parts, shape, dtype=torch.bfloat16):
+    """What ComfyUI computes with for activations of ``dtype``: comfy-kitchen's QuantizedTensor with
+    ComfyUI's Params for the layer (``comfy/ops.py``), cast to ``dtype``, dequantized."""
     from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
 
     layout = {"nvfp4": "TensorCoreNVFP4Layout", "int8_tensorwise": "TensorWiseINT8Layout"}.get(
@@ -116,20 +117,20 @@ def _comfy_kitchen_dense(quant, parts, shape):
     if quant.convrot_groupsize:
         kwargs.update(convrot=True, convrot_groupsize=quant.convrot_groupsize)
     params = get_layout_class(layout).Params(**kwargs, orig_dtype=torch.bfloat16, orig_shape=shape)
-    return QuantizedTensor(parts["weight"], layout, params).dequantize()
+    return QuantizedTensor(parts["weight"], layout, params).to(dtype=dtype).dequantize()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("plan", PLANS)
-def test_every_layer_dequantizes_as_comfy_kitchen_does_for_comfyui(files, plan):
+def test_every_layer_dequantizes_as_comfy_kitchen_does_for_comfyui(files, plan, dtype):
     src = open_comfy_file(files[plan])
-    assert src.compute_dtype == torch.bfloat16  # the norms' dtype, ComfyUI's compute dtype for the file
     tensors = load_file(str(files[plan]))
     for layer, quant in src.quant.layers.items():
         parts = {"weight": tensors[layer + ".weight"], **{p: tensors[f"{layer}.{p}"] for p in quant.parts}}
         shape = src.shapes[layer[len("model."):] + ".weight"]
-        theirs = _comfy_kitchen_dense(quant, parts, shape)
-        ours = src.read(layer[len("model."):] + ".weight")
-        assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs), layer
+        theirs = _comfy_kitchen_dense(quant, parts, shape, dtype)
+        ours = src.read(layer[len("model."):] + ".weight", dtype=dtype)
+        assert ours.dtype == theirs.dtype == dtype and torch.equal(ours, theirs), layer
     assert len(src.quant.layers) == (5 if plan == "fp4_mixed" else 6) * 7  # fp4_mixed: layer 0 stays plain
 
 
@@ -138,9 +139,8 @@ def test_nvfp4_padding_is_cut_and_pre_quant_scale_folded():
     w = torch.randn(20, 40, generator=g) * 0.05
     parts = quantize_layer(w, LayerQuant("nvfp4"))
     assert tuple(parts["weight"].shape) == (32, 24)  # padded to 32 x 48, two per byte
-    ours = dq.dequantize(LayerQuant("nvfp4"), parts, torch.bfloat16, shape=(20, 40))
-    assert torch.equal(ours, _comfy_kitchen_dense(LayerQuant("nvfp4"), parts, (20, 40)))
     dense = dq.dequantize(LayerQuant("nvfp4"), parts, torch.float32, shape=(20, 40))
+    assert torch.equal(dense, _comfy_kitchen_dense(LayerQuant("nvfp4"), parts, (20, 40), torch.float32))
     assert tuple(dense.shape) == (20, 40) and float((dense - w).norm() / w.norm()) < 0.15
     smooth = torch.rand(48, generator=g) + 0.5
     folded = dq.dequantize(LayerQuant("nvfp4", pre_quant_scale=True), {**parts, "pre_quant_scale": smooth},
@@ -173,12 +173,14 @@ def test_each_format_loads_in_bf16_and_nf4(files, gemma, plan):
         assert torch.equal(module.weight.data, again[f"{name}.weight"]), name
 
 
-def test_fp32_load_is_the_bf16_dequantization_upcast(files):
-    """ComfyUI dequantizes into the norms' dtype (bf16) and casts to the input's: so do we."""
-    f32 = load_gemma_text_tower(files["fp4_mixed"], dtype=torch.float32)
-    b16 = load_gemma_text_tower(files["fp4_mixed"])
-    for (name, a), (_, b) in zip(f32.model.named_parameters(), b16.model.named_parameters()):
-        assert a.dtype == torch.float32 and torch.equal(a, b.float()), name
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_loader_dequantizes_into_its_dtype(files, dtype):
+    """ComfyUI dequantizes into its activations' dtype: a bf16 load gets its bf16 weights, an fp32
+    one (as ComfyUI's text encoder computes on the CPU) its fp32 weights."""
+    src = open_comfy_file(files["fp4_mixed"])
+    tower = load_gemma_text_tower(files["fp4_mixed"], dtype=dtype)
+    for name, p in tower.model.named_parameters():
+        assert p.dtype == dtype and torch.equal(p, src.read(name, dtype=dtype).to(dtype)), name
 
 
 def test_nf4_artifact_of_a_quantized_file(files, tmp_path):

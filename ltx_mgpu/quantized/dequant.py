@@ -2,7 +2,8 @@
 
 ComfyUI dequantizes a layer through comfy-kitchen (``QuantizedTensor.dequantize`` -> the
 layout's ``dequantize`` -> ``comfy_kitchen.dequantize_*``, which runs the eager backend on the
-CPU) into its compute dtype, the dtype of the file's unquantized norms. :func:`dequantize` calls
+CPU) into the dtype of the layer's input (``comfy/ops.py`` ``cast_bias_weight`` casts the
+quantized weight to it first). :func:`dequantize` calls
 those eager functions (``comfy_kitchen.backends.eager``) directly: the same code on every device,
 with no dispatch to comfy-kitchen's CUDA or Triton kernels, so the weights are ComfyUI-on-CPU's
 bit for bit on any machine (``tests/test_comfyui_clip.py`` compares them with ComfyUI's own).
@@ -60,8 +61,8 @@ def dequantize(quant: LayerQuant, parts: Mapping[str, torch.Tensor], dtype: torc
     Args:
         quant: how the layer is stored (``ltx_mgpu.quantized.layers.read_file_quant``).
         parts: ``"weight"`` and every name in ``quant.parts``, as stored (any device).
-        dtype: the output dtype: ComfyUI's compute dtype for the file (the dtype of its norms) to
-            get ComfyUI's weights exactly; bf16, fp16 or fp32.
+        dtype: the output dtype (bf16, fp16 or fp32): the dtype the model computes in, for which
+            these are ComfyUI's weights exactly.
         shape: the layer's ``(rows, columns)``; nvfp4's padding beyond it is cut off. ``None``: the
             stored (padded) shape.
         device: where to compute (default: the weight's device); the result is there.

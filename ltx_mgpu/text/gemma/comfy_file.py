@@ -5,10 +5,11 @@ Both the bf16 loader (``ltx_mgpu.text.gemma.loading``) and the NF4 source reader
 tensors under ``Gemma3TextModel``'s names (``model.`` stripped; vision tower and projector are
 never read), their dense shapes, the embedded tokenizer, and each tensor's dense value. A plain
 tensor is read as stored; a quantized layer (``ltx_mgpu.text.gemma.sources.comfy_file_quant``:
-nvfp4, fp8, int8) is dequantized by ``ltx_mgpu.quantized.dequant`` into ComfyUI's compute dtype
-for the file, the dtype of its norms (``comfy/sd.py`` / ``hunyuan_video.llama_detect``:
-``model.norm.weight``), so its weights are those ComfyUI computes with. Loading in another dtype
-casts that result, as ComfyUI casts its weights to the input's dtype.
+nvfp4, fp8, int8) is dequantized by ``ltx_mgpu.quantized.dequant`` straight into the dtype the
+model computes in. That is the weight ComfyUI computes with for activations of that dtype: its
+layer casts the quantized weight to the input's dtype and then dequantizes it (``comfy/ops.py``
+``cast_bias_weight``: ``s.weight.to(dtype=...)``, then ``dequantize()``), so a bf16 model gets
+ComfyUI's bf16 weights and an fp32 one its fp32 weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from ltx_mgpu.text.gemma.sources import comfy_file_quant, comfy_text_config
 
 __all__ = ["ComfyGemmaFile", "LazyDense", "open_comfy_file"]
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-#: The tensors whose dtype ComfyUI takes as the text encoder's compute dtype (first present).
-_NORM_KEYS = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
 
 
 @dataclass(frozen=True)
@@ -42,8 +40,6 @@ class ComfyGemmaFile:
         quant: its quantized text layers (``ltx_mgpu.quantized.layers.FileQuant``).
         shapes: ``Gemma3TextModel`` parameter name -> dense shape (nvfp4's packed columns
             counted twice).
-        compute_dtype: what quantized layers dequantize to (the norms' dtype; bf16 if neither
-            norm is a float tensor).
         spm: the embedded SentencePiece model's bytes, or ``None``.
     """
 
@@ -51,16 +47,17 @@ class ComfyGemmaFile:
     metadata: dict[str, str]
     quant: FileQuant
     shapes: dict[str, tuple[int, ...]]
-    compute_dtype: torch.dtype
     spm: bytes | None = field(default=None, repr=False)
 
     def config(self) -> Any:
         """The ``Gemma3TextConfig`` (``ltx_mgpu.text.gemma.sources.comfy_text_config``)."""
         return comfy_text_config(self.metadata, {"model." + k: v for k, v in self.shapes.items()}, self.path)
 
-    def read(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Parameter ``name``'s dense value on ``device``: as stored for a plain tensor, in
-        :attr:`compute_dtype` for a quantized layer. The file is opened for this tensor only.
+    def read(self, name: str, device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Parameter ``name``'s dense value on ``device``: a plain tensor as stored, a quantized
+        layer dequantized there into ``dtype`` (bf16, fp16 or fp32: the model's compute dtype).
+        The file is opened for this tensor only.
 
         Raises:
             KeyError: no such text-tower tensor.
@@ -74,24 +71,26 @@ class ComfyGemmaFile:
                 return f.get_tensor(key).to(device)
             layer = key[: -len(".weight")]
             parts = {"weight": f.get_tensor(key), **{p: f.get_tensor(f"{layer}.{p}") for p in quant.parts}}
-        return dequantize(quant, parts, self.compute_dtype, device=device)
+        return dequantize(quant, parts, dtype, device=device)
 
-    def lazy(self, name: str, device: torch.device | str = "cpu") -> LazyDense:
+    def lazy(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> LazyDense:
         """:meth:`read` deferred until transformers' loader indexes it."""
-        return LazyDense(self, name, device)
+        return LazyDense(self, name, device, dtype)
 
 
 @dataclass(frozen=True)
 class LazyDense:
-    """One tensor of a :class:`ComfyGemmaFile`, read (and dequantized, on ``device``) when
-    indexed: ``[...]`` like a safetensors slice, which is all transformers' loader uses."""
+    """One tensor of a :class:`ComfyGemmaFile`, read (and dequantized into ``dtype`` on
+    ``device``) when indexed: ``[...]`` like a safetensors slice, which is all transformers'
+    loader uses."""
 
     file: ComfyGemmaFile
     name: str
     device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.bfloat16
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.file.read(self.name, self.device)[index]
+        return self.file.read(self.name, self.device, self.dtype)[index]
 
 
 def open_comfy_file(path: str | os.PathLike) -> ComfyGemmaFile:
@@ -114,6 +113,4 @@ def open_comfy_file(path: str | os.PathLike) -> ComfyGemmaFile:
             stored = tuple(f.get_slice(key).get_shape())
             q = quant.of(key)
             shapes[key[len("model."):]] = q.logical_shape(stored) if q is not None else stored
-        norm = next((k for k in _NORM_KEYS if k in keys), None)
-        compute = _DTYPES.get(f.get_slice(norm).get_dtype(), torch.bfloat16) if norm else torch.bfloat16
-    return ComfyGemmaFile(p, meta, quant, shapes, compute, spm)
+    return ComfyGemmaFile(p, meta, quant, shapes, spm)

@@ -112,9 +112,9 @@ def _load_comfy(path: Path, device: Any, dtype: torch.dtype, attn_implementation
 
     src = open_comfy_file(path)
     cfg = src.config()
-    # quantized layers are dequantized on the target device, into ComfyUI's compute dtype for
-    # the file; transformers' loader casts the result to ``dtype``
-    state = {name: src.lazy(name, device) for name in src.shapes}
+    # quantized layers are dequantized on the target device, straight into ``dtype`` (as ComfyUI
+    # does for activations of that dtype); plain tensors are cast by transformers' loader
+    state = {name: src.lazy(name, device, dtype) for name in src.shapes}
     with _without_load_report():
         model, info = Gemma3TextModel.from_pretrained(
             None,
@@ -149,8 +149,8 @@ def load_gemma_text_tower(
             directory (always loaded as NF4, whatever ``weights`` says: ``ltx_mgpu.text.nf4.load.load_nf4``).
         device: where the weights are placed.
         dtype: weight dtype; other stored dtypes are cast to it. A ComfyUI file's quantized
-            layers (nvfp4, fp8, int8: ``ltx_mgpu.text.gemma.comfy_file``) are first dequantized as
-            ComfyUI does, into the dtype of the file's norms. NF4 requires bf16.
+            layers (nvfp4, fp8, int8: ``ltx_mgpu.text.gemma.comfy_file``) are dequantized into it
+            as ComfyUI does for activations of that dtype. NF4 requires bf16.
         attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...
         weights: ``"bf16"`` (plain weights in ``dtype``) or ``"nf4"`` (quantized while loading:
             ``ltx_mgpu.text.nf4.load.load_nf4_on_the_fly``).

@@ -6,8 +6,8 @@ mapped or held in host memory), under the key handling of ``ltx_mgpu.text.gemma.
 multimodal / text-only prefixes of an HF snapshot are stripped (vision tower, projector and
 ``lm_head`` are not text-tower keys and are never read); a ComfyUI file is read through
 ``ltx_mgpu.text.gemma.comfy_file``: its quantized layers (nvfp4 ``fp4_mixed``, fp8, int8) are
-dequantized as ComfyUI does, on the device that then quantizes them to NF4, so NF4 is made from
-the same dense weights ComfyUI computes with.
+dequantized into bf16 as ComfyUI does, on the device that then quantizes them to NF4, so NF4 is
+made from the dense weights the bf16 loader computes with.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ class GemmaSource:
 
     def read(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """The tensor of parameter ``name`` on ``device``: as stored, or, for a ComfyUI file's
-        quantized layer, dequantized there into the file's compute dtype
-        (``ComfyGemmaFile.read``). The file is opened for this tensor only."""
+        quantized layer, dequantized there into bf16, NF4's compute dtype (``ComfyGemmaFile.read``:
+        the weights the bf16 loader computes with). The file is opened for this tensor only."""
         if self.comfy is not None:
-            return self.comfy.read(name, device)
+            return self.comfy.read(name, device, torch.bfloat16)
         file, key = self.locations[name]
         with safe_open(str(file), framework="pt", device="cpu") as f:
             return f.get_tensor(key).to(device)
