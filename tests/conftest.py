@@ -11,6 +11,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """Run the tests marked ``slow`` (pools, ranks, a real ComfyUI) after the others, each group in
+    its collection order, so a quick failure shows first."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_home(tmp_path_factory):
     """Keep every test's ltx_mgpu state (digest memo, cache, pools) out of the user's home."""
