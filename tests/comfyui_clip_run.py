@@ -34,11 +34,13 @@ from pathlib import Path
 from comfyui_support import collect_warnings, load_pack_in_process  # noqa: E402 - this script runs from tests/
 
 
-def shrink_gemma(config: dict, widths: tuple[int, int]) -> None:
+def shrink_gemma(config: dict, widths: tuple[int, int], single_width: int | None = None) -> None:
     """Give ComfyUI's LTX-2 text encoder the tiny Gemma's sizes and the tiny LTX-2.3 projection's
     widths, where ComfyUI hard-codes Gemma 3 12B's (``Gemma3_12B_Config`` and its vision config in
     ``comfy/text_encoders/llama.py``; ``3840 * 49``, the 48th layer's key and ``4096, 2048`` in
     ``comfy/text_encoders/lt.py``, whose source is re-run with only those numbers replaced).
+    ``single_width``: also the output width of LTX-2.0's single projection (``3840`` there), for
+    the tiny LTX-2.0 checkpoint.
 
     Raises:
         AssertionError: the tiny model differs from Gemma 3 12B in something that is not a size
@@ -70,7 +72,9 @@ def shrink_gemma(config: dict, widths: tuple[int, int]) -> None:
     llama.Gemma3_12B_Config = tiny
 
     source = Path(lt.__file__).read_text()
-    for old, new, count in (("3840 * 49", f"{text['hidden_size']} * {layers + 1}", 2),
+    single = (("Linear(3840 * 49, 3840, bias=False", f"Linear(3840 * 49, {single_width}, bias=False", 1),)
+    for old, new, count in (*(single if single_width is not None else ()),
+                            ("3840 * 49", f"{text['hidden_size']} * {layers + 1}", 2),
                             ("model.layers.47.self_attn.q_norm.weight",
                              f"model.layers.{layers - 1}.self_attn.q_norm.weight", 1),
                             ("4096, 2048", f"{widths[0]}, {widths[1]}", 1)):
