@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "LIFETIMES", "SAMPLERS",
+__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_WEIGHTS", "LIFETIMES", "SAMPLERS",
            "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
 
 #: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
@@ -22,6 +22,9 @@ PLACEMENTS = ("single", "accelerate", "batch_parallel")
 TEXT_DTYPES = ("bfloat16", "float32", "float16")
 #: The LTX-2 transformer's compute dtype.
 TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32")
+#: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
+#: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.sharding``).
+TRANSFORMER_WEIGHTS = ("replicated", "sharded")
 #: How long a started pool lives: until the process that started it exits, or until stopped.
 LIFETIMES = ("with-owner", "detached")
 #: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.sampler``).

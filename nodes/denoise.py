@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ltx_mgpu.choices import SAMPLERS
+from ltx_mgpu.choices import SAMPLERS, TRANSFORMER_WEIGHTS, check_choice
 from ltx_mgpu.choices import TRANSFORMER_DTYPES as DTYPES
 
 from . import _comfy, _model
@@ -87,13 +87,14 @@ class ModelHandle:
     dtype: str = "bf16"
     loras: tuple[tuple[str, float], ...] = ()
     max_tokens: int = 32768
+    weights: str = "replicated"
 
     def ensure_loaded(self, session, watch: JobWatch | None = None) -> dict:
         """Load (or keep, when unchanged) the transformer on every rank; the load result."""
         from ltx_mgpu.client.denoise import remote_load_transformer
 
         return remote_load_transformer(session, self.checkpoint, dtype=self.dtype, loras=list(self.loras),
-                                       max_tokens=self.max_tokens,
+                                       max_tokens=self.max_tokens, weights=self.weights,
                                        should_cancel=watch.should_cancel if watch is not None else None)
 
     def comfy_model(self, loaded: dict):
@@ -123,7 +124,8 @@ class LTXMGPUModelLoader:
     def INPUT_TYPES(cls):
         choices = checkpoint_choices()
         ckpt = {"tooltip": ("LTX-2 checkpoint: the single file from models/checkpoints (ltx-2*.safetensors) or a "
-                            "transformer-only file from models/diffusion_models. Every GPU loads a full copy.")}
+                            "transformer-only file from models/diffusion_models. Every GPU loads a full copy, or its "
+                            "shard (weights).")}
         if choices:
             ckpt["default"] = choices[0]
         return {
@@ -140,6 +142,12 @@ class LTXMGPUModelLoader:
                     "Largest number of video latent tokens the sampler accepts ((frames-1)/8+1) x (height/32) x "
                     "(width/32); 121 frames at 1280x704 are 14080. A larger latent is refused with a clear "
                     "message.")}),
+            },
+            "optional": {
+                "weights": (list(TRANSFORMER_WEIGHTS), {"default": "replicated", "tooltip": (
+                    "replicated: every GPU holds the whole transformer (fastest). sharded: each GPU holds 1/N of "
+                    "every weight and gathers each block just before it runs (FSDP), so a model too big for one "
+                    "GPU fits on several (e.g. LTX-2.3 22B on two 24 GB cards); a little slower per step.")}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -158,8 +166,9 @@ class LTXMGPUModelLoader:
                    "for sequence-parallel sampling. Loading the same files again keeps the loaded model.")
 
     def load(self, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
-             unique_id: str | None = None):
-        handle = ModelHandle(pool, resolve_checkpoint(ckpt_name), dtype, tuple(parse_loras(loras)), int(max_tokens))
+             weights: str = "replicated", unique_id: str | None = None):
+        handle = ModelHandle(pool, resolve_checkpoint(ckpt_name), dtype, tuple(parse_loras(loras)), int(max_tokens),
+                             check_choice(weights, TRANSFORMER_WEIGHTS, "weights"))
         with JobWatch(unique_id) as watch:
             loaded = handle.ensure_loaded(pool.session(), watch)
             watch.done()

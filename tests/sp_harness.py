@@ -165,6 +165,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
     from safetensors.torch import save_file
 
     from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
+    from ltx_mgpu.denoise.sharding import gathered_blocks, held_bytes, shard_transformer
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -172,12 +173,21 @@ def _rank_main(spec_path: str, rank: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
                             world_size=spec["world"], timeout=timedelta(seconds=60))
     report = {}
-    models = {}
+    models, shards = {}, {}
     for case in spec["cases"]:
         name = case["name"]
-        key = json.dumps([case.get("video_only", False), case.get("model", {})], sort_keys=True)
+        sharded = case.get("sharded", False)
+        key = json.dumps([case.get("video_only", False), case.get("model", {}), sharded], sort_keys=True)
         if key not in models:
             models[key] = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
+            if sharded:  # FSDP2 over the same ranks (ltx_mgpu.denoise.sharding)
+                total = held_bytes(models[key])
+                shard_transformer(models[key], dist.group.WORLD, torch.device("cpu"))
+                gathered = []
+                for block in models[key].transformer_blocks:
+                    block.register_forward_pre_hook(
+                        lambda _m, _a, m=models[key], g=gathered: g.append(gathered_blocks(m)))
+                shards[key] = {"total_bytes": total, "held_bytes": held_bytes(models[key]), "gathered": gathered}
         try:
             sp = SequenceParallelTransformer(models[key], None, case.get("max_tokens", 4096),
                                              _mask_v2a_keys=case.get("mask_v2a", True))
@@ -190,7 +200,10 @@ def _rank_main(spec_path: str, rank: int) -> None:
         if ax is not None:
             tensors["audio"] = ax.contiguous()
         save_file(tensors, str(out_dir / f"rank{rank}_{name}.safetensors"))
-        report[name] = {"error": None}
+        report[name] = {"error": None, **({"sharding": dict(shards[key], gathered=list(shards[key]["gathered"]),
+                                                          held_after=held_bytes(models[key]))} if sharded else {})}
+        if sharded:
+            shards[key]["gathered"].clear()
     # the group must still be healthy after any error: one collective every rank reaches
     token = torch.ones(1)
     dist.all_reduce(token)

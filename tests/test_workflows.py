@@ -234,7 +234,8 @@ def test_panel_view_model_shows_state_job_and_one_memory_bar_per_rank(tmp_path):
         {"key": "gpu-0-1", "gpus": [0, 1], "nproc": 2, "state": "busy", "error": None,
          "current": {"type": "sample", "progress": {"phase": "denoise", "step": 3, "total": 20}},
          "queue": [{"id": "x", "type": "encode", "position": 1}],
-         "ranks": [{"rank": 0, "device": "cuda:0", "models": {"ltx": {}},
+         "ranks": [{"rank": 0, "device": "cuda:0", "models": {"ltx": {}, "big": {"bytes": 3 * 2**29,
+                                                                                 "weights": "sharded"}},
                     "memory": {"total": 80 * 2**30, "free": 20 * 2**30, "reserved": 50 * 2**30}},
                    {"rank": 1, "device": "cuda:1", "models": {},
                     "memory": {"total": 80 * 2**30, "free": 80 * 2**30, "reserved": 0}}]},
@@ -251,7 +252,7 @@ def test_panel_view_model_shows_state_job_and_one_memory_bar_per_rank(tmp_path):
     gpu = view["pools"][0]
     assert gpu["title"] == "GPUs 0,1" and gpu["job"] == "sample · denoise 3/20" and gpu["queued"] == 1
     assert [b["fraction"] for b in gpu["bars"]] == [0.75, 0] and gpu["bars"][0]["text"] == "60.0 GiB / 80.0 GiB"
-    assert gpu["bars"][0]["models"] == ["ltx"] and view["pools"][1]["title"] == "CPU × 2"
+    assert gpu["bars"][0]["models"] == ["ltx", "big · 1.5 GiB shard"] and view["pools"][1]["title"] == "CPU × 2"
     assert got["b"] == "1.5 GiB" and got["na"]["message"] == "Linux only" and got["na"]["pools"] == []
 
 

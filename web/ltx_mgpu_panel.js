@@ -22,7 +22,11 @@ export function rankBars(pool) {
     const total = m.total ?? null;
     const used = cuda ? (total !== null && m.free != null ? total - m.free : m.reserved ?? null) : m.rss ?? null;
     const fraction = total && used !== null ? Math.min(1, Math.max(0, used / total)) : 0;
-    const models = Object.keys(r.models || {});
+    // "ltx · 9.6 GiB shard": a model's name, the weight bytes this rank holds, "shard" when sharded.
+    const models = Object.entries(r.models || {}).map(([name, info]) => {
+      const held = info && Number.isFinite(info.bytes) ? ` · ${formatBytes(info.bytes)}` : "";
+      return `${name}${held}${info && info.weights === "sharded" ? " shard" : ""}`;
+    });
     return {
       label: `rank ${r.rank} · ${r.device}`,
       used,

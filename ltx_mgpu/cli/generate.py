@@ -13,7 +13,7 @@ import sys
 import threading
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
-from ltx_mgpu.choices import PLACEMENTS, TRANSFORMER_DTYPES, WEIGHTS
+from ltx_mgpu.choices import PLACEMENTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
 from ltx_mgpu.cli.request import DEFAULT_NEGATIVE, GenerateRequest
 
 __all__ = ["ProgressBars", "StopOnInterrupt", "register"]
@@ -143,6 +143,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where Gemma runs in the pool (default single: rank 0)")
     p.add_argument("--dtype", choices=TRANSFORMER_DTYPES, default=None,
                    help="transformer dtype (default bf16 on GPUs, fp32 on CPU ranks)")
+    p.add_argument("--transformer-weights", choices=TRANSFORMER_WEIGHTS, default=d.transformer_weights,
+                   help="replicated: a whole transformer on every GPU (default); sharded: each GPU holds 1/N of "
+                        "every weight (FSDP), for GPUs too small for a whole copy")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="video-token budget (default 32768)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cache", dest="cache_dir", help="embedding cache directory (default: $LTX_MGPU_CACHE_DIR, "

@@ -45,6 +45,8 @@ class GenerateRequest:
             ``vae.*`` (default: ``checkpoint``).
         weights, placement: Gemma's weights mode (``bf16``/``nf4``) and placement in the pool.
         dtype: transformer dtype (``bf16``/``fp16``/``fp32``; None: bf16 on GPUs, fp32 on CPU ranks).
+        transformer_weights: ``replicated`` (a whole transformer per rank) or ``sharded`` (a 1/N
+            shard per rank, gathered block by block: for GPUs too small for a whole copy).
         gpus: world size (ranks); None: the most GPUs (CPU: up to 2 ranks) the model's heads allow.
         gpu_ids: which GPUs (indices as this process sees them), as ``pool start --gpus 0,1``
             names them; sets the world size to their count. None: GPUs ``0..gpus-1``.
@@ -73,6 +75,7 @@ class GenerateRequest:
     weights: str = "bf16"
     placement: str = "single"
     dtype: str | None = None
+    transformer_weights: str = "replicated"
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
     cpu: bool = False

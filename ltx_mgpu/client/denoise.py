@@ -84,6 +84,7 @@ def remote_load_transformer(
     max_tokens: int = 32768,
     attention_type: str | None = None,
     name: str = DEFAULT_MODEL,
+    weights: str = "replicated",
     timeout: float | None = None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> dict:
@@ -96,6 +97,8 @@ def remote_load_transformer(
             pairs (ComfyUI LoRA naming); max_tokens: the largest video token count ``sample``
             takes; attention_type: ltx-core's backend (``"default"``, ``"pytorch"``, ...) or None.
         name: the resident name ``SampleRequest.model`` refers to.
+        weights: one of :data:`ltx_mgpu.choices.TRANSFORMER_WEIGHTS`: a whole copy per rank, or a
+            1/N shard per rank gathered block by block (FSDP2).
     Returns:
         The job result: ``model``, ``reused``, ``version``, ``valid_world_sizes``, ``heads``,
         ``bytes``, ... (see ``ltx_mgpu.pool.denoise_jobs.load_transformer``).
@@ -105,6 +108,7 @@ def remote_load_transformer(
         Other ``PoolError`` s as ``PoolClient.request``.
     """
     params = {"checkpoint": str(checkpoint), "dtype": dtype, "max_tokens": int(max_tokens), "name": name,
+              **({"weights": weights} if weights != "replicated" else {}),
               "loras": [{"path": str(p), "strength": float(s)} for p, s in loras]}
     if attention_type is not None:
         params["attention_type"] = attention_type

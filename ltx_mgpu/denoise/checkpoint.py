@@ -417,10 +417,16 @@ class StateDictLoader:
     at a time onto ``device``: fp8 weights are multiplied by their scale (``scale_weight`` or
     ``weight_scale``, broadcast) in float32, LoRA deltas are added in float32, and the result is
     cast to ``dtype``. ``loaded_keys`` records the renamed keys of the last ``load``.
+
+    ``rows`` (renamed key -> ``slice`` of dim 0) makes ``load`` read only those rows of a weight
+    from the file (its scale rows and LoRA up-matrix rows with it): a rank's shard of a sharded
+    transformer (``ltx_mgpu.denoise.sharding``).
     """
 
-    def __init__(self, info: CheckpointInfo, dtype: torch.dtype, loras: dict[str, list], exclude: tuple[str, ...] = ()):
+    def __init__(self, info: CheckpointInfo, dtype: torch.dtype, loras: dict[str, list], exclude: tuple[str, ...] = (),
+                 rows: dict[str, slice] | None = None):
         self.info, self.dtype, self.loras, self.exclude = info, dtype, loras, exclude
+        self.rows = rows or {}
         self.loaded_keys: list[str] = []
         self.fused: set[str] = set()
 
@@ -441,15 +447,16 @@ class StateDictLoader:
                     new = sd_ops.apply_to_key(key) if sd_ops is not None else full
                     if new is None or new.startswith(self.exclude):
                         continue
-                    t = self._tensor(f, names, key, full, device)
+                    t = self._tensor(f, names, key, full, device, self.rows.get(new))
                     sd[new] = t
                     dtypes.add(t.dtype)
                     size += t.nbytes
         self.loaded_keys = list(sd)
         return StateDict(sd=sd, device=device, size=size, dtype=dtypes)
 
-    def _tensor(self, f, names: set, key: str, full: str, device: torch.device) -> torch.Tensor:
-        t = f.get_tensor(key).to(device)
+    def _tensor(self, f, names: set, key: str, full: str, device: torch.device, rows: slice | None = None
+                ) -> torch.Tensor:
+        t = (f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start:rows.stop]).to(device)
         stem = key[: -len(".weight")] if key.endswith(".weight") else None
         quant = stem is not None and f"{stem}.comfy_quant" in names
         if quant and (fmt := _comfy_quant_format(f.get_tensor(f"{stem}.comfy_quant"), key)) not in ("float8_e4m3fn",
@@ -463,6 +470,8 @@ class StateDictLoader:
         if t.dtype in _FP8 and stem is not None:
             sk = next((s for s in (f"{stem}.weight_scale", f"{stem}.scale_weight") if s in names), None)
             scale = f.get_tensor(sk).to(device=device, dtype=torch.float32) if sk else None
+            if scale is not None and rows is not None and scale.numel() > 1:
+                scale = scale.reshape(-1)[rows]
         if scale is None and not deltas:
             out = t.to(self.dtype)
             # safetensors hands out CPU tensors over arbitrarily aligned buffers; a fresh allocation
@@ -470,12 +479,13 @@ class StateDictLoader:
             return out.clone() if out.data_ptr() == t.data_ptr() else out
         w = t.float()
         if scale is not None:
-            if scale.numel() not in (1, w.shape[0]):
+            if scale.numel() not in (1, w.shape[0]) and w.numel():
                 raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor "
                                       "per-row scaling")
             w = w * (scale.reshape(-1, *([1] * (w.ndim - 1))) if scale.numel() > 1 else scale.reshape(()))
         for a, b, s in deltas:
-            delta = torch.mm(b.to(device), a.to(device))
+            up = b.to(device) if rows is None else b.to(device)[rows]
+            delta = torch.mm(up, a.to(device))
             if delta.numel() != w.numel():
                 raise CheckpointError(f"a LoRA for {full} has shape {tuple(delta.shape)}, the weight {tuple(w.shape)}")
             w = w + s * delta.reshape(w.shape)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from ltx_core.loader.sd_ops import SDOps
 from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
 from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModel, LTXModelConfigurator
@@ -31,6 +32,7 @@ from ltx_core.text_encoders.gemma.embeddings_connector import Embeddings1DConnec
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
+from ltx_mgpu.choices import TRANSFORMER_WEIGHTS
 from ltx_mgpu.denoise.checkpoint import (
     CONNECTORS,
     MONOLITH_PREFIX,
@@ -45,6 +47,7 @@ from ltx_mgpu.denoise.checkpoint import (
 )
 from ltx_mgpu.denoise.conditioning import text_contexts
 from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
+from ltx_mgpu.denoise.sharding import local_rows, local_tensor, shard_transformer
 from ltx_mgpu.denoise.sp_config import check_sequence_parallel_config
 from ltx_mgpu.files import write_atomically
 
@@ -77,6 +80,8 @@ class LTXDenoiser:
         config: ``{"transformer": {...}}``; version: ``"2.0"`` / ``"2.3"``.
         dtype, device: of every weight; max_tokens: the video-token budget for SP.
         source: the checkpoint path; loras: the LoRAs fused in.
+        weights: ``"replicated"`` (every rank holds the whole transformer) or ``"sharded"``
+            (each rank a 1/W shard of every weight, :mod:`ltx_mgpu.denoise.sharding`).
     """
 
     transformer: LTXModel
@@ -89,6 +94,7 @@ class LTXDenoiser:
     max_tokens: int = 32768
     source: str = ""
     loras: tuple[LoraSpec, ...] = ()
+    weights: str = "replicated"
 
     @property
     def context_widths(self) -> tuple[int, int]:
@@ -142,6 +148,8 @@ def load_ltx_model(
     max_tokens: int = 32768,
     *,
     attention_type: str | None = None,
+    weights: str = "replicated",
+    group=None,
 ) -> LTXDenoiser:
     """Load an LTX-2 / 2.3 denoiser (transformer + connectors) with LoRAs fused.
 
@@ -155,6 +163,11 @@ def load_ltx_model(
         max_tokens: video-token budget for sequence parallelism (``velocity_model``).
         attention_type: override ``config["transformer"]["attention_type"]`` (ltx-core's
             ``AttentionFunction`` value: "default", "pytorch", ...).
+        weights: ``"replicated"`` (a whole transformer here) or ``"sharded"``: this rank's shard
+            of every transformer weight over ``group`` (:mod:`ltx_mgpu.denoise.sharding`; every
+            rank of ``group`` must load it together), read row-wise from the file. The
+            connectors are whole either way.
+        group: the process group of the shards (``"sharded"`` only; None: the default group).
     Returns:
         ``LTXDenoiser`` in eval mode.
     Raises:
@@ -174,8 +187,13 @@ def load_ltx_model(
     builder = SingleGPUModelBuilder(
         model_class_configurator=LTXModelConfigurator, model_path=info.path, model_sd_ops=sd_ops, model_loader=loader
     )
+    if weights not in TRANSFORMER_WEIGHTS:
+        raise ValueError(f"weights must be one of {TRANSFORMER_WEIGHTS}, got {weights!r}")
     expected = set(builder.meta_model(info.config, ()).state_dict())
-    transformer = builder.build(device=device)
+    if weights == "sharded":
+        transformer = _sharded_transformer(builder, info, loader, sd_ops, group, device)
+    else:
+        transformer = builder.build(device=device)
     got = set(loader.loaded_keys)
     if expected != got:
         missing, extra = sorted(expected - got), sorted(got - expected)
@@ -192,7 +210,26 @@ def load_ltx_model(
     if unfused:  # only weights outside the DiT and connectors could be left; never drop them silently
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
     return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device,
-                       int(max_tokens), info.path, specs)
+                       int(max_tokens), info.path, specs, weights)
+
+
+def _sharded_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, group,
+                         device: torch.device) -> LTXModel:
+    """The transformer built on the meta device, sharded over ``group``, with this rank's rows
+    of every weight read from the file (and nothing else)."""
+    group = group if group is not None else dist.group.WORLD
+    transformer = builder.meta_model(info.config, ())
+    shard_transformer(transformer, group, device)
+    transformer.to_empty(device=device)
+    params = dict(transformer.named_parameters())
+    loader.rows = {name: r for name, p in params.items() if (r := local_rows(p)) is not None}
+    sd = loader.load(info.path, sd_ops, device).sd
+    loader.rows = {}
+    with torch.no_grad():
+        for name, p in params.items():
+            if name in sd:
+                local_tensor(p).copy_(sd.pop(name))
+    return transformer
 
 
 def transformer_sd_ops(info: CheckpointInfo) -> SDOps | None:

@@ -15,7 +15,9 @@ rounds stochastically for fp8). :func:`merge` is that, on the model's device.
 the old or the new set touches is re-read from the memory-mapped checkpoint (with the LoRAs
 fused at load, :class:`~ltx_mgpu.denoise.checkpoint.StateDictLoader`) and merged again, a
 few weights at a time, so no backup copy of the model is kept and removing a patch restores
-the loaded weights exactly.
+the loaded weights exactly. A sharded transformer (:mod:`ltx_mgpu.denoise.sharding`) merges
+the same way on each rank's rows: its shard of the original, of the LoRA up-matrix and of a
+diff.
 
 Differences from ComfyUI, said once: for an fp8 checkpoint ComfyUI re-quantises the merged
 weight to fp8 (stochastic rounding); here the weights are kept in the model's compute dtype
@@ -32,6 +34,7 @@ import torch
 
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, CheckpointInfo, StateDictLoader, inspect_checkpoint, load_loras
 from ltx_mgpu.denoise.model import transformer_sd_ops
+from ltx_mgpu.denoise.sharding import local_rows, local_tensor
 
 __all__ = ["COMFY_PREFIX", "PATCH_KINDS", "PatchError", "WeightPatch", "apply_patches", "merge", "resolve_key"]
 
@@ -86,24 +89,28 @@ class WeightPatch:
             got = None if self.diff is None else tuple(self.diff.shape)
             raise PatchError(f"{key}: a diff patch of shape {got} does not fit the weight's {tuple(shape)}")
 
-    def apply(self, weight: torch.Tensor) -> None:
-        """``weight`` (float32) += this patch, in place, as ComfyUI computes it (module doc)."""
+    def apply(self, weight: torch.Tensor, rows: slice | None = None) -> None:
+        """``weight`` (float32) += this patch, in place, as ComfyUI computes it (module doc);
+        with ``rows``, ``weight`` is those rows (dim 0) of the whole weight (a shard)."""
         if self.strength_model != 1.0:
             weight *= self.strength_model
         if self.kind == "lora":
             up = self.up.to(device=weight.device, dtype=torch.float32).flatten(1)
+            up = up if rows is None else up[rows]
             down = self.down.to(device=weight.device, dtype=torch.float32).flatten(1)
             alpha = self.alpha / down.shape[0] if self.alpha is not None else 1.0
             weight += ((self.strength * alpha) * torch.mm(up, down).reshape(weight.shape)).type(weight.dtype)
         elif self.strength != 0.0:
-            weight += self.strength * self.diff.to(device=weight.device, dtype=weight.dtype)
+            diff = self.diff if rows is None else self.diff[rows]
+            weight += self.strength * diff.to(device=weight.device, dtype=weight.dtype)
 
 
-def merge(original: torch.Tensor, patches: Iterable[WeightPatch]) -> torch.Tensor:
-    """``original`` with ``patches`` merged in order (float32 arithmetic), in its dtype."""
+def merge(original: torch.Tensor, patches: Iterable[WeightPatch], rows: slice | None = None) -> torch.Tensor:
+    """``original`` (or its ``rows`` of the whole weight) with ``patches`` merged in order
+    (float32 arithmetic), in its dtype."""
     weight = original.to(torch.float32, copy=True)
     for p in patches:
-        p.apply(weight)
+        p.apply(weight, rows)
     return weight.to(original.dtype)
 
 
@@ -182,14 +189,15 @@ def apply_patches(model, patches: Mapping[str, Sequence[WeightPatch]], previous:
             p.check(key, tensor.shape)
         targets[key] = (target, tensor)
     deltas = load_loras(model.loras, [k for k in info.shapes if k.endswith(".weight")]) if model.loras else {}
-    loader = StateDictLoader(info, model.dtype, deltas)
+    rows = {k: r for k, (_, tensor) in targets.items() if (r := local_rows(tensor)) is not None}
+    loader = StateDictLoader(info, model.dtype, deltas, rows=rows)
     for start in range(0, len(keys), _CHUNK):
         chunk = keys[start:start + _CHUNK]
         names = {targets[k][0].file_key: k for k in chunk}
         originals = loader.load(info.path, _Select(names), model.device).sd
         with torch.no_grad():
             for key in chunk:
-                tensor = targets[key][1]
-                tensor.copy_(merge(originals.pop(key), wanted.get(key, ())))
+                tensor = local_tensor(targets[key][1])  # a sharded weight: this rank's rows
+                tensor.copy_(merge(originals.pop(key), wanted.get(key, ()), rows.get(key)))
         del originals
     return set(wanted)

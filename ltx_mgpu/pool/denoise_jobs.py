@@ -40,11 +40,19 @@ from pathlib import Path
 import torch
 
 from ltx_mgpu.choices import SAMPLERS
-from ltx_mgpu.denoise.checkpoint import CheckpointError, CheckpointInfo, LoraSpec, check_loras, inspect_checkpoint
+from ltx_mgpu.denoise.checkpoint import (
+    CONNECTORS,
+    CheckpointError,
+    CheckpointInfo,
+    LoraSpec,
+    check_loras,
+    inspect_checkpoint,
+)
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
 from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
+from ltx_mgpu.denoise.sharding import fit_error, held_bytes, weight_plan
 from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, check_token_budget, valid_world_sizes
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
@@ -194,8 +202,9 @@ def _attention_error(attention_type: str | None, info: CheckpointInfo, ctx: JobC
 
 
 def _model_bytes(m: LTXDenoiser) -> int:
+    """Bytes of weights this rank holds between calls (a sharded transformer: its shard)."""
     modules = [x for x in (m.transformer, m.video_connector, m.audio_connector) if x is not None]
-    return int(sum(t.numel() * t.element_size() for mod in modules for t in [*mod.parameters(), *mod.buffers()]))
+    return sum(held_bytes(mod) for mod in modules)
 
 
 def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) -> dict:
@@ -206,7 +215,7 @@ def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) 
         "heads": {"video": int(t["num_attention_heads"]), "audio": int(t["audio_num_attention_heads"])},
         "valid_world_sizes": valid_world_sizes(m.transformer), "context_widths": list(m.context_widths),
         "has_connectors": m.video_connector is not None, "loras": [dataclasses.asdict(s) for s in m.loras],
-        "bytes": _model_bytes(m), "key": r.key,
+        "bytes": _model_bytes(m), "weights": m.weights, "key": r.key,
     }
 
 
@@ -215,14 +224,16 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     """Load an LTX-2 transformer + connectors on every rank and keep it resident as ``name``.
 
     Params: ``checkpoint`` (path), ``dtype`` ("bf16" | "fp16" | "fp32", default bf16),
+    ``weights`` ("replicated": a whole copy per rank, default; "sharded": a 1/W shard per rank,
+    ``ltx_mgpu.denoise.sharding``),
     ``loras`` ([{"path", "strength"}]), ``max_tokens`` (video tokens per ``sample``, default
     32768), ``attention_type`` (ltx-core backend or null), ``name`` (default "ltx").
 
     Returns:
         ``{"model", "reused", "checkpoint", "version", "dtype", "max_tokens", "world_size",
         "heads": {"video", "audio"}, "valid_world_sizes", "context_widths", "has_connectors",
-        "loras", "bytes", "key"}`` (bytes of one rank's replica; ``key`` names what was loaded, for
-        the MODEL path's calls).
+        "loras", "bytes", "weights", "key"}`` (bytes of weights one rank holds: its replica or its
+        shard; ``key`` names what was loaded, for the MODEL path's calls).
     Raises:
         BadInput (identically on every rank, before any collective): no such file, not an
         LTX-2 checkpoint, heads the world size does not divide (naming the GPU counts that
@@ -230,10 +241,13 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         safetensors, truncated, foreign keys, factors of the wrong rank or shape),
         ``max_tokens < 1``; after a control-group agreement: a ``name`` held by a
         non-transformer model, an ``attention_type`` this rank cannot run, or a load that
-        failed on any rank (out of memory, LoRA values that are not finite, ...).
+        failed on any rank (out of memory, LoRA values that are not finite, ...); on GPUs, weights
+        that do not fit a rank's free memory (:func:`~ltx_mgpu.denoise.sharding.fit_error`: how
+        much the other choice would need), before anything is read.
     """
     name = params.get("name", codec.DEFAULT_MODEL)
     dtype_name = params.get("dtype", "bf16")
+    weights = params.get("weights", "replicated")
     max_tokens = int(params.get("max_tokens", 32768))
     attention_type = params.get("attention_type")
     path = params["checkpoint"]
@@ -253,7 +267,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     except CheckpointError as e:
         raise BadInput(str(e)) from None
     identity = {"checkpoint": _file_identity(path), "dtype": dtype_name, "max_tokens": max_tokens,
-                "attention_type": attention_type,
+                "attention_type": attention_type, "weights": weights,
                 "loras": [{**_file_identity(s.path), "strength": s.strength} for s in loras]}
     # Everything above is decided by the files alone; what follows depends on this rank's state
     # (resident models, free memory), so the ranks agree on the outcome over the control group.
@@ -264,6 +278,12 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
                  "load the transformer under another name")
     if clash is None and not (isinstance(resident, ResidentTransformer) and resident.identity == identity):
         clash = _attention_error(attention_type, info, ctx, DTYPES[dtype_name])
+        if clash is None and ctx.device.type == "cuda":
+            plan = weight_plan(info.shapes, DTYPES[dtype_name].itemsize, ctx.world_size, CONNECTORS)
+            free, total = torch.cuda.mem_get_info(ctx.device)
+            if isinstance(resident, ResidentTransformer):  # its memory is freed before the new load
+                free += held_bytes(resident.denoiser.transformer)
+            clash = fit_error(plan, weights, free, total, f"{Path(path).name} ({dtype_name})")
     ctx.agree(clash)
     if isinstance(resident, ResidentTransformer) and resident.identity == identity:
         return _describe(name, resident, ctx.world_size, reused=True), {}
@@ -272,12 +292,14 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         free_memory(ctx.device)
     m = velocity = error = None
     try:
-        m = load_ltx_model(path, ctx.device, DTYPES[dtype_name], loras, max_tokens, attention_type=attention_type)
+        m = load_ltx_model(path, ctx.device, DTYPES[dtype_name], loras, max_tokens, attention_type=attention_type,
+                           weights=weights, group=ctx.data_group)
         velocity = m.velocity_model(ctx.data_group)
     except (torch.OutOfMemoryError, MemoryError):
-        error = (f"out of memory loading {Path(path).name} ({dtype_name}) on {ctx.device}: every GPU holds a "
-                 "full replica; free memory first (unload other models, e.g. the text encoder) or use a "
-                 "smaller file (fp8)")
+        hint = ("every GPU holds a full replica: try weights 'sharded'" if weights == "replicated" else
+                "each GPU holds a shard")
+        error = (f"out of memory loading {Path(path).name} ({dtype_name}) on {ctx.device} ({hint}); free memory "
+                 "first (unload other models, e.g. the text encoder)")
     except (FileNotFoundError, ValueError) as e:  # CheckpointError & co (identical on every rank)
         error = f"{Path(path).name}: {e}"
     except Exception as e:  # noqa: BLE001 - the load runs no collective: any failure is this request's, agreed
@@ -288,9 +310,10 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     ctx.agree(error)
     resident = ResidentTransformer(m, velocity, identity)
     ctx.models.put(name, resident, {"kind": "ltx_transformer", "checkpoint": m.source, "version": m.version,
-                                    "dtype": dtype_name, "bytes": _model_bytes(m), "devices": [str(m.device)]})
-    ctx.log(f"loaded LTX-{m.version} transformer '{name}' from {m.source} ({dtype_name}, "
-            f"{len(m.loras)} LoRA(s), world size {ctx.world_size})")
+                                    "dtype": dtype_name, "weights": weights, "bytes": _model_bytes(m),
+                                    "devices": [str(m.device)]})
+    ctx.log(f"loaded LTX-{m.version} transformer '{name}' from {m.source} ({dtype_name}, {weights}, "
+            f"{len(m.loras)} LoRA(s), world size {ctx.world_size}, {_model_bytes(m) / 2**30:.2f} GiB on this rank)")
     return _describe(name, resident, ctx.world_size, reused=False), {}
 
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS, PLACEMENTS, TRANSFORMER_DTYPES, WEIGHTS
+from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS, PLACEMENTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
 from ltx_mgpu.wire.frames import ProtocolError, check_id, valid_id
 
 __all__ = [
@@ -215,12 +215,14 @@ for _s in (
 # ltx_mgpu.wire.codec's).
 register_request(MessageSchema("load_transformer", (
     F("checkpoint", ("str",)), F("dtype", ("str",), False, choices=TRANSFORMER_DTYPES),
+    F("weights", ("str",), False, choices=TRANSFORMER_WEIGHTS),
     F("loras", ("list",), False, items="object", max_items=MAX_LORAS, hint="merge LoRAs, or fuse fewer"),
     F("max_tokens", ("int",), False, bounds=(1, MAX_VIDEO_TOKENS),
       hint="the video tokens one sample may have (default 32768)"),
     F("attention_type", ("str", "null"), False, choices=("default", "pytorch", "xformers", "flash_attention_3")),
     F("name", ("str",), False)),
-    doc="load an LTX-2 transformer (+ connectors, LoRAs fused) on every rank for sequence parallelism"))
+    doc="load an LTX-2 transformer (+ connectors, LoRAs fused) on every rank for sequence parallelism, "
+        "replicated or sharded"))
 register_request(MessageSchema("sample", (
     F("model", ("str",), False), F("positive", ("list",), items="object"),
     F("negative", ("list", "null"), False, items="object"), F("latent", ("object",)),
