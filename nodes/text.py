@@ -112,7 +112,8 @@ class LTXMGPUGemmaLoader:
                 "pool": (POOL, {"tooltip": "The pool Gemma runs in (from the Pool node)."}),
                 "gemma": _combo(gemma_choices(), (
                     "Gemma 3 12B from models/text_encoders: a Hugging Face snapshot directory (gemma-3-12b-it/), "
-                    "ComfyUI's single file (gemma_3_12B_it*.safetensors) or an ltx_mgpu NF4 directory.")),
+                    "ComfyUI's single file (gemma_3_12B_it*.safetensors: bf16, fp8_scaled or fp4_mixed, whose "
+                    "quantized layers are dequantized as ComfyUI does) or an ltx_mgpu NF4 directory.")),
                 "projection": _combo(projection_choices(), (
                     "Where the LTX-2 text projection comes from: the LTX-2 checkpoint you sample with "
                     "(checkpoints/...), or a separate projection file (text_encoders/...). Its version (2.0 or "

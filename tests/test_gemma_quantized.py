@@ -104,6 +104,12 @@ def test_files_are_in_comfyuis_saved_layout(files):
     assert mixed.describe() == "float8_e4m3fn,nvfp4"
 
 
+def test_files_are_deterministic(files, gemma, tmp_path):
+    again = tmp_path / "again.safetensors"
+    build_tiny_gemma_comfy_file(gemma["snapshot"], again, "fp4_mixed")
+    assert again.read_bytes() == files["fp4_mixed"].read_bytes()
+
+
 def _comfy_kitchen_dense(quant, parts, shape, dtype=torch.bfloat16):
     """What ComfyUI computes with for activations of ``dtype``: comfy-kitchen's QuantizedTensor with
     ComfyUI's Params for the layer (``comfy/ops.py``), cast to ``dtype``, dequantized."""
