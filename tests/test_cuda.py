@@ -280,3 +280,53 @@ def test_the_model_path_on_a_gpu_pool_equals_the_call_in_process():
     assert got_ctx.device.type == "cuda" and (got_ctx - ctx).abs().max().item() <= 1e-5
     assert all(g.device.type == "cuda" for g in got)
     assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_guides_reference_audio_and_sharded_weights_on_a_gpu_pool_equal_the_call_in_process():
+    """On a one-GPU pool: a call with two keyframe guides (strength 0.7: the guide attention
+    mask through cuDNN / efficient SDPA), dropped guide tokens and reference audio equals the
+    in-process call, for the replicated and the FSDP-sharded load (world size 1)."""
+    from ltx_mgpu.client.denoise import remote_load_transformer
+    from ltx_mgpu.client.model import PoolModel
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.denoise.extra_conds import extra_conds, grid_mask
+    from ltx_mgpu.denoise.forward import comfy_forward, processed_context
+    from ltx_mgpu.denoise.model import load_ltx_model
+
+    ckpt = tiny_ltx_checkpoint("2.3")
+    local = load_ltx_model(ckpt, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    x = [torch.randn(2, 128, 4, 3, 5, generator=g).cuda(), torch.randn(2, 8, 7, 16, generator=g).cuda()]
+    mask = torch.ones(2, 1, 4, 3, 5)
+    mask[:, :, 2], mask[:, :, 3] = 0.0, 0.3
+    mask[:, :, 3, 0] = -1.0
+    hh, ww = torch.meshgrid(torch.arange(3) * 32.0, torch.arange(5) * 32.0, indexing="ij")
+    coords = [torch.stack([torch.full((3, 5), float(f)), hh, ww]).reshape(3, -1) for f in (0, 8)]
+    kf = torch.cat([torch.stack([c, c + torch.tensor([1.0, 32.0, 32.0]).view(3, 1)], -1) for c in coords], 1)
+    kf = kf.unsqueeze(0).expand(2, -1, -1, -1).contiguous()
+    entries = [{"pre_filter_count": 15, "strength": s, "pixel_mask": None, "latent_shape": [1, 3, 5]}
+               for s in (1.0, 0.7)]
+    ref = {"tokens": torch.randn(1, 4, 128, generator=g)}
+    t_v = (mask * 0.6).permute(0, 2, 3, 4, 1).reshape(2, -1, 1).cuda()
+    t = (t_v, torch.full((2,), 0.6, device="cuda"))
+    text = torch.randn(2, 9, 48, generator=g).cuda()
+    kwargs = {"denoise_mask": mask.expand(-1, 128, -1, -1, -1).cuda(), "keyframe_idxs": kf,
+              "guide_attention_entries": entries, "ref_audio": ref}
+    conds = extra_conds(keyframe_idxs=kf, keep=grid_mask(mask), guide_attention_entries=entries, ref_audio=ref)
+    with torch.no_grad():
+        ctx = processed_context(local, text, True)
+        want = comfy_forward(local, local.transformer, x, t, ctx, conds=conds)
+    base = short_dir()
+    client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
+    try:
+        got = {}
+        for weights in ("replicated", "sharded"):
+            loaded = remote_load_transformer(client, str(ckpt), dtype="fp32", weights=weights, name=weights,
+                                             timeout=300)
+            pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
+            got[weights] = pm.forward(x, t, ctx, conds=kwargs)
+    finally:
+        client.shutdown()
+        cleanup(base)
+    for weights, out in got.items():
+        assert max((a - b).abs().max().item() for a, b in zip(out, want, strict=True)) <= 1e-4, weights

@@ -172,3 +172,22 @@ def test_a_sharded_load_equals_the_replicated_one_through_the_pool(base, tiny_lt
             assert _rel(a, b) <= REL
     finally:
         pool.shutdown()
+
+
+def test_a_sharded_bf16_load_holds_bf16_shards(base, tiny_ltx_23):
+    """The shards are in the compute dtype, as a replicated load's weights (not float32)."""
+    pool = _pool(base, 2)
+    try:
+        rep = remote_load_transformer(pool, str(tiny_ltx_23), dtype="bf16", name="rep", timeout=180)
+        sh = remote_load_transformer(pool, str(tiny_ltx_23), dtype="bf16", name="sh", weights="sharded", timeout=180)
+        assert sh["bytes"] < rep["bytes"] * 0.75, (sh["bytes"], rep["bytes"])
+        g = torch.Generator().manual_seed(3)
+        x = [torch.randn(1, 128, 3, 3, 5, generator=g).bfloat16(), torch.randn(1, 8, 7, 16, generator=g).bfloat16()]
+        t = (torch.full((1,), 0.6), torch.full((1,), 0.6))
+        ctx = torch.randn(1, 1024, sum(sh["context_widths"]), generator=g).bfloat16()
+        outs = [PoolModel(lambda: pool, lambda: None, n, key=r["key"]).forward(x, t, ctx) for n, r in
+                (("rep", rep), ("sh", sh))]
+        assert all(o.dtype == torch.bfloat16 for o in outs[1])
+        assert all(_rel(a.float(), b.float()) <= 1e-2 for a, b in zip(outs[1], outs[0]))
+    finally:
+        pool.shutdown()

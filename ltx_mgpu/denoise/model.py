@@ -218,7 +218,7 @@ def _sharded_transformer(builder, info: CheckpointInfo, loader: StateDictLoader,
     """The transformer built on the meta device, sharded over ``group``, with this rank's rows
     of every weight read from the file (and nothing else)."""
     group = group if group is not None else dist.group.WORLD
-    transformer = builder.meta_model(info.config, ())
+    transformer = builder.meta_model(info.config, ()).to(loader.dtype)  # every weight in the compute dtype
     shard_transformer(transformer, group, device)
     transformer.to_empty(device=device)
     params = dict(transformer.named_parameters())
