@@ -102,6 +102,7 @@ def patch_set(*loras: tuple[dict[str, LoraAdapter], float]) -> dict[str, list]:
 
 
 def nbytes(adapters: dict[str, LoraAdapter]) -> int:
+    """The bytes of the adapters' factors (what sending them costs)."""
     return sum(t.numel() * t.element_size() for a in adapters.values() for t in a.weights[:2])
 
 

@@ -136,6 +136,7 @@ def links(api: dict) -> Iterable[tuple[str, str, str, int]]:
 
 
 def is_link(value) -> bool:
+    """Whether an API input value is a link ``[source id, output slot]`` (else a widget value)."""
     return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
 
 

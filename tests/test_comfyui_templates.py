@@ -83,7 +83,8 @@ TEMPLATES = {
     "video_ltx2_3_t2v": ("2.3", 2, "text to video; the distilled LoRA at 0.5 on both stages"),
     "video_ltx2_3_i2v": ("2.3", 2, "image to video; the distilled LoRA at 0.5 on both stages"),
     "video_ltx2_3_ia2v": ("2.3", 2, "image + audio to video: the audio encoded and kept (SetLatentNoiseMask)"),
-    "video_ltx2_3_id_lora": ("2.3", 2, "reference audio (LTXVReferenceAudio, identity guidance) and the ID LoRA"),
+    "video_ltx2_3_id_lora": ("2.3", 2, "reference audio (LTXVReferenceAudio, identity guidance) and the ID LoRA on "
+                                       "stage 1"),
     "video_ltx2_3_flf2v": ("2.3", 1, "first and last frame to video (two LTXVAddGuide), distilled checkpoint"),
     "template_ltx2_3_style_transition": ("2.3", 1, "first / last frame with a style-transition LoRA"),
 }
