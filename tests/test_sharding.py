@@ -13,6 +13,8 @@ together with Ulysses sequence parallelism, on real gloo ranks:
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -128,8 +130,13 @@ def test_a_sharded_load_equals_the_replicated_one_through_the_pool(base, tiny_lt
                                                        timeout=180)
         assert loaded["sharded-0"]["weights"] == "sharded" and loaded["replicated-0"]["weights"] == "replicated"
         # the status shows what each rank holds: a shard ~1/N of the transformer (+ whole connectors)
-        status = pool.request("status", {}, timeout=30)[0]
-        ranks_info = status["ranks"]
+        deadline = time.monotonic() + 30
+        while True:  # each rank rewrites its status record after a job (and every second)
+            ranks_info = pool.request("status", {}, timeout=30)[0]["ranks"]
+            if all({"sharded-0", "replicated-0"} <= set(r["models"]) for r in ranks_info) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert len(ranks_info) == ranks
         for r in ranks_info:
             held, whole = r["models"]["sharded-0"]["bytes"], r["models"]["replicated-0"]["bytes"]

@@ -226,6 +226,8 @@ def _other_loop(state: Rank) -> None:
             return
         if kind == _JOB:
             run_job(state, spec, tensors)
+            with contextlib.suppress(Exception):  # the status shows what the job loaded or freed at once
+                state.write_record()
         del spec, tensors
 
 
