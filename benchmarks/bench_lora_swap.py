@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -177,6 +178,7 @@ def main(argv=None) -> int:
             print(f"{name:>28}: {row['seconds']:7.2f} s  ({row['weights']} weights)", flush=True)
     finally:
         client.shutdown()
+        shutil.rmtree(work, ignore_errors=True)  # the header-only checkpoint and the pool's runtime files
     return 0
 
 
