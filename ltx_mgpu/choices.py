@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_WEIGHTS", "LIFETIMES", "SAMPLERS",
-           "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
+__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_WEIGHTS", "SP_LAYOUTS",
+           "LIFETIMES", "SAMPLERS", "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
 
 #: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
 WEIGHTS = ("bf16", "nf4")
@@ -25,6 +25,11 @@ TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32")
 #: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
 #: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.sharding``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")
+#: How a model call is split over the pool's ranks: ``ulysses`` (the video tokens over all ranks),
+#: ``cfg_ulysses`` (the cond and uncond halves of the batch on two halves of the pool, each
+#: Ulysses over its ranks) or ``auto`` (``cfg_ulysses`` whenever the batch and the world size are
+#: even: ``ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer.cfg_parallel``).
+SP_LAYOUTS = ("auto", "ulysses", "cfg_ulysses")
 #: How long a started pool lives: until the process that started it exits, or until stopped.
 LIFETIMES = ("with-owner", "detached")
 #: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.sampler``).

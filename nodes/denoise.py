@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ltx_mgpu.choices import SAMPLERS, TRANSFORMER_WEIGHTS, check_choice
+from ltx_mgpu.choices import SAMPLERS, SP_LAYOUTS, TRANSFORMER_WEIGHTS, check_choice
 from ltx_mgpu.choices import TRANSFORMER_DTYPES as DTYPES
 
 from . import _comfy, _model
@@ -88,13 +88,14 @@ class ModelHandle:
     loras: tuple[tuple[str, float], ...] = ()
     max_tokens: int = 32768
     weights: str = "replicated"
+    layout: str = "auto"
 
     def ensure_loaded(self, session, watch: JobWatch | None = None) -> dict:
         """Load (or keep, when unchanged) the transformer on every rank; the load result."""
         from ltx_mgpu.client.denoise import remote_load_transformer
 
         return remote_load_transformer(session, self.checkpoint, dtype=self.dtype, loras=list(self.loras),
-                                       max_tokens=self.max_tokens, weights=self.weights,
+                                       max_tokens=self.max_tokens, weights=self.weights, layout=self.layout,
                                        should_cancel=watch.should_cancel if watch is not None else None)
 
     def comfy_model(self, loaded: dict):
@@ -147,7 +148,12 @@ class LTXMGPUModelLoader:
                 "weights": (list(TRANSFORMER_WEIGHTS), {"default": "replicated", "tooltip": (
                     "replicated: every GPU holds the whole transformer (fastest). sharded: each GPU holds 1/N of "
                     "every weight and gathers each block just before it runs (FSDP), so a model too big for one "
-                    "GPU fits on several (e.g. LTX-2.3 22B on two 24 GB cards); a little slower per step.")}),
+                    "GPU fits on several (e.g. LTX-2.3 22B on four 24 GB cards); a little slower per step.")}),
+                "layout": (list(SP_LAYOUTS), {"default": "auto", "tooltip": (
+                    "How each model call is split over the GPUs. ulysses: the video tokens over all of them. "
+                    "cfg_ulysses: the positive and negative halves of a CFG batch on two halves of the GPUs, "
+                    "each splitting the tokens (less communication). auto: cfg_ulysses whenever the batch and "
+                    "the GPU count are even, else ulysses.")}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -166,9 +172,10 @@ class LTXMGPUModelLoader:
                    "for sequence-parallel sampling. Loading the same files again keeps the loaded model.")
 
     def load(self, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
-             weights: str = "replicated", unique_id: str | None = None):
+             weights: str = "replicated", layout: str = "auto", unique_id: str | None = None):
         handle = ModelHandle(pool, resolve_checkpoint(ckpt_name), dtype, tuple(parse_loras(loras)), int(max_tokens),
-                             check_choice(weights, TRANSFORMER_WEIGHTS, "weights"))
+                             check_choice(weights, TRANSFORMER_WEIGHTS, "weights"),
+                             check_choice(layout, SP_LAYOUTS, "layout"))
         with JobWatch(unique_id) as watch:
             loaded = handle.ensure_loaded(pool.session(), watch)
             watch.done()

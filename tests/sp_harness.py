@@ -131,6 +131,13 @@ def run_case(model_forward, case: dict):
     return model_forward(video, audio, make_perturbations(case.get("perturbations"), case.get("batch", 1)))
 
 
+def _inputs_for(case: dict):
+    """``(video, perturbations)`` of ``case``, to ask the SP model which layout it takes."""
+    video, _ = make_inputs(case["frames"], case["height"], case["width"], case.get("audio_tokens", 0),
+                           case.get("batch", 1), case.get("seed", 1), case.get("attention_mask", False))
+    return video, make_perturbations(case.get("perturbations"), case.get("batch", 1))
+
+
 def reference(case: dict):
     """The world-size-1 output of ``case`` (plain ltx-core model)."""
     model = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
@@ -190,6 +197,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
                 shards[key] = {"total_bytes": total, "held_bytes": held_bytes(models[key]), "gathered": gathered}
         try:
             sp = SequenceParallelTransformer(models[key], None, case.get("max_tokens", 4096),
+                                             layout=case.get("layout", "ulysses"),
                                              _mask_v2a_keys=case.get("mask_v2a", True))
             with torch.no_grad():
                 vx, ax = run_case(sp, case)
@@ -200,7 +208,8 @@ def _rank_main(spec_path: str, rank: int) -> None:
         if ax is not None:
             tensors["audio"] = ax.contiguous()
         save_file(tensors, str(out_dir / f"rank{rank}_{name}.safetensors"))
-        report[name] = {"error": None, **({"sharding": dict(shards[key], gathered=list(shards[key]["gathered"]),
+        report[name] = {"error": None, "cfg_parallel": sp.cfg_parallel(*_inputs_for(case)),
+                        **({"sharding": dict(shards[key], gathered=list(shards[key]["gathered"]),
                                                           held_after=held_bytes(models[key]))} if sharded else {})}
         if sharded:
             shards[key]["gathered"].clear()

@@ -13,7 +13,7 @@ import sys
 import threading
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
-from ltx_mgpu.choices import PLACEMENTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
+from ltx_mgpu.choices import PLACEMENTS, SP_LAYOUTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
 from ltx_mgpu.cli.request import DEFAULT_NEGATIVE, GenerateRequest
 
 __all__ = ["ProgressBars", "StopOnInterrupt", "register"]
@@ -146,6 +146,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--transformer-weights", choices=TRANSFORMER_WEIGHTS, default=d.transformer_weights,
                    help="replicated: a whole transformer on every GPU (default); sharded: each GPU holds 1/N of "
                         "every weight (FSDP), for GPUs too small for a whole copy")
+    p.add_argument("--layout", choices=SP_LAYOUTS, default=d.layout,
+                   help="how a model call is split over the GPUs (default auto: the cond and uncond halves of "
+                        "CFG on two halves of the GPUs when both counts are even, else the tokens over all)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="video-token budget (default 32768)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cache", dest="cache_dir", help="embedding cache directory (default: $LTX_MGPU_CACHE_DIR, "

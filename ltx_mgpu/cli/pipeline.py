@@ -254,7 +254,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
             client.request("unload", {"names": ["text_encoder", "text_embeddings"]}, timeout=120)
         dtype = req.dtype or ("bf16" if on_gpus else "fp32")
         remote_load_transformer(client, models.checkpoint, dtype=dtype, max_tokens=req.max_tokens,
-                                weights=req.transformer_weights, should_cancel=wanted)
+                                weights=req.transformer_weights, layout=req.layout, should_cancel=wanted)
         progress("load_transformer", 1, 1)
         seconds["load"] = time.perf_counter() - t
 

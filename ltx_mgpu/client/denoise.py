@@ -85,6 +85,7 @@ def remote_load_transformer(
     attention_type: str | None = None,
     name: str = DEFAULT_MODEL,
     weights: str = "replicated",
+    layout: str = "auto",
     timeout: float | None = None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> dict:
@@ -99,6 +100,8 @@ def remote_load_transformer(
         name: the resident name ``SampleRequest.model`` refers to.
         weights: one of :data:`ltx_mgpu.choices.TRANSFORMER_WEIGHTS`: a whole copy per rank, or a
             1/N shard per rank gathered block by block (FSDP2).
+        layout: one of :data:`ltx_mgpu.choices.SP_LAYOUTS`: how a model call is split over the
+            ranks (``auto``: CFG-parallel x Ulysses for an even batch on an even pool).
     Returns:
         The job result: ``model``, ``reused``, ``version``, ``valid_world_sizes``, ``heads``,
         ``bytes``, ... (see ``ltx_mgpu.pool.denoise_jobs.load_transformer``).
@@ -109,6 +112,7 @@ def remote_load_transformer(
     """
     params = {"checkpoint": str(checkpoint), "dtype": dtype, "max_tokens": int(max_tokens), "name": name,
               **({"weights": weights} if weights != "replicated" else {}),
+              **({"layout": layout} if layout != "auto" else {}),
               "loras": [{"path": str(p), "strength": float(s)} for p, s in loras]}
     if attention_type is not None:
         params["attention_type"] = attention_type

@@ -105,10 +105,11 @@ class LTXDenoiser:
             return int(t["cross_attention_dim"]), int(t["audio_cross_attention_dim"])
         return int(t["caption_channels"]), int(t["caption_channels"])
 
-    def velocity_model(self, group=None):
+    def velocity_model(self, group=None, layout: str = "ulysses"):
         """The transformer behind ltx_mgpu's sequence-parallel wrapper (world size 1: plain
-        path plus the ``max_tokens`` check). Every rank of ``group`` must call it."""
-        return SequenceParallelTransformer(self.transformer, group, self.max_tokens)
+        path plus the ``max_tokens`` check), split as ``layout`` says (``ltx_mgpu.choices.
+        SP_LAYOUTS``). Every rank of ``group`` must call it."""
+        return SequenceParallelTransformer(self.transformer, group, self.max_tokens, layout=layout)
 
     def preprocess_text_embeds(self, context: torch.Tensor, unprocessed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """ComfyUI's ``preprocess_text_embeds``: see :func:`ltx_mgpu.denoise.conditioning.text_contexts`."""

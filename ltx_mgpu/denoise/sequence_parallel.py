@@ -30,6 +30,13 @@ tokens. No mask is passed when there is no padding, so SDPA keeps its flash back
 (ltx-core's FlashAttention3 backend takes no mask: with it, a token count that needs padding
 is rejected up front.)
 
+CFG-parallel (``layout`` ``cfg_ulysses``, or ``auto``: :meth:`SequenceParallelTransformer.cfg_parallel`):
+a call with an even batch (ComfyUI's cond + uncond) on an even number of ranks runs the first
+half of the batch on the first half of the ranks and the second on the second, each half
+Ulysses-parallel over its own process group (made once per pool group), and every rank then
+all-gathers both halves' outputs. Each rank holds the same tokens as under pure Ulysses
+(``B * T / W``); the all-to-alls run over half the ranks.
+
 Every rank must call ``forward`` with the same inputs and perturbation config: the blocks
 skip attention (and so the collectives) on ``all_perturbed`` / skip flags, which is safe
 only when every rank skips alike. The collectives move bytes only, so the result equals
@@ -47,6 +54,7 @@ from ltx_core.model.transformer.attention import AttentionFunction, FlashAttenti
 from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.model import LTXModel
 
+from ltx_mgpu.choices import SP_LAYOUTS
 from ltx_mgpu.denoise.sp_config import (
     SequenceParallelConfigError,
     check_sequence_parallel_config,
@@ -278,6 +286,40 @@ def shard_video(video: Modality, world: int, rank: int) -> tuple[Modality, int]:
     return local, t_pad
 
 
+# --------------------------------------------------------------------------- CFG-parallel
+
+
+#: The two halves of a pool group for CFG-parallel, by the group's ranks.
+_HALVES: dict[tuple[int, ...], list] = {}
+
+
+def _half_state(group, world: int, rank: int, mask_v2a_keys: bool) -> tuple[_ShardState, int]:
+    """This rank's half of ``group`` (ranks ``[0, W/2)`` and ``[W/2, W)`` of it) as a
+    :class:`_ShardState`, and W/2. ``new_group`` is called for both halves on every rank, in the
+    same order, as torch.distributed requires."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    half = world // 2
+    key = tuple(members)
+    if key not in _HALVES:  # made once per pool group (every rank builds its model alike)
+        backend = dist.get_backend(group)
+        _HALVES[key] = [dist.new_group(members[:half], backend=backend),
+                        dist.new_group(members[half:], backend=backend)]
+    groups = _HALVES[key]
+    side = rank // half
+    return _ShardState(groups[side], half, rank % half, mask_v2a_keys=mask_v2a_keys), half
+
+
+def _batch_slice(m: Modality, part: slice, batch: int) -> Modality:
+    """``m`` with every per-sample tensor cut to the samples ``part`` (tensors of batch 1 are
+    broadcast and kept)."""
+    def cut(t):
+        return t[part] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == batch else t
+
+    return dataclasses.replace(m, latent=cut(m.latent), sigma=cut(m.sigma), timesteps=cut(m.timesteps),
+                               positions=cut(m.positions), context=cut(m.context), context_mask=cut(m.context_mask),
+                               attention_mask=cut(m.attention_mask))
+
+
 # --------------------------------------------------------------------------- the wrapper
 
 
@@ -302,12 +344,17 @@ class SequenceParallelTransformer(torch.nn.Module):
             before any collective: the video has more than ``max_tokens`` tokens, or needs
             padding while the model uses the mask-less FlashAttention3 backend.
     At world size 1 no wrapper is installed and ``forward`` calls the model directly.
+    ``layout``: ``ulysses`` (default here), ``cfg_ulysses`` or ``auto`` (module doc).
     ``_mask_v2a_keys=False`` reproduces the LTX-2 reference's flaw (no padded-key mask in
     video->audio attention); it exists only so a test can show the mask matters.
     """
 
-    def __init__(self, model: LTXModel, group=None, max_tokens: int = 32768, *, _mask_v2a_keys: bool = True):
+    def __init__(self, model: LTXModel, group=None, max_tokens: int = 32768, *, layout: str = "ulysses",
+                 _mask_v2a_keys: bool = True):
         super().__init__()
+        if layout not in SP_LAYOUTS:
+            raise ValueError(f"layout must be one of {SP_LAYOUTS}, got {layout!r}")
+        self.layout = layout
         if not isinstance(model, LTXModel):
             hint = " (an X0Model: pass its .velocity_model)" if hasattr(model, "velocity_model") else ""
             raise TypeError(f"SequenceParallelTransformer wraps an ltx-core LTXModel, got {type(model).__name__}{hint}")
@@ -321,17 +368,63 @@ class SequenceParallelTransformer(torch.nn.Module):
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         check_sequence_parallel_config(model, self.world_size)
         self._state = None
+        self._group = group
+        self._half: _ShardState | None = None  # this rank's half of the pool (CFG-parallel)
+        self._half_ranks = 0
         if self.world_size > 1:
             self._state = _ShardState(group, self.world_size, self.rank, mask_v2a_keys=_mask_v2a_keys)
             install_attention_wrappers(model, self._state)
+            if layout != "ulysses" and self.world_size % 2 == 0:
+                self._half, self._half_ranks = _half_state(group, self.world_size, self.rank, _mask_v2a_keys)
         self._maskless = self._state is not None and _takes_no_mask(model)
+
+    def cfg_parallel(self, video: Modality | None, perturbations=None) -> bool:
+        """Whether this call runs CFG-parallel: the layout allows it (``cfg_ulysses``, or
+        ``auto``), the pool has an even number of ranks >= 2, the batch is even (ComfyUI's cond +
+        uncond) and carries no perturbations. ``auto`` takes it whenever it can: each rank then
+        holds the same tokens as under pure Ulysses (``B * T / W``) and the all-to-alls run over
+        half the ranks (less traffic per rank), plus one exchange of the outputs."""
+        return (self._half is not None and video is not None and perturbations is None
+                and video.latent.shape[0] % 2 == 0)
 
     def forward(self, video: Modality | None, audio: Modality | None, perturbations=None):
         if video is not None:
             check_token_budget(video.latent.shape[1], self.max_tokens)
         if self._state is None or video is None:
             return self.model(video, audio, perturbations)
-        s = self._state
+        if self.cfg_parallel(video, perturbations):
+            return self._cfg_forward(video, audio)
+        install_attention_wrappers(self.model, self._state)
+        return self._ulysses(self._state, video, audio, perturbations)
+
+    def _cfg_forward(self, video: Modality, audio: Modality | None):
+        """Each half of the pool runs its half of the batch (the first half: the first B/2
+        samples), Ulysses-parallel over its ranks; then every rank gathers both halves'
+        outputs."""
+        batch, half = video.latent.shape[0], self._half
+        side = self.rank // self._half_ranks
+        part = slice(side * batch // 2, (side + 1) * batch // 2)
+        v, a = _batch_slice(video, part, batch), (_batch_slice(audio, part, batch) if audio is not None else None)
+        if half.world > 1:
+            install_attention_wrappers(self.model, half)
+            vx, ax = self._ulysses(half, v, a, None)
+        else:
+            remove_attention_wrappers(self.model)
+            try:
+                vx, ax = self.model(v, a, None)
+            finally:
+                install_attention_wrappers(self.model, self._state)
+        outs = []
+        for out in (vx, ax):
+            if out is None:
+                outs.append(None)
+                continue
+            gathered = _all_gather_stacked(out, self.world_size, self._state.group)  # [W, B/2, ...]
+            outs.append(torch.cat([gathered[0], gathered[self._half_ranks]]))
+        return outs[0], outs[1]
+
+    def _ulysses(self, s: _ShardState, video: Modality, audio: Modality | None, perturbations):
+        """The video tokens split over the ranks of ``s`` (its wrappers installed)."""
         t = video.latent.shape[1]
         if t % s.world and self._maskless:
             raise SequenceParallelConfigError(

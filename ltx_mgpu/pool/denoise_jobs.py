@@ -215,7 +215,7 @@ def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) 
         "heads": {"video": int(t["num_attention_heads"]), "audio": int(t["audio_num_attention_heads"])},
         "valid_world_sizes": valid_world_sizes(m.transformer), "context_widths": list(m.context_widths),
         "has_connectors": m.video_connector is not None, "loras": [dataclasses.asdict(s) for s in m.loras],
-        "bytes": _model_bytes(m), "weights": m.weights, "key": r.key,
+        "bytes": _model_bytes(m), "weights": m.weights, "layout": r.velocity.layout, "key": r.key,
     }
 
 
@@ -225,7 +225,8 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
 
     Params: ``checkpoint`` (path), ``dtype`` ("bf16" | "fp16" | "fp32", default bf16),
     ``weights`` ("replicated": a whole copy per rank, default; "sharded": a 1/W shard per rank,
-    ``ltx_mgpu.denoise.sharding``),
+    ``ltx_mgpu.denoise.sharding``), ``layout`` ("auto", default: CFG-parallel x Ulysses for an even
+    batch on an even pool, else Ulysses; "ulysses"; "cfg_ulysses": ``ltx_mgpu.choices.SP_LAYOUTS``),
     ``loras`` ([{"path", "strength"}]), ``max_tokens`` (video tokens per ``sample``, default
     32768), ``attention_type`` (ltx-core backend or null), ``name`` (default "ltx").
 
@@ -248,6 +249,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     name = params.get("name", codec.DEFAULT_MODEL)
     dtype_name = params.get("dtype", "bf16")
     weights = params.get("weights", "replicated")
+    layout = params.get("layout", "auto")
     max_tokens = int(params.get("max_tokens", 32768))
     attention_type = params.get("attention_type")
     path = params["checkpoint"]
@@ -267,7 +269,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     except CheckpointError as e:
         raise BadInput(str(e)) from None
     identity = {"checkpoint": _file_identity(path), "dtype": dtype_name, "max_tokens": max_tokens,
-                "attention_type": attention_type, "weights": weights,
+                "attention_type": attention_type, "weights": weights, "layout": layout,
                 "loras": [{**_file_identity(s.path), "strength": s.strength} for s in loras]}
     # Everything above is decided by the files alone; what follows depends on this rank's state
     # (resident models, free memory), so the ranks agree on the outcome over the control group.
@@ -294,7 +296,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     try:
         m = load_ltx_model(path, ctx.device, DTYPES[dtype_name], loras, max_tokens, attention_type=attention_type,
                            weights=weights, group=ctx.data_group)
-        velocity = m.velocity_model(ctx.data_group)
+        velocity = m.velocity_model(ctx.data_group, layout)
     except (torch.OutOfMemoryError, MemoryError):
         hint = ("every GPU holds a full replica: try weights 'sharded'" if weights == "replicated" else
                 "each GPU holds a shard")

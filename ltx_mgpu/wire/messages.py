@@ -20,7 +20,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS, PLACEMENTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
+from ltx_mgpu.choices import (
+    AV_TIMESTEP_CONVENTIONS,
+    PLACEMENTS,
+    SP_LAYOUTS,
+    TRANSFORMER_DTYPES,
+    TRANSFORMER_WEIGHTS,
+    WEIGHTS,
+)
 from ltx_mgpu.wire.frames import ProtocolError, check_id, valid_id
 
 __all__ = [
@@ -215,7 +222,7 @@ for _s in (
 # ltx_mgpu.wire.codec's).
 register_request(MessageSchema("load_transformer", (
     F("checkpoint", ("str",)), F("dtype", ("str",), False, choices=TRANSFORMER_DTYPES),
-    F("weights", ("str",), False, choices=TRANSFORMER_WEIGHTS),
+    F("weights", ("str",), False, choices=TRANSFORMER_WEIGHTS), F("layout", ("str",), False, choices=SP_LAYOUTS),
     F("loras", ("list",), False, items="object", max_items=MAX_LORAS, hint="merge LoRAs, or fuse fewer"),
     F("max_tokens", ("int",), False, bounds=(1, MAX_VIDEO_TOKENS),
       hint="the video tokens one sample may have (default 32768)"),

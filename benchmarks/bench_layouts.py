@@ -1,0 +1,97 @@
+"""CFG-parallel x Ulysses against pure Ulysses: one model call of a cond + uncond batch.
+
+A pool of ``--nproc`` CPU ranks (or ``--gpus``) loads a header-only LTX-2-shaped checkpoint
+(``bench_model_path.write_shaped_checkpoint``; the shape from ``bench_sp``'s options, zero
+weights) once per layout (``ulysses``, ``cfg_ulysses``: ``ltx_mgpu.choices.SP_LAYOUTS``) and times
+``PoolModel.forward`` on a batch of 2 (the MODEL path's call per step of ComfyUI's sampler):
+median of ``--runs`` after ``--warmup``, per size (``--shapes``)::
+
+    python benchmarks/bench_layouts.py --device cpu --nproc 2 --layers 4 --video-heads 8 --video-head-dim 64 \\
+        --audio-heads 8 --audio-head-dim 32 --caption-channels 512 --shapes 4x8x12 --text-tokens 128 \\
+        --out benchmarks/results/layouts_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_model_path import write_shaped_checkpoint  # noqa: E402
+from benchmarks.bench_sp import add_model_arguments, transformer_config  # noqa: E402
+from benchmarks.timing import sync, write_json  # noqa: E402
+from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
+from ltx_mgpu.client.model import PoolModel  # noqa: E402
+from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(ap)
+    ap.add_argument("--device", default="cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--gpus", default="0,1")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    work = Path(tempfile.mkdtemp(prefix="lm-layout-", dir="/tmp"))
+    config = transformer_config(a)
+    checkpoint = str(work / "shaped.safetensors")
+    write_shaped_checkpoint(checkpoint, config, dtype)
+    results: dict = {"config": config["transformer"], "sizes": {}, "ranks": a.nproc if a.device == "cpu" else a.gpus}
+    client = PoolClient.connect(gpus=a.gpus if a.device == "cuda" else "cpu",
+                                nproc=a.nproc if a.device == "cpu" else None, runtime_dir=work / "rt",
+                                lifetime="with-owner", startup_timeout=300)
+    try:
+        for layout in ("ulysses", "cfg_ulysses"):
+            loaded = remote_load_transformer(client, checkpoint, dtype="bf16" if a.device == "cuda" else "fp32",
+                                             max_tokens=1 << 17, layout=layout, name=layout, timeout=1800)
+            width = sum(loaded["context_widths"])
+            pm = PoolModel(lambda: client, lambda: None, layout, key=loaded["key"])
+            for text in a.shapes.split(","):
+                f, h, w = (int(x) for x in text.split("x"))
+                g = torch.Generator().manual_seed(1)
+                x = [torch.randn(2, 128, f, h, w, generator=g).to(device, dtype),
+                     torch.randn(2, 8, a.audio_tokens, 16, generator=g).to(device, dtype)]
+                t = (torch.full((2,), 0.9, device=device), torch.full((2,), 0.9, device=device))
+                context = torch.randn(2, a.text_tokens, width, generator=g).to(device, dtype)
+                outs = None
+                for _ in range(a.warmup):
+                    outs = pm.forward(x, t, context, frame_rate=24.0)
+                times = []
+                for _ in range(a.runs):
+                    t0 = time.perf_counter()
+                    pm.forward(x, t, context, frame_rate=24.0)
+                    sync(device)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                row = results["sizes"].setdefault(str(f * h * w), {})
+                row[f"{layout}_ms"], row[f"{layout}_runs_ms"] = statistics.median(times), times
+                row.setdefault("outputs", {})[layout] = outs
+                print(f"{layout:>11}: {f * h * w:>6} video tokens {row[f'{layout}_ms']:8.1f} ms per call", flush=True)
+            client.request("unload", {"names": [layout]}, timeout=300)
+        for row in results["sizes"].values():
+            outs = row.pop("outputs")
+            # zero weights: the outputs are finite but carry no signal (parity is tests/test_cfg_parallel.py's)
+            row["max_abs_diff"] = max(float((p - q).abs().max()) for p, q in zip(outs["cfg_ulysses"], outs["ulysses"]))
+            row["speedup"] = row["ulysses_ms"] / row["cfg_ulysses_ms"]
+            print(f"cfg_ulysses vs ulysses: {row['speedup']:.2f}x (outputs within {row['max_abs_diff']:.1e})",
+                  flush=True)
+        if a.out:
+            write_json(a.out, results)
+    finally:
+        client.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
