@@ -14,19 +14,18 @@ median of ``--runs`` after ``--warmup``, per size (``--shapes``)::
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_model_path import write_shaped_checkpoint  # noqa: E402
+from benchmarks.bench_model_path import forward_inputs, write_shaped_checkpoint  # noqa: E402
 from benchmarks.bench_sp import add_model_arguments, transformer_config  # noqa: E402
-from benchmarks.timing import sync, write_json  # noqa: E402
+from benchmarks.timing import wall_ms, write_json  # noqa: E402
 from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
@@ -59,25 +58,18 @@ def main(argv=None) -> int:
             width = sum(loaded["context_widths"])
             pm = PoolModel(lambda: client, lambda: None, layout, key=loaded["key"])
             for text in a.shapes.split(","):
-                f, h, w = (int(x) for x in text.split("x"))
-                g = torch.Generator().manual_seed(1)
-                x = [torch.randn(2, 128, f, h, w, generator=g).to(device, dtype),
-                     torch.randn(2, 8, a.audio_tokens, 16, generator=g).to(device, dtype)]
-                t = (torch.full((2,), 0.9, device=device), torch.full((2,), 0.9, device=device))
-                context = torch.randn(2, a.text_tokens, width, generator=g).to(device, dtype)
-                outs = None
-                for _ in range(a.warmup):
-                    outs = pm.forward(x, t, context, frame_rate=24.0)
-                times = []
-                for _ in range(a.runs):
-                    t0 = time.perf_counter()
-                    pm.forward(x, t, context, frame_rate=24.0)
-                    sync(device)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                row = results["sizes"].setdefault(str(f * h * w), {})
-                row[f"{layout}_ms"], row[f"{layout}_runs_ms"] = statistics.median(times), times
-                row.setdefault("outputs", {})[layout] = outs
-                print(f"{layout:>11}: {f * h * w:>6} video tokens {row[f'{layout}_ms']:8.1f} ms per call", flush=True)
+                x, t, context = forward_inputs(text, a.audio_tokens, a.text_tokens, width, device, dtype)
+                box = {}
+
+                def call(x=x, t=t, context=context, box=box):
+                    box["out"] = pm.forward(x, t, context, frame_rate=24.0)
+
+                median, times = wall_ms(device, call, a.warmup, a.runs)
+                tokens = math.prod(int(v) for v in text.split("x"))
+                row = results["sizes"].setdefault(str(tokens), {})
+                row[f"{layout}_ms"], row[f"{layout}_runs_ms"] = median, times
+                row.setdefault("outputs", {})[layout] = box["out"]
+                print(f"{layout:>11}: {tokens:>6} video tokens {median:8.1f} ms per call", flush=True)
             client.request("unload", {"names": [layout]}, timeout=300)
         for row in results["sizes"].values():
             outs = row.pop("outputs")

@@ -91,6 +91,19 @@ def write_shaped_checkpoint(path: str | os.PathLike, config: dict, dtype: torch.
     return 8 + len(raw) + offset
 
 
+def forward_inputs(shape: str, audio_tokens: int, text_tokens: int, width: int, device: torch.device,
+                   dtype: torch.dtype) -> tuple[list, tuple, torch.Tensor]:
+    """``(x, timesteps, context)`` of one MODEL-path call for a latent ``"FxHxW"``: the cond +
+    uncond batch of 2 (video ``[2, 128, F, H, W]``, audio ``[2, 8, N, 16]``), sigma 0.9 for both,
+    a processed text context ``[2, L, width]``; seeded, on ``device`` in ``dtype``."""
+    f, h, w = _shape(shape)
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(2, 128, f, h, w, generator=g).to(device, dtype),
+         torch.randn(2, 8, audio_tokens, 16, generator=g).to(device, dtype)]
+    t = (torch.full((2,), 0.9, device=device), torch.full((2,), 0.9, device=device))
+    return x, t, torch.randn(2, text_tokens, width, generator=g).to(device, dtype)
+
+
 def _shape(text: str) -> tuple[int, int, int]:
     f, h, w = (int(x) for x in text.lower().split("x"))
     return f, h, w

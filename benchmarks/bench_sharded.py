@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 import tempfile
@@ -40,9 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_model_path import write_shaped_checkpoint  # noqa: E402
+from benchmarks.bench_model_path import forward_inputs, write_shaped_checkpoint  # noqa: E402
 from benchmarks.bench_sp import add_model_arguments, transformer_config  # noqa: E402
-from benchmarks.timing import sync, write_json  # noqa: E402
+from benchmarks.timing import wall_ms, write_json  # noqa: E402
 from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
@@ -59,11 +60,6 @@ CARDS = {"H200": (989.0, 141), "RTX 4090": (165.2, 24), "RTX 3090": (71.0, 24)}
 PCIE4_X16 = 31.5e9
 #: LTX-2.3 22B / the 19B-shaped model: scale of parameters (and so of linear FLOPs and bytes).
 SCALE_22B = 22.0 / 19.0
-
-
-def _shape(text: str) -> tuple[int, int, int]:
-    f, h, w = (int(x) for x in text.lower().split("x"))
-    return f, h, w
 
 
 def host_link(device: torch.device, nbytes: int = 1 << 30, runs: int = 5) -> dict:
@@ -148,24 +144,17 @@ def main(argv=None) -> int:
             width = sum(loaded["context_widths"])
             pm = PoolModel(lambda: client, lambda: None, weights, key=loaded["key"])
             for text in a.shapes.split(","):
-                f, h, w = _shape(text)
-                g = torch.Generator().manual_seed(1)
-                x = [torch.randn(2, 128, f, h, w, generator=g).to(device, dtype),
-                     torch.randn(2, 8, a.audio_tokens, 16, generator=g).to(device, dtype)]
-                t = (torch.full((2,), 0.9, device=device), torch.full((2,), 0.9, device=device))
-                context = torch.randn(2, a.text_tokens, width, generator=g).to(device, dtype)
-                for _ in range(a.warmup):
-                    pm.forward(x, t, context, frame_rate=24.0)
-                sync(device)
-                times = []
-                for _ in range(a.runs):
-                    t0 = time.perf_counter()
-                    pm.forward(x, t, context, frame_rate=24.0)
-                    sync(device)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                row = results["sizes"].setdefault(str(f * h * w), {})
-                row[f"{weights}_ms"], row[f"{weights}_runs_ms"] = statistics.median(times), times
-                print(f"{weights}: {f * h * w:>6} video tokens {row[f'{weights}_ms']:8.1f} ms per forward", flush=True)
+                x, t, context = forward_inputs(text, a.audio_tokens, a.text_tokens, width, device, dtype)
+                box = {}
+
+                def call(x=x, t=t, context=context, box=box):
+                    box["out"] = pm.forward(x, t, context, frame_rate=24.0)
+
+                median, times = wall_ms(device, call, a.warmup, a.runs)
+                tokens = math.prod(int(v) for v in text.split("x"))
+                row = results["sizes"].setdefault(str(tokens), {})
+                row[f"{weights}_ms"], row[f"{weights}_runs_ms"] = median, times
+                print(f"{weights}: {tokens:>6} video tokens {median:8.1f} ms per forward", flush=True)
             client.request("unload", {"names": [weights]}, timeout=300)
         for row in results["sizes"].values():
             row["overhead"] = row["sharded_ms"] / row["replicated_ms"] - 1.0

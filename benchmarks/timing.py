@@ -50,6 +50,22 @@ def time_ms(device: torch.device, fn: Callable[[], object], warmup: int, runs: i
     return statistics.median(times), times
 
 
+def wall_ms(device: torch.device, fn: Callable[[], object], warmup: int, runs: int) -> tuple[float, list[float]]:
+    """``(median, all times)`` of ``fn`` in wall-clock milliseconds (``time.perf_counter``, each
+    run synchronised with ``device``) after ``warmup`` untimed calls: for calls that wait on
+    another process, such as a pool round trip."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
 def peak_bytes(device: torch.device, fn: Callable[[], object]) -> int | None:
     """Peak allocated device memory in bytes while ``fn`` runs (``None`` off CUDA, where ``fn``
     still runs once)."""
