@@ -3,11 +3,12 @@
 
 const GIB = 1024 ** 3;
 
-/** Bytes as "12.3 GiB" / "512 MiB" ("-" for null). */
+/** Bytes as "12.3 GiB" / "512 MiB" / "549 KiB" ("-" for null). */
 export function formatBytes(n) {
   if (n === null || n === undefined || !Number.isFinite(n)) return "-";
   if (n >= GIB) return `${(n / GIB).toFixed(1)} GiB`;
-  return `${Math.round(n / 1024 ** 2)} MiB`;
+  if (n >= 1024 ** 2) return `${Math.round(n / 1024 ** 2)} MiB`;
+  return `${Math.round(n / 1024)} KiB`;
 }
 
 /**
