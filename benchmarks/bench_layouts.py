@@ -14,7 +14,6 @@ median of ``--runs`` after ``--warmup``, per size (``--shapes``)::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -23,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_model_path import forward_inputs, write_shaped_checkpoint  # noqa: E402
+from benchmarks.bench_model_path import time_forward, write_shaped_checkpoint  # noqa: E402
 from benchmarks.bench_sp import add_model_arguments, transformer_config  # noqa: E402
-from benchmarks.timing import wall_ms, write_json  # noqa: E402
+from benchmarks.timing import write_json  # noqa: E402
 from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
@@ -58,17 +57,10 @@ def main(argv=None) -> int:
             width = sum(loaded["context_widths"])
             pm = PoolModel(lambda: client, lambda: None, layout, key=loaded["key"])
             for text in a.shapes.split(","):
-                x, t, context = forward_inputs(text, a.audio_tokens, a.text_tokens, width, device, dtype)
-                box = {}
-
-                def call(x=x, t=t, context=context, box=box):
-                    box["out"] = pm.forward(x, t, context, frame_rate=24.0)
-
-                median, times = wall_ms(device, call, a.warmup, a.runs)
-                tokens = math.prod(int(v) for v in text.split("x"))
+                tokens, median, times, out = time_forward(pm, text, a, width, device, dtype)
                 row = results["sizes"].setdefault(str(tokens), {})
                 row[f"{layout}_ms"], row[f"{layout}_runs_ms"] = median, times
-                row.setdefault("outputs", {})[layout] = box["out"]
+                row.setdefault("outputs", {})[layout] = out
                 print(f"{layout:>11}: {tokens:>6} video tokens {median:8.1f} ms per call", flush=True)
             client.request("unload", {"names": [layout]}, timeout=300)
         for row in results["sizes"].values():

@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sp import add_model_arguments, transformer_config  # noqa: E402
-from benchmarks.timing import sync, write_json  # noqa: E402
+from benchmarks.timing import sync, wall_ms, write_json  # noqa: E402
 from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
@@ -102,6 +102,21 @@ def forward_inputs(shape: str, audio_tokens: int, text_tokens: int, width: int, 
          torch.randn(2, 8, audio_tokens, 16, generator=g).to(device, dtype)]
     t = (torch.full((2,), 0.9, device=device), torch.full((2,), 0.9, device=device))
     return x, t, torch.randn(2, text_tokens, width, generator=g).to(device, dtype)
+
+
+def time_forward(pm: PoolModel, shape: str, args, width: int, device: torch.device, dtype: torch.dtype):
+    """``(video tokens, median ms, every run's ms, the last output)`` of ``pm.forward`` on
+    :func:`forward_inputs` of ``shape`` (``args``: ``audio_tokens``, ``text_tokens``, ``warmup``,
+    ``runs``), wall clock (``timing.wall_ms``: the call waits on the pool)."""
+    x, t, context = forward_inputs(shape, args.audio_tokens, args.text_tokens, width, device, dtype)
+    box = {}
+
+    def call():
+        box["out"] = pm.forward(x, t, context, frame_rate=24.0)
+
+    median, times = wall_ms(device, call, args.warmup, args.runs)
+    f, h, w = _shape(shape)
+    return f * h * w, median, times, box["out"]
 
 
 def _shape(text: str) -> tuple[int, int, int]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
 import tempfile
@@ -41,9 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_model_path import forward_inputs, write_shaped_checkpoint  # noqa: E402
+from benchmarks.bench_model_path import time_forward, write_shaped_checkpoint  # noqa: E402
 from benchmarks.bench_sp import add_model_arguments, transformer_config  # noqa: E402
-from benchmarks.timing import wall_ms, write_json  # noqa: E402
+from benchmarks.timing import write_json  # noqa: E402
 from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
@@ -144,14 +143,7 @@ def main(argv=None) -> int:
             width = sum(loaded["context_widths"])
             pm = PoolModel(lambda: client, lambda: None, weights, key=loaded["key"])
             for text in a.shapes.split(","):
-                x, t, context = forward_inputs(text, a.audio_tokens, a.text_tokens, width, device, dtype)
-                box = {}
-
-                def call(x=x, t=t, context=context, box=box):
-                    box["out"] = pm.forward(x, t, context, frame_rate=24.0)
-
-                median, times = wall_ms(device, call, a.warmup, a.runs)
-                tokens = math.prod(int(v) for v in text.split("x"))
+                tokens, median, times, out = time_forward(pm, text, a, width, device, dtype)
                 row = results["sizes"].setdefault(str(tokens), {})
                 row[f"{weights}_ms"], row[f"{weights}_runs_ms"] = median, times
                 print(f"{weights}: {tokens:>6} video tokens {median:8.1f} ms per forward", flush=True)

@@ -83,6 +83,22 @@ def shrink_gemma(config: dict, widths: tuple[int, int], single_width: int | None
     exec(compile(source, lt.__file__, "exec"), lt.__dict__)  # noqa: S102 - ComfyUI's own source, numbers replaced
 
 
+def prepare_text_encoders(spec: dict, folders: tuple[str, ...]) -> None:
+    """ComfyUI's LTX-2 text encoder sized for the tiny Gemma and the checkpoint's projection
+    widths (:func:`shrink_gemma`), and the spec's model ``folders`` registered with ComfyUI
+    (after ``comfy.cli_args`` and ``comfy.model_management`` are set up)."""
+    import folder_paths
+    from safetensors import safe_open
+
+    checkpoint = str(Path(spec["checkpoints"]) / spec["checkpoint"])
+    with safe_open(checkpoint, "pt") as f:
+        widths = (f.get_slice("text_embedding_projection.video_aggregate_embed.bias").get_shape()[0],
+                  f.get_slice("text_embedding_projection.audio_aggregate_embed.bias").get_shape()[0])
+    shrink_gemma(json.loads(Path(spec["gemma_config"]).read_text()), widths)
+    for folder in folders:
+        folder_paths.add_model_folder_path(folder, spec[folder])
+
+
 def main() -> int:
     spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())
@@ -93,23 +109,15 @@ def main() -> int:
     import comfy.model_management  # noqa: F401 - ComfyUI's device setup, after args
     import comfy.nested_tensor
     import comfy.sd
-    import folder_paths
     import torch
     from comfy_extras import nodes_custom_sampler as ncs
     from comfy_extras import nodes_lt
     from comfy_extras.nodes_lt_audio import LTXAVTextEncoderLoader
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     import nodes as comfy_nodes
 
-    checkpoint = str(Path(spec["checkpoints"]) / spec["checkpoint"])
-    with safe_open(checkpoint, "pt") as f:
-        widths = (f.get_slice("text_embedding_projection.video_aggregate_embed.bias").get_shape()[0],
-                  f.get_slice("text_embedding_projection.audio_aggregate_embed.bias").get_shape()[0])
-    shrink_gemma(json.loads(Path(spec["gemma_config"]).read_text()), widths)
-    for folder in ("text_encoders", "checkpoints", "loras"):
-        folder_paths.add_model_folder_path(folder, spec[folder])
+    prepare_text_encoders(spec, ("text_encoders", "checkpoints", "loras"))
 
     ours_nodes = load_pack_in_process()
     logs = collect_warnings()
@@ -169,6 +177,7 @@ def main() -> int:
             conds[("positive", who)], conds[("negative", who)] = positive, negative
 
         # samplers: ComfyUI's on its own model, and our SP Sampler, each with both conditionings
+        checkpoint = str(Path(spec["checkpoints"]) / spec["checkpoint"])
         model = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clip=False)[0]
         (sp_model, *_) = ours_nodes["LTXMGPU_ModelLoader"]().load(pool, spec["checkpoint"], "fp32", "", 32768)
         video = torch.zeros(1, 128, 2, 2, 3)

@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-from comfyui_clip_run import describe, shrink_gemma  # noqa: E402 - this script runs from tests/
+from comfyui_clip_run import describe, prepare_text_encoders  # noqa: E402 - this script runs from tests/
 from comfyui_support import REPO, load_pack_in_process  # noqa: E402
 
 _PROJECTION = re.compile(r"(?:^|\.)model\.(layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)$")
@@ -46,22 +46,14 @@ def main() -> int:
 
     args.cpu = True
     import comfy.model_management  # noqa: F401 - ComfyUI's device setup, after args
-    import folder_paths
     import torch
     from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
     from comfy_extras.nodes_lt_audio import LTXAVTextEncoderLoader
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     import nodes as comfy_nodes
 
-    checkpoint = str(Path(spec["checkpoints"]) / spec["checkpoint"])
-    with safe_open(checkpoint, "pt") as f:
-        widths = (f.get_slice("text_embedding_projection.video_aggregate_embed.bias").get_shape()[0],
-                  f.get_slice("text_embedding_projection.audio_aggregate_embed.bias").get_shape()[0])
-    shrink_gemma(json.loads(Path(spec["gemma_config"]).read_text()), widths)
-    for folder in ("text_encoders", "checkpoints"):
-        folder_paths.add_model_folder_path(folder, spec[folder])
+    prepare_text_encoders(spec, ("text_encoders", "checkpoints"))
     ours_nodes = load_pack_in_process()
     sys.path.append(str(REPO))  # after ComfyUI's own modules: its ``nodes`` is not our nodes/
     from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
