@@ -368,7 +368,6 @@ class SequenceParallelTransformer(torch.nn.Module):
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         check_sequence_parallel_config(model, self.world_size)
         self._state = None
-        self._group = group
         self._half: _ShardState | None = None  # this rank's half of the pool (CFG-parallel)
         self._half_ranks = 0
         if self.world_size > 1:
@@ -394,26 +393,25 @@ class SequenceParallelTransformer(torch.nn.Module):
             return self.model(video, audio, perturbations)
         if self.cfg_parallel(video, perturbations):
             return self._cfg_forward(video, audio)
-        install_attention_wrappers(self.model, self._state)
         return self._ulysses(self._state, video, audio, perturbations)
 
     def _cfg_forward(self, video: Modality, audio: Modality | None):
         """Each half of the pool runs its half of the batch (the first half: the first B/2
         samples), Ulysses-parallel over its ranks; then every rank gathers both halves'
-        outputs."""
+        outputs. The whole pool's attention wrappers are back in place when it returns."""
         batch, half = video.latent.shape[0], self._half
         side = self.rank // self._half_ranks
         part = slice(side * batch // 2, (side + 1) * batch // 2)
         v, a = _batch_slice(video, part, batch), (_batch_slice(audio, part, batch) if audio is not None else None)
-        if half.world > 1:
-            install_attention_wrappers(self.model, half)
-            vx, ax = self._ulysses(half, v, a, None)
-        else:
-            remove_attention_wrappers(self.model)
-            try:
+        try:
+            if half.world > 1:
+                install_attention_wrappers(self.model, half)
+                vx, ax = self._ulysses(half, v, a, None)
+            else:  # one rank per half: the plain model
+                remove_attention_wrappers(self.model)
                 vx, ax = self.model(v, a, None)
-            finally:
-                install_attention_wrappers(self.model, self._state)
+        finally:
+            install_attention_wrappers(self.model, self._state)
         outs = []
         for out in (vx, ax):
             if out is None:
@@ -424,7 +422,7 @@ class SequenceParallelTransformer(torch.nn.Module):
         return outs[0], outs[1]
 
     def _ulysses(self, s: _ShardState, video: Modality, audio: Modality | None, perturbations):
-        """The video tokens split over the ranks of ``s`` (its wrappers installed)."""
+        """The video tokens split over the ranks of ``s`` (whose wrappers are installed)."""
         t = video.latent.shape[1]
         if t % s.world and self._maskless:
             raise SequenceParallelConfigError(

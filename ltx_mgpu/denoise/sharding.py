@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["HEADROOM", "WeightPlan", "fit_error", "gathered_blocks", "held_bytes", "is_sharded", "local_rows",
+__all__ = ["HEADROOM", "WeightPlan", "fit_error", "gathered_blocks", "held_bytes", "local_rows",
            "local_tensor", "shard_transformer", "weight_plan"]
 
 #: The share of a GPU's memory kept free for activations when checking that the weights fit.
@@ -55,11 +55,6 @@ def shard_transformer(model: torch.nn.Module, group, device: torch.device) -> No
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    """True for a parameter FSDP split across the ranks (a ``DTensor``)."""
-    return isinstance(t, DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
