@@ -20,8 +20,9 @@ WEIGHTS = ("bf16", "nf4")
 PLACEMENTS = ("single", "accelerate", "batch_parallel")
 #: Gemma's compute dtype, by torch's name (``float32`` for reference runs).
 TEXT_DTYPES = ("bfloat16", "float32", "float16")
-#: The LTX-2 transformer's compute dtype.
-TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32")
+#: The LTX-2 transformer's compute dtype; ``fp8``: the blocks' large linears as e4m3 GEMMs on FP8
+#: tensor cores (Ada, Hopper or newer), everything else bf16 (``ltx_mgpu.denoise.fp8``).
+TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 #: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
 #: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.sharding``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")

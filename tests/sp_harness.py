@@ -8,6 +8,7 @@ pickled either way). The parent test computes the world-size-1 reference itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -167,10 +168,31 @@ def run_ranks(world: int, cases: list[dict], out_dir: Path) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@contextlib.contextmanager
+def _counting_gathers():
+    """Count the bytes FSDP2's all-gathers deliver to this rank while the block runs (its
+    ``all_gather_single``, or ``all_gather_into_tensor`` on a torch without it): ``{"bytes"}``."""
+    import torch.distributed as dist
+
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original, traffic = getattr(dist, name), {"bytes": 0}
+
+    def counted(output, *args, **kwargs):
+        traffic["bytes"] += output.numel() * output.element_size()
+        return original(output, *args, **kwargs)
+
+    setattr(dist, name, counted)
+    try:
+        yield traffic
+    finally:
+        setattr(dist, name, original)
+
+
 def _rank_main(spec_path: str, rank: int) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from ltx_mgpu.denoise.model import load_ltx_model
     from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
     from ltx_mgpu.denoise.sharding import gathered_blocks, held_bytes, shard_transformer
 
@@ -184,7 +206,16 @@ def _rank_main(spec_path: str, rank: int) -> None:
     for case in spec["cases"]:
         name = case["name"]
         sharded = case.get("sharded", False)
-        key = json.dumps([case.get("video_only", False), case.get("model", {}), sharded], sort_keys=True)
+        key = json.dumps([case.get("video_only", False), case.get("model", {}), sharded, case.get("checkpoint")],
+                         sort_keys=True)
+        if key not in models and case.get("checkpoint"):  # a file, loaded as the pool loads it
+            total = held_bytes(load_ltx_model(case["checkpoint"], dtype=torch.float32).transformer)
+            models[key] = load_ltx_model(case["checkpoint"], dtype=torch.float32, group=dist.group.WORLD,
+                                         weights="sharded" if sharded else "replicated").transformer
+            gathered = []
+            for block in models[key].transformer_blocks:
+                block.register_forward_pre_hook(lambda _m, _a, m=models[key], g=gathered: g.append(gathered_blocks(m)))
+            shards[key] = {"total_bytes": total, "held_bytes": held_bytes(models[key]), "gathered": gathered}
         if key not in models:
             models[key] = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
             if sharded:  # FSDP2 over the same ranks (ltx_mgpu.denoise.sharding)
@@ -199,7 +230,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
             sp = SequenceParallelTransformer(models[key], None, case.get("max_tokens", 4096),
                                              layout=case.get("layout", "ulysses"),
                                              _mask_v2a_keys=case.get("mask_v2a", True))
-            with torch.no_grad():
+            with torch.no_grad(), _counting_gathers() as traffic:
                 vx, ax = run_case(sp, case)
         except ValueError as e:  # SequenceParallelConfigError is a ValueError
             report[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -209,6 +240,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
             tensors["audio"] = ax.contiguous()
         save_file(tensors, str(out_dir / f"rank{rank}_{name}.safetensors"))
         report[name] = {"error": None, "cfg_parallel": sp.cfg_parallel(*_inputs_for(case)),
+                        "gathered_bytes": traffic["bytes"],
                         **({"sharding": dict(shards[key], gathered=list(shards[key]["gathered"]),
                                                           held_after=held_bytes(models[key]))} if sharded else {})}
         if sharded:

@@ -330,3 +330,106 @@ def test_guides_reference_audio_and_sharded_weights_on_a_gpu_pool_equal_the_call
         cleanup(base)
     for weights, out in got.items():
         assert max((a - b).abs().max().item() for a, b in zip(out, want, strict=True)) <= 1e-4, weights
+
+
+def _fp8_sized_checkpoint(tmp_dir) -> str:
+    """A 2-block LTX-2.3-layout transformer-only file whose block linears FP8 compute takes
+    (video and audio 4 heads x 64: 256 wide, feed-forwards 1,024), random weights, float32."""
+    import json
+
+    from safetensors.torch import save_file
+    from sp_harness import build_tiny_model, tiny_config
+
+    sizes = dict(attention_head_dim=64, cross_attention_dim=256, audio_attention_head_dim=64,
+                 audio_cross_attention_dim=256)
+    model = build_tiny_model(**sizes)
+    path = f"{tmp_dir}/fp8_sized.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path,
+              metadata={"config": json.dumps(tiny_config(**sizes))})
+    return path
+
+
+def _fp8_inputs():
+    g = torch.Generator().manual_seed(7)
+    x = [torch.randn(2, 128, 3, 4, 6, generator=g).cuda().bfloat16(),
+         torch.randn(2, 8, 7, 16, generator=g).cuda().bfloat16()]
+    t = (torch.full((2,), 0.7, device="cuda"), torch.full((2,), 0.7, device="cuda"))
+    ctx = torch.randn(2, 12, 512, generator=g).cuda().bfloat16()
+    return x, t, ctx
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_fp8_compute_runs_every_block_linear_as_an_e4m3_gemm_within_its_rounding(tmp_path):
+    """``fp8_compute``: the block linears become compiled e4m3 GEMMs; the velocity stays within
+    e4m3's rounding of the bf16 model's (same weights), and one compiled graph serves all blocks."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from ltx_mgpu.denoise.forward import comfy_forward
+    from ltx_mgpu.denoise.fp8 import Float8Linear
+    from ltx_mgpu.denoise.model import load_ltx_model
+
+    ckpt = _fp8_sized_checkpoint(tmp_path)
+    bf16 = load_ltx_model(ckpt, device="cuda", dtype=torch.bfloat16)
+    fp8 = load_ltx_model(ckpt, device="cuda", dtype=torch.bfloat16, fp8_compute=True)
+    layers = [m for m in fp8.transformer.modules() if isinstance(m, Float8Linear)]
+    assert fp8.fp8 == "fp8" and len(layers) == sum(1 for n, m in bf16.transformer.named_modules()
+                                                    if n.startswith("transformer_blocks.")
+                                                    and isinstance(m, torch.nn.Linear) and min(m.weight.shape) >= 256)
+    x, t, ctx = _fp8_inputs()
+    with torch.no_grad():
+        want = comfy_forward(bf16, bf16.transformer, x, t, ctx)
+        got = comfy_forward(fp8, fp8.transformer, x, t, ctx)
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        again = comfy_forward(fp8, fp8.transformer, x, t, ctx)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # the same size: no recompile
+    for a, b, c in zip(got, want, again, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all()
+        assert 0 < _rel(a, b) < 0.1, _rel(a, b)
+        assert torch.equal(a, c)
+
+
+def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
+    """``dtype: fp8`` through a one-GPU pool's MODEL path equals the in-process fp8 model, also
+    with FSDP2-sharded weights (world size 1, the compiled blocks inside FSDP's hooks); a ComfyUI
+    LoRA patch changes the result and removing it restores the unpatched one."""
+    from ltx_mgpu.client.denoise import remote_load_transformer
+    from ltx_mgpu.client.model import PoolModel
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.denoise.forward import comfy_forward
+    from ltx_mgpu.denoise.model import load_ltx_model
+
+    ckpt = _fp8_sized_checkpoint(tmp_path)
+    local = load_ltx_model(ckpt, device="cuda", dtype=torch.bfloat16, fp8_compute=True)
+    x, t, ctx = _fp8_inputs()
+    with torch.no_grad():
+        want = comfy_forward(local, local.transformer, x, t, ctx)
+    g = torch.Generator().manual_seed(8)
+
+    class Lora:
+        name, weights = "lora", (torch.randn(256, 2, generator=g), torch.randn(2, 256, generator=g), None, None,
+                                 None, None)
+
+    patches = ("p1", {"diffusion_model.transformer_blocks.0.attn1.to_q.weight": [(0.5, Lora(), 1.0, None, None)]})
+    base = short_dir()
+    client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
+    try:
+        got = {}
+        for weights in ("replicated", "sharded"):
+            loaded = remote_load_transformer(client, ckpt, dtype="fp8", weights=weights, name=weights, timeout=300)
+            assert loaded["fp8"] == "fp8" and loaded["dtype"] == "fp8"
+            pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
+            plain = pm.forward(x, t, ctx)
+            patched = pm.forward(x, t, ctx, patches=patches)
+            pm.sync_patches("none", {})
+            got[weights] = (plain, patched, pm.forward(x, t, ctx))
+    finally:
+        client.shutdown()
+        cleanup(base)
+    for weights, (plain, patched, restored) in got.items():
+        for a, b in zip(plain, want, strict=True):
+            assert _rel(a, b) <= 1e-2, (weights, _rel(a, b))
+        assert _rel(patched[0], plain[0]) > 1e-3
+        assert all(torch.equal(a, b) for a, b in zip(restored, plain))

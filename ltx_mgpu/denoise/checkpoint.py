@@ -109,6 +109,7 @@ class CheckpointInfo:
         config_source: ``"metadata"`` or ``"inferred"``.
         version: ``"2.0"`` (caption projections in the DiT) or ``"2.3"``.
         shapes: prefix-less DiT key -> shape (quantisation side tensors left out).
+        e4m3_keys: the prefix-less keys stored as float8 e4m3 (``F8_E4M3``).
     """
 
     path: str
@@ -117,6 +118,7 @@ class CheckpointInfo:
     config_source: str
     version: str
     shapes: dict[str, tuple[int, ...]]
+    e4m3_keys: frozenset[str] = frozenset()
 
     @property
     def has_connectors(self) -> bool:
@@ -239,11 +241,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
                                     "models/diffusion_models)")
     with safe_open(path, framework="pt", device="cpu") as f:
         prefix = _detect_prefix(keys)
-        shapes = {
-            k[len(prefix):]: tuple(f.get_slice(k).get_shape())
-            for k in keys
-            if k.startswith(prefix) and not k.endswith(_AUX_SUFFIXES) and k[len(prefix):] != "scaled_fp8"
-        }
+        dit = [k for k in keys
+               if k.startswith(prefix) and not k.endswith(_AUX_SUFFIXES) and k[len(prefix):] != "scaled_fp8"]
+        shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in dit}
+        e4m3 = frozenset(k[len(prefix):] for k in dit if f.get_slice(k).get_dtype() == "F8_E4M3")
     stored = None
     if "config" in meta:
         try:
@@ -263,7 +264,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         raise CheckpointError(
             f"{path}: caption_projection_first_linear=True is an LTX-2 variant ltx-core 1.0.0 cannot build"
         )
-    return CheckpointInfo(path, prefix, {"transformer": tcfg}, source, _version(tcfg), shapes)
+    return CheckpointInfo(path, prefix, {"transformer": tcfg}, source, _version(tcfg), shapes, e4m3)
 
 
 # --------------------------------------------------------------------------- LoRA
@@ -421,12 +422,18 @@ class StateDictLoader:
     ``rows`` (renamed key -> ``slice`` of dim 0) makes ``load`` read only those rows of a weight
     from the file (its scale rows and LoRA up-matrix rows with it): a rank's shard of a sharded
     transformer (``ltx_mgpu.denoise.sharding``).
+
+    ``keep_e4m3`` (renamed keys): those weights, when stored as float8 e4m3 and given no LoRA, are
+    returned as stored (e4m3, not upcast), their float32 scale (``[rows]`` or one value; None
+    for a plain cast) in ``scales[key]``: for fp8 layers (``ltx_mgpu.denoise.fp8``).
     """
 
     def __init__(self, info: CheckpointInfo, dtype: torch.dtype, loras: dict[str, list], exclude: tuple[str, ...] = (),
-                 rows: dict[str, slice] | None = None):
+                 rows: dict[str, slice] | None = None, keep_e4m3: frozenset[str] | set[str] = frozenset()):
         self.info, self.dtype, self.loras, self.exclude = info, dtype, loras, exclude
         self.rows = rows or {}
+        self.keep_e4m3 = keep_e4m3
+        self.scales: dict[str, torch.Tensor | None] = {}
         self.loaded_keys: list[str] = []
         self.fused: set[str] = set()
 
@@ -447,15 +454,15 @@ class StateDictLoader:
                     new = sd_ops.apply_to_key(key) if sd_ops is not None else full
                     if new is None or new.startswith(self.exclude):
                         continue
-                    t = self._tensor(f, names, key, full, device, self.rows.get(new))
+                    t = self._tensor(f, names, key, full, device, self.rows.get(new), new)
                     sd[new] = t
                     dtypes.add(t.dtype)
                     size += t.nbytes
         self.loaded_keys = list(sd)
         return StateDict(sd=sd, device=device, size=size, dtype=dtypes)
 
-    def _tensor(self, f, names: set, key: str, full: str, device: torch.device, rows: slice | None = None
-                ) -> torch.Tensor:
+    def _tensor(self, f, names: set, key: str, full: str, device: torch.device, rows: slice | None = None,
+                new: str | None = None) -> torch.Tensor:
         t = (f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start:rows.stop]).to(device)
         stem = key[: -len(".weight")] if key.endswith(".weight") else None
         quant = stem is not None and f"{stem}.comfy_quant" in names
@@ -472,6 +479,9 @@ class StateDictLoader:
             scale = f.get_tensor(sk).to(device=device, dtype=torch.float32) if sk else None
             if scale is not None and rows is not None and scale.numel() > 1:
                 scale = scale.reshape(-1)[rows]
+        if t.dtype == torch.float8_e4m3fn and not deltas and new in self.keep_e4m3:
+            self.scales[new] = scale
+            return t.clone() if t.device.type == "cpu" else t
         if scale is None and not deltas:
             out = t.to(self.dtype)
             # safetensors hands out CPU tensors over arbitrarily aligned buffers; a fresh allocation

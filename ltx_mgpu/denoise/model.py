@@ -46,6 +46,14 @@ from ltx_mgpu.denoise.checkpoint import (
     load_loras,
 )
 from ltx_mgpu.denoise.conditioning import text_contexts
+from ltx_mgpu.denoise.fp8 import (
+    Float8Linear,
+    Fp8Config,
+    compile_blocks,
+    fp8_linear_names,
+    fp8_support_error,
+    swap_linears,
+)
 from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
 from ltx_mgpu.denoise.sharding import local_rows, local_tensor, shard_transformer
 from ltx_mgpu.denoise.sp_config import check_sequence_parallel_config
@@ -63,6 +71,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_ltx_model",
     "meta_transformer",
+    "transformer_key",
     "transformer_sd_ops",
 ]
 
@@ -82,6 +91,8 @@ class LTXDenoiser:
         source: the checkpoint path; loras: the LoRAs fused in.
         weights: ``"replicated"`` (every rank holds the whole transformer) or ``"sharded"``
             (each rank a 1/W shard of every weight, :mod:`ltx_mgpu.denoise.sharding`).
+        fp8: how the block linears are held (:mod:`ltx_mgpu.denoise.fp8`): None (in ``dtype``),
+            ``"upcast"`` (e4m3 as stored, upcast per call) or ``"fp8"`` (e4m3 GEMMs).
     """
 
     transformer: LTXModel
@@ -95,6 +106,7 @@ class LTXDenoiser:
     source: str = ""
     loras: tuple[LoraSpec, ...] = ()
     weights: str = "replicated"
+    fp8: str | None = None
 
     @property
     def context_widths(self) -> tuple[int, int]:
@@ -151,6 +163,7 @@ def load_ltx_model(
     attention_type: str | None = None,
     weights: str = "replicated",
     group=None,
+    fp8_compute: bool = False,
 ) -> LTXDenoiser:
     """Load an LTX-2 / 2.3 denoiser (transformer + connectors) with LoRAs fused.
 
@@ -169,13 +182,25 @@ def load_ltx_model(
             rank of ``group`` must load it together), read row-wise from the file. The
             connectors are whole either way.
         group: the process group of the shards (``"sharded"`` only; None: the default group).
+        fp8_compute: run the blocks' large linears as e4m3 GEMMs (:mod:`ltx_mgpu.denoise.fp8`:
+            the file's e4m3 weights and scales as stored, other weights quantised per row at
+            load after their LoRAs are merged; ``dtype`` must be bf16) and compile the blocks
+            (``torch.compile``, one graph per token count: the first call at a size compiles).
+            Without it a **sharded** transformer of an fp8 file keeps its e4m3 block weights as
+            stored (``"upcast"``: FSDP2 gathers them as fp8, half the traffic and memory of
+            bf16, and they are upcast per call); a replicated one upcasts them at load.
     Returns:
         ``LTXDenoiser`` in eval mode.
     Raises:
         FileNotFoundError: no checkpoint. CheckpointError: see ``inspect_checkpoint`` and
         LoRA errors, or weights that do not fit the config (missing/unexpected keys).
+        ValueError: ``fp8_compute`` on a device without FP8 tensor cores or with a dtype other
+        than bf16 (the message names the fix).
     """
     device = torch.device(device)
+    if fp8_compute and (err := fp8_support_error(device) or (None if dtype == torch.bfloat16 else
+                                                             f"fp8 compute keeps bf16 for the rest, not {dtype}")):
+        raise ValueError(err)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive token count, got {max_tokens}")
     info = inspect_checkpoint(path)
@@ -191,8 +216,12 @@ def load_ltx_model(
     if weights not in TRANSFORMER_WEIGHTS:
         raise ValueError(f"weights must be one of {TRANSFORMER_WEIGHTS}, got {weights!r}")
     expected = set(builder.meta_model(info.config, ()).state_dict())
-    if weights == "sharded":
-        transformer = _sharded_transformer(builder, info, loader, sd_ops, group, device)
+    fp8 = "fp8" if fp8_compute else "upcast" if weights == "sharded" and info.e4m3_keys else None
+    if weights == "sharded" or fp8 is not None:
+        group = (group if group is not None else dist.group.WORLD) if weights == "sharded" else None
+        transformer = _assembled_transformer(builder, info, loader, sd_ops, device, group, fp8)
+        if fp8 == "upcast" and not any(isinstance(m, Float8Linear) for m in transformer.modules()):
+            fp8 = None  # the file's e4m3 weights are none of the block linears
     else:
         transformer = builder.build(device=device)
     got = set(loader.loaded_keys)
@@ -210,27 +239,50 @@ def load_ltx_model(
     unfused = set(deltas) - loader.fused
     if unfused:  # only weights outside the DiT and connectors could be left; never drop them silently
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
+    if fp8 == "fp8":
+        compile_blocks(transformer, dynamic=False)
     return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device,
-                       int(max_tokens), info.path, specs, weights)
+                       int(max_tokens), info.path, specs, weights, fp8)
 
 
-def _sharded_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, group,
-                         device: torch.device) -> LTXModel:
-    """The transformer built on the meta device, sharded over ``group``, with this rank's rows
-    of every weight read from the file (and nothing else)."""
-    group = group if group is not None else dist.group.WORLD
+def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, device: torch.device,
+                           group, fp8: str | None) -> LTXModel:
+    """The transformer built on the meta device, its block linears made :class:`Float8Linear`
+    (``fp8`` ``"fp8"``: all of :func:`~ltx_mgpu.denoise.fp8.fp8_linear_names`; ``"upcast"``: those
+    the file stores as e4m3), sharded over ``group`` (None: whole), then given storage on
+    ``device`` and filled from the file: a shard reads only its rows, e4m3 weights stay as
+    stored, nothing else is read or materialised."""
     transformer = builder.meta_model(info.config, ()).to(loader.dtype)  # every weight in the compute dtype
-    shard_transformer(transformer, group, device)
+    fp8_names = []
+    if fp8 is not None:
+        file_keys = {transformer_key(info, k): k for k in info.shapes}
+        fp8_names = [n for n in fp8_linear_names(transformer, compute=fp8 == "fp8")
+                     if fp8 == "fp8" or file_keys.get(n + ".weight") in info.e4m3_keys]
+        swap_linears(transformer, Fp8Config(fp8), fp8_names)
+    if group is not None:
+        shard_transformer(transformer, group, device)
     transformer.to_empty(device=device)
     params = dict(transformer.named_parameters())
     loader.rows = {name: r for name, p in params.items() if (r := local_rows(p)) is not None}
+    loader.keep_e4m3 = {n + ".weight" for n in fp8_names}
     sd = loader.load(info.path, sd_ops, device).sd
-    loader.rows = {}
+    loader.rows, loader.keep_e4m3 = {}, frozenset()
     with torch.no_grad():
+        for name in fp8_names:
+            key = name + ".weight"
+            transformer.get_submodule(name).set_weight(sd.pop(key), loader.scales.pop(key, None))
+            params.pop(key)
         for name, p in params.items():
             if name in sd:
                 local_tensor(p).copy_(sd.pop(name))
     return transformer
+
+
+def transformer_key(info: CheckpointInfo, key: str) -> str | None:
+    """The ltx-core ``LTXModel`` parameter name of the prefix-less checkpoint key ``key`` (None
+    for a key the transformer does not take, such as a connector's)."""
+    ops = transformer_sd_ops(info)
+    return ops.apply_to_key(info.prefix + key) if ops is not None else key
 
 
 def transformer_sd_ops(info: CheckpointInfo) -> SDOps | None:

@@ -21,7 +21,10 @@ diff.
 
 Differences from ComfyUI, said once: for an fp8 checkpoint ComfyUI re-quantises the merged
 weight to fp8 (stochastic rounding); here the weights are kept in the model's compute dtype
-(fp8 is upcast at load), so the merged weight is not rounded to fp8.
+(fp8 is upcast at load), so the merged weight is not rounded to fp8 — except in the layers
+:mod:`ltx_mgpu.denoise.fp8` holds as e4m3 (``dtype: fp8``, or a sharded fp8 file): there the
+merged float32 weight is quantised per row (round to nearest), and an unpatched one goes back
+to the file's e4m3 values.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, CheckpointInfo, StateDictLoader, inspect_checkpoint, load_loras
-from ltx_mgpu.denoise.model import transformer_sd_ops
+from ltx_mgpu.denoise.fp8 import Float8Linear
+from ltx_mgpu.denoise.model import transformer_key
 from ltx_mgpu.denoise.sharding import local_rows, local_tensor
 
 __all__ = ["COMFY_PREFIX", "PATCH_KINDS", "PatchError", "WeightPatch", "apply_patches", "merge", "resolve_key"]
@@ -142,8 +146,7 @@ def resolve_key(model, info: CheckpointInfo, key: str) -> tuple[_Target, torch.n
         param = rest[len(connector) + 1:]
     else:
         module_name = "transformer"
-        ops = transformer_sd_ops(info)
-        param = ops.apply_to_key(info.prefix + rest) if ops is not None else rest
+        param = transformer_key(info, rest)
     module = getattr(model, module_name)
     try:
         tensor = module.get_parameter(param) if module is not None and param else None
@@ -190,14 +193,32 @@ def apply_patches(model, patches: Mapping[str, Sequence[WeightPatch]], previous:
         targets[key] = (target, tensor)
     deltas = load_loras(model.loras, [k for k in info.shapes if k.endswith(".weight")]) if model.loras else {}
     rows = {k: r for k, (_, tensor) in targets.items() if (r := local_rows(tensor)) is not None}
-    loader = StateDictLoader(info, model.dtype, deltas, rows=rows)
+    layers = {k: layer for k, (target, _) in targets.items() if (layer := _fp8_layer(model, target)) is not None}
+    loader = StateDictLoader(info, model.dtype, deltas, rows=rows, keep_e4m3=set(layers))
     for start in range(0, len(keys), _CHUNK):
         chunk = keys[start:start + _CHUNK]
         names = {targets[k][0].file_key: k for k in chunk}
         originals = loader.load(info.path, _Select(names), model.device).sd
         with torch.no_grad():
             for key in chunk:
-                tensor = local_tensor(targets[key][1])  # a sharded weight: this rank's rows
-                tensor.copy_(merge(originals.pop(key), wanted.get(key, ()), rows.get(key)))
+                original, todo = originals.pop(key), wanted.get(key, ())
+                if key not in layers:
+                    local_tensor(targets[key][1]).copy_(merge(original, todo, rows.get(key)))  # a shard: its rows
+                    continue
+                scale = loader.scales.pop(key, None)
+                if todo:  # merged in float32, then quantised per row
+                    if original.dtype == torch.float8_e4m3fn:
+                        original = original.float() * (1.0 if scale is None else scale.reshape(-1, 1))
+                    layers[key].set_weight(merge(original.float(), todo, rows.get(key)))
+                else:
+                    layers[key].set_weight(original, scale)
         del originals
     return set(wanted)
+
+
+def _fp8_layer(model, target: _Target) -> Float8Linear | None:
+    """The :class:`Float8Linear` whose weight ``target`` is, or None."""
+    if not target.param.endswith(".weight"):
+        return None
+    layer = getattr(model, target.module).get_submodule(target.param[: -len(".weight")])
+    return layer if isinstance(layer, Float8Linear) else None

@@ -157,6 +157,7 @@ class UlyssesSelfAttention:
         self.inner = inner
         self.state = state
 
+    @torch.compiler.disable  # the exchange runs eagerly between compiled block regions (fp8 compute)
     def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         s = self.state
         q, k, v = s.tokens_to_heads([q, k, v], heads)
@@ -177,6 +178,7 @@ class UlyssesVideoToAudioAttention:
         self.inner = inner
         self.state = state
 
+    @torch.compiler.disable
     def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         s = self.state
         if mask is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -127,13 +127,14 @@ class WeightPlan:
 
 
 def weight_plan(shapes: Mapping[str, Sequence[int]], element_size: int, world: int,
-                connectors: Sequence[str]) -> WeightPlan:
+                connectors: Sequence[str], fp8: Callable[[str], bool] | None = None) -> WeightPlan:
     """A :class:`WeightPlan` of the DiT keys ``shapes`` (as in ``CheckpointInfo.shapes``: no
-    prefix, no fp8 scales) at ``element_size`` bytes per weight (the compute dtype's)."""
+    prefix, no fp8 scales) at ``element_size`` bytes per weight (the compute dtype's), or 1 for
+    the keys ``fp8`` says are held as e4m3 (:mod:`ltx_mgpu.denoise.fp8`)."""
     blocks: dict[str, int] = {}
     root = conn = 0
     for key, shape in shapes.items():
-        n = math.prod(shape) * element_size
+        n = math.prod(shape) * (1 if fp8 is not None and fp8(key) else element_size)
         if key.startswith(tuple(c + "." for c in connectors)):
             conn += n
         elif key.startswith("transformer_blocks."):
@@ -144,16 +145,18 @@ def weight_plan(shapes: Mapping[str, Sequence[int]], element_size: int, world: i
     return WeightPlan(sum(blocks.values()), max(blocks.values(), default=0), root, conn, int(world))
 
 
-def fit_error(plan: WeightPlan, weights: str, free: int, total: int, name: str) -> str | None:
+def fit_error(plan: WeightPlan, weights: str, free: int, total: int, name: str,
+              other_plan: WeightPlan | None = None) -> str | None:
     """None when ``weights`` fits ``free`` bytes of a GPU of ``total`` bytes (keeping
     :data:`HEADROOM` of it for activations); else the message: what it needs, what is free,
-    whether the other choice would fit, and what to do."""
+    whether the other choice (its bytes from ``other_plan``, default ``plan``) would fit, and
+    what to do."""
     room = free - HEADROOM * total
     need = plan.per_rank(weights)
     if need <= room:
         return None
     other = "sharded" if weights == "replicated" else "replicated"
-    other_need = plan.per_rank(other)
+    other_need = (other_plan or plan).per_rank(other)
     head = (f"{name} needs {need / _GIB:.1f} GiB per GPU with weights '{weights}', and this GPU has "
             f"{free / _GIB:.1f} GiB free ({HEADROOM:.0%} of its {total / _GIB:.1f} GiB kept for activations)")
     if other_need <= room:

@@ -48,6 +48,7 @@ from ltx_mgpu.denoise.checkpoint import (
     check_loras,
     inspect_checkpoint,
 )
+from ltx_mgpu.denoise.fp8 import fp8_shape, fp8_support_error
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
 from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
@@ -63,7 +64,8 @@ __all__ = ["DTYPES", "SCHEDULER_OPTIONS", "ResidentTransformer", "load_transform
            "resident_transformer", "sample_job", "set_weight_patches"]
 
 #: ``load_transformer`` dtype names -> torch dtypes.
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The compute dtype of each transformer dtype choice (``fp8``: e4m3 block GEMMs, the rest bf16).
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 #: A LoRA's ``strength`` range (ComfyUI's LoraLoader).
 LORA_STRENGTH = (-100.0, 100.0)
 
@@ -207,6 +209,19 @@ def _model_bytes(m: LTXDenoiser) -> int:
     return sum(held_bytes(mod) for mod in modules)
 
 
+def _weight_plan(info, dtype_name: str, weights: str, world: int):
+    """The :class:`~ltx_mgpu.denoise.sharding.WeightPlan` of loading ``info`` so: the block
+    linears at one byte when they are held as e4m3 (``dtype`` fp8: all of them; a sharded fp8
+    file: those it stores so; ``ltx_mgpu.denoise.model.load_ltx_model``)."""
+    def linear(key: str, compute: bool) -> bool:
+        return key.startswith("transformer_blocks.") and key.endswith(".weight") and fp8_shape(info.shapes[key],
+                                                                                               compute)
+
+    fp8 = ((lambda k: linear(k, True)) if dtype_name == "fp8" else
+           (lambda k: k in info.e4m3_keys and linear(k, False)) if weights == "sharded" and info.e4m3_keys else None)
+    return weight_plan(info.shapes, DTYPES[dtype_name].itemsize, world, CONNECTORS, fp8)
+
+
 def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) -> dict:
     m, t = r.denoiser, r.denoiser.config["transformer"]
     return {
@@ -215,7 +230,7 @@ def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) 
         "heads": {"video": int(t["num_attention_heads"]), "audio": int(t["audio_num_attention_heads"])},
         "valid_world_sizes": valid_world_sizes(m.transformer), "context_widths": list(m.context_widths),
         "has_connectors": m.video_connector is not None, "loras": [dataclasses.asdict(s) for s in m.loras],
-        "bytes": _model_bytes(m), "weights": m.weights, "layout": r.velocity.layout, "key": r.key,
+        "bytes": _model_bytes(m), "weights": m.weights, "layout": r.velocity.layout, "key": r.key, "fp8": m.fp8,
     }
 
 
@@ -223,7 +238,8 @@ def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) 
 def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Load an LTX-2 transformer + connectors on every rank and keep it resident as ``name``.
 
-    Params: ``checkpoint`` (path), ``dtype`` ("bf16" | "fp16" | "fp32", default bf16),
+    Params: ``checkpoint`` (path), ``dtype`` ("bf16" | "fp16" | "fp32" | "fp8": e4m3 block
+    GEMMs on FP8 GPUs, the rest bf16, ``ltx_mgpu.denoise.fp8``; default bf16),
     ``weights`` ("replicated": a whole copy per rank, default; "sharded": a 1/W shard per rank,
     ``ltx_mgpu.denoise.sharding``), ``layout`` ("auto", default: CFG-parallel x Ulysses for an even
     batch on an even pool, else Ulysses; "ulysses"; "cfg_ulysses": ``ltx_mgpu.choices.SP_LAYOUTS``),
@@ -233,14 +249,16 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     Returns:
         ``{"model", "reused", "checkpoint", "version", "dtype", "max_tokens", "world_size",
         "heads": {"video", "audio"}, "valid_world_sizes", "context_widths", "has_connectors",
-        "loras", "bytes", "weights", "key"}`` (bytes of weights one rank holds: its replica or its
-        shard; ``key`` names what was loaded, for the MODEL path's calls).
+        "loras", "bytes", "weights", "key", "fp8"}`` (bytes of weights one rank holds: its replica or its
+        shard; ``key`` names what was loaded, for the MODEL path's calls; ``fp8``: how the block
+        linears are held, ``LTXDenoiser.fp8``).
     Raises:
         BadInput (identically on every rank, before any collective): no such file, not an
         LTX-2 checkpoint, heads the world size does not divide (naming the GPU counts that
         work), a LoRA item or file that :func:`_parse_loras` / ``check_loras`` refuses (not
         safetensors, truncated, foreign keys, factors of the wrong rank or shape),
-        ``max_tokens < 1``; after a control-group agreement: a ``name`` held by a
+        ``max_tokens < 1``; after a control-group agreement: dtype fp8 on a rank without FP8
+        tensor cores (CPU, or a GPU older than Ada), a ``name`` held by a
         non-transformer model, an ``attention_type`` this rank cannot run, or a load that
         failed on any rank (out of memory, LoRA values that are not finite, ...); on GPUs, weights
         that do not fit a rank's free memory (:func:`~ltx_mgpu.denoise.sharding.fit_error`: how
@@ -279,13 +297,15 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         clash = (f"the name '{name}' belongs to another resident model ({type(resident).__name__}); "
                  "load the transformer under another name")
     if clash is None and not (isinstance(resident, ResidentTransformer) and resident.identity == identity):
-        clash = _attention_error(attention_type, info, ctx, DTYPES[dtype_name])
+        clash = fp8_support_error(ctx.device) if dtype_name == "fp8" else None
+        clash = clash or _attention_error(attention_type, info, ctx, DTYPES[dtype_name])
         if clash is None and ctx.device.type == "cuda":
-            plan = weight_plan(info.shapes, DTYPES[dtype_name].itemsize, ctx.world_size, CONNECTORS)
+            plan, other = (_weight_plan(info, dtype_name, w, ctx.world_size)
+                           for w in (weights, "sharded" if weights == "replicated" else "replicated"))
             free, total = torch.cuda.mem_get_info(ctx.device)
             if isinstance(resident, ResidentTransformer):  # its memory is freed before the new load
                 free += held_bytes(resident.denoiser.transformer)
-            clash = fit_error(plan, weights, free, total, f"{Path(path).name} ({dtype_name})")
+            clash = fit_error(plan, weights, free, total, f"{Path(path).name} ({dtype_name})", other)
     ctx.agree(clash)
     if isinstance(resident, ResidentTransformer) and resident.identity == identity:
         return _describe(name, resident, ctx.world_size, reused=True), {}
@@ -295,7 +315,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     m = velocity = error = None
     try:
         m = load_ltx_model(path, ctx.device, DTYPES[dtype_name], loras, max_tokens, attention_type=attention_type,
-                           weights=weights, group=ctx.data_group)
+                           weights=weights, group=ctx.data_group, fp8_compute=dtype_name == "fp8")
         velocity = m.velocity_model(ctx.data_group, layout)
     except (torch.OutOfMemoryError, MemoryError):
         hint = ("every GPU holds a full replica: try weights 'sharded'" if weights == "replicated" else
@@ -316,6 +336,9 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
                                     "devices": [str(m.device)]})
     ctx.log(f"loaded LTX-{m.version} transformer '{name}' from {m.source} ({dtype_name}, {weights}, "
             f"{len(m.loras)} LoRA(s), world size {ctx.world_size}, {_model_bytes(m) / 2**30:.2f} GiB on this rank)")
+    if m.fp8 == "fp8":
+        ctx.log("dtype fp8: the first call at each token count compiles the transformer blocks (torch.compile), "
+                "which takes minutes; later calls at that size run compiled")
     return _describe(name, resident, ctx.world_size, reused=False), {}
 
 

@@ -1,0 +1,231 @@
+"""FP8 linear layers for the LTX-2 transformer: fp8 weight storage, and FP8 tensor-core compute.
+
+:class:`Float8Linear` replaces a block's ``torch.nn.Linear`` (module swap on ltx-core's model,
+never a fork of its code) and holds the weight as float8 e4m3 with a float32 scale per output
+row (``weight ~= weight_fp8 * weight_scale[:, None]``), the bias in the compute dtype. It
+computes one of two ways (:class:`Fp8Config`):
+
+* ``compute="upcast"``: the weight is upcast to the input's dtype for every call
+  (``(weight_fp8.float() * scale).to(dtype)``, exactly the cast the loader makes for a replicated
+  model) and ``F.linear`` runs in that dtype. This is fp8 *storage*: half the bytes of bf16 held
+  and, for sharded weights (:mod:`ltx_mgpu.denoise.sharding`), gathered: FSDP2 all-gathers the
+  fp8 parameter as it is held, and the upcast runs after the gather.
+* ``compute="fp8"``: an e4m3 x e4m3 GEMM on the tensor cores (``torch._scaled_mm``, PyTorch's
+  cuBLASLt / CUTLASS FP8 GEMM) with a dynamic activation scale, the output in the compute dtype.
+  ``scaling="row"``: one scale per token (row of the activation) and one per output channel of
+  the weight (the rowwise kernel); ``"tensor"``: one per tensor each (cuBLASLt's tensorwise
+  kernel; the weight's rows then share one scale). ``bias_epilogue`` adds the bias inside the
+  GEMM's epilogue instead of as a separate op. The activation's quantisation (amax, divide,
+  cast) is ordinary torch code: under :func:`compile_blocks` inductor fuses it into the kernel
+  that produces the activation (the RMS norm and AdaLN modulation before q/k/v and the
+  feed-forward, the GELU before the second feed-forward GEMM).
+
+Which linears are swapped (:func:`fp8_linear_names`): for FP8 compute every ``nn.Linear`` inside
+``transformer_blocks`` whose two sizes are multiples of 16 (what the FP8 GEMMs require) and at
+least :data:`MIN_FEATURES`: the attention projections and the feed-forwards of video and
+audio; for fp8 storage every block linear the file stores as e4m3. Norms, AdaLN tables, the
+patchify / output projections, the timestep embedders and the connectors stay in the compute
+dtype.
+
+Formats: e4m3 (OCP 8-bit floating point specification, ``E4M3``: max normal 448, PyTorch's
+``torch.float8_e4m3fn``). A quantised value is ``clamp(x / s, -448, 448)`` cast with
+round-to-nearest-even; ``s = amax / 448``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ltx_mgpu.choices import check_choice
+from ltx_mgpu.denoise.sharding import local_tensor
+
+__all__ = ["E4M3_MAX", "FP8_COMPUTES", "FP8_SCALINGS", "MIN_FEATURES", "Float8Linear", "Fp8Config", "compile_blocks",
+           "fp8_linear_names", "fp8_shape", "fp8_support_error", "quantize_rows", "swap_linears"]
+
+#: The largest finite e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``).
+E4M3_MAX = 448.0
+#: The smallest amax a scale is computed from (an all-zero row gets scale ``_TINY / 448``).
+_TINY = 1e-12
+#: How a :class:`Float8Linear` computes (module doc).
+FP8_COMPUTES = ("upcast", "fp8")
+#: Scale granularity of FP8 compute (module doc).
+FP8_SCALINGS = ("row", "tensor")
+#: Smallest in / out size of a swapped linear: smaller GEMMs gain nothing from FP8.
+MIN_FEATURES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """How the transformer's :class:`Float8Linear` layers compute (validated here, once).
+
+    Attributes:
+        compute: ``"upcast"`` (fp8 storage, compute dtype GEMMs) or ``"fp8"`` (e4m3 GEMMs).
+        scaling: ``"row"`` or ``"tensor"`` (``"fp8"`` only; module doc).
+        bias_epilogue: add the bias in the GEMM's epilogue (``"fp8"`` only).
+        fast_accum: cuBLASLt's fast FP8 accumulation (``use_fast_accum``: partial sums kept in
+            the tensor core's accumulator precision between promotions; ``"fp8"`` only).
+    """
+
+    compute: str = "upcast"
+    scaling: str = "row"
+    bias_epilogue: bool = True
+    fast_accum: bool = True
+
+    def __post_init__(self):
+        check_choice(self.compute, FP8_COMPUTES, "fp8 compute")
+        check_choice(self.scaling, FP8_SCALINGS, "fp8 scaling")
+
+
+def fp8_support_error(device: torch.device) -> str | None:
+    """None when ``device`` has FP8 tensor cores (CUDA compute capability 8.9: Ada, or newer:
+    Hopper, Blackwell), else the message naming the fix."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"dtype 'fp8' computes on FP8 tensor cores (an NVIDIA Ada, Hopper or newer GPU); this pool runs on "
+                f"{device.type.upper()}: choose dtype 'bf16' (an fp8 checkpoint is then upcast to bf16)")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (f"dtype 'fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
+                f"{name} is {cap[0]}.{cap[1]}: choose dtype 'bf16' (or 'fp16')")
+    return None
+
+
+def quantize_rows(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, s)``: ``weight`` ``[out, in]`` (any float dtype) as e4m3 ``q`` ``[out, in]`` and float32
+    ``s`` ``[out]`` with ``weight ~= q * s[:, None]``: ``s = max|row| / 448`` per row, or ``scale``
+    when given (``[out]`` or one value, broadcast: a stored fp8 file's scale, or one scale for
+    the tensor)."""
+    w = weight.float()
+    if scale is None:
+        scale = w.abs().amax(dim=1).clamp_min(_TINY) / E4M3_MAX
+    scale = scale.to(device=w.device, dtype=torch.float32).reshape(-1).expand(w.shape[0]).contiguous()
+    q = (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class Float8Linear(torch.nn.Module):
+    """A ``torch.nn.Linear`` with an e4m3 weight (module doc).
+
+    Parameters, without gradients (inference only): ``weight`` e4m3 ``[out, in]``,
+    ``weight_scale`` float32 ``[out]`` and ``bias`` ``[out]`` (compute dtype, or None); sharded
+    (FSDP2's ``Shard(0)``), a rank holds the same rows of the weight and of its scales.
+    Input ``[..., in]`` in the compute dtype, output ``[..., out]`` in the same dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, config: Fp8Config,
+                 device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.config = in_features, out_features, config
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                     device=device), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
+                                               requires_grad=False)
+        self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"compute={c.compute}" + (f", scaling={c.scaling}" if c.compute == "fp8" else ""))
+
+    @torch.no_grad()
+    def set_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Hold ``weight`` (this rank's rows of it, when the weight is sharded: ``[rows, in]``):
+        an e4m3 tensor is kept as is with its ``scale`` (``[rows]`` or one value; None: 1), a float
+        one is quantised (:func:`quantize_rows`; one scale for the tensor under ``scaling="tensor"``
+        with ``compute="fp8"``, else per row)."""
+        target = local_tensor(self.weight)
+        if weight.dtype == torch.float8_e4m3fn:
+            scale = torch.ones(1) if scale is None else scale
+            q, s = weight, scale.to(device=target.device, dtype=torch.float32).reshape(-1).expand(weight.shape[0])
+        else:
+            tensorwise = self.config.compute == "fp8" and self.config.scaling == "tensor"
+            q, s = quantize_rows(weight, weight.float().abs().amax().clamp_min(_TINY) / E4M3_MAX
+                                 if tensorwise else None)
+        target.copy_(q)
+        local_tensor(self.weight_scale).copy_(s)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole weight, float32 ``[out, in]`` (``weight * weight_scale[:, None]``; the weight
+        must be whole here: not sharded, or inside a forward)."""
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.compute == "upcast":
+            w = (self.weight.float() * self.weight_scale[:, None]).to(x.dtype)
+            return F.linear(x, w, self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if c.scaling == "row":
+            x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp_min(_TINY) / E4M3_MAX
+            w_scale = self.weight_scale[None, :]
+        else:
+            x_scale = x2.abs().amax().float().clamp_min(_TINY) / E4M3_MAX
+            w_scale = self.weight_scale.amax()  # every row holds the one scale
+        xq = (x2.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        bias = self.bias if c.bias_epilogue else None
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=x.dtype,
+                             use_fast_accum=c.fast_accum)
+        if self.bias is not None and not c.bias_epilogue:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def fp8_shape(shape, compute: bool = True) -> bool:
+    """Whether a block linear's weight of ``shape`` ``[out, in]`` is made fp8: for FP8 compute
+    both sizes multiples of 16 and at least :data:`MIN_FEATURES` (module doc); for fp8 storage
+    (``compute=False``) any 2-D weight."""
+    if len(shape) != 2:
+        return False
+    return not compute or (min(shape) >= MIN_FEATURES and shape[0] % 16 == 0 and shape[1] % 16 == 0)
+
+
+def fp8_linear_names(model: torch.nn.Module, compute: bool = True) -> list[str]:
+    """The names (in ``model.named_modules()``) of the ``nn.Linear`` layers inside
+    ``model.transformer_blocks`` that :func:`swap_linears` replaces (:func:`fp8_shape`)."""
+    return [name for name, m in model.named_modules() if name.startswith("transformer_blocks.")
+            and type(m) is torch.nn.Linear and fp8_shape(m.weight.shape, compute)]
+
+
+def swap_linears(model: torch.nn.Module, config: Fp8Config, names: list[str] | None = None) -> list[str]:
+    """Replace the linears ``names`` (default :func:`fp8_linear_names`) of ``model`` by
+    :class:`Float8Linear` ones in place; returns the names.
+
+    On the meta device the new layers are empty shells to be filled (``set_weight``); on a real
+    device each layer's weight is quantised from the one it replaces (:func:`quantize_rows`) and
+    the old one is freed, one layer at a time. The bias keeps its dtype.
+    """
+    names = fp8_linear_names(model) if names is None else names
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        dtype = old.bias.dtype if old.bias is not None else old.weight.dtype
+        new = Float8Linear(old.in_features, old.out_features, old.bias is not None, dtype, config,
+                           device=old.weight.device)
+        if old.weight.device.type != "meta":
+            new.set_weight(old.weight)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+        setattr(parent, child, new)
+    return names
+
+
+def compile_blocks(model: torch.nn.Module, dynamic: bool | None = None) -> int:
+    """``torch.compile`` every transformer block's ``forward`` (the module call, with its hooks
+    such as FSDP2's gathers, stays eager); returns how many. ltx-core's blocks are alike, so one
+    compiled graph serves them all (inductor fuses each activation's FP8 quantisation into the
+    kernel that produces it). Attention wrappers that exchange tokens between ranks run outside
+    the graph (``torch.compiler.disable``). ``dynamic``: ``torch.compile``'s (None: a second token
+    count recompiles with symbolic shapes; False: one compiled graph per token count)."""
+    blocks = list(model.transformer_blocks)
+    # 48 blocks share one code object; a recompile per new token count must not exhaust the cache.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, dynamic=dynamic)
+    return len(blocks)

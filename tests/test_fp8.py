@@ -1,0 +1,210 @@
+"""FP8 linear layers (``ltx_mgpu.denoise.fp8``): fp8 storage of a sharded fp8 checkpoint, and the
+refusals of FP8 compute off FP8 GPUs. FP8 compute's numerics and speed are the GPU's
+(``tests/test_cuda.py``, ``benchmarks/bench_fp8.py``); its layer is checked here on the CPU,
+whose torch also runs ``torch._scaled_mm``.
+
+* the layer: per-row e4m3 quantisation round trips, ``compute="upcast"`` is exactly the
+  loader's upcast, ``compute="fp8"`` is within e4m3's rounding of the float GEMM;
+* loading: the file's e4m3 weights are kept as stored (same bytes, same scales);
+* real gloo ranks: an fp8 file sharded over 2 and 4 ranks (8 blocks, 45 video tokens, a CFG
+  batch with a mask) equals the replicated load that upcasts at load (<= 1e-5, fp32), the
+  all-gathers carry e4m3 (the bytes they deliver, counted, are the float32 file's with every
+  e4m3 weight at 1 byte plus its row scales), and a rank holds ~1/N of the weights;
+* a pool: ``dtype: fp8`` on CPU ranks is refused, naming the fix, before anything loads; a
+  sharded fp8 file on the MODEL path equals the replicated load, ComfyUI LoRA patches merge
+  into the e4m3 shards (quantised per row) and removing them restores the file's weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from sp_harness import build_tiny_model, run_case, run_ranks, tiny_config
+
+from ltx_mgpu.denoise.checkpoint import StateDictLoader, inspect_checkpoint
+from ltx_mgpu.denoise.fp8 import E4M3_MAX, Float8Linear, Fp8Config, fp8_support_error, quantize_rows, swap_linears
+from ltx_mgpu.denoise.model import export_transformer_only, load_ltx_model
+
+REL = 1e-5
+DEEP = {"num_layers": 8}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+def _tiny_files(tmp_path) -> tuple[str, str]:
+    """(float32 transformer-only file, the same exported as ComfyUI scaled fp8) of the 8-block
+    tiny model of ``sp_harness``."""
+    model = build_tiny_model(**DEEP)
+    src = tmp_path / "tiny_f32.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(src),
+              metadata={"config": json.dumps(tiny_config(**DEEP))})
+    dst = export_transformer_only(src, tmp_path / "tiny_fp8.safetensors", prefix="", fp8="scaled")
+    return str(src), str(dst)
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+def test_per_row_quantisation_round_trips_within_e4m3_rounding():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different ranges
+    q, s = quantize_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64,) and s.dtype == torch.float32
+    assert torch.allclose(q.float().abs().amax(1), torch.full((64,), E4M3_MAX))  # each row uses the full range
+    back = q.float() * s[:, None]
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + s[:, None] * 2 ** -9).all()  # 3 mantissa bits; subnormals
+    q2, s2 = quantize_rows(back, s)  # values on the grid with their scale: exact
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+
+
+def test_upcast_is_the_loaders_cast_and_fp8_compute_is_within_e4m3_rounding():
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(256, 320)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(320, 256, generator=g) / 16)
+    model = torch.nn.Sequential(lin)
+    ref_w, bias = lin.weight.detach().clone(), lin.bias.detach().clone()
+    swap_linears(model, Fp8Config("upcast"), ["0"])
+    layer = model[0]
+    assert isinstance(layer, Float8Linear) and layer.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(5, 7, 256, generator=g)
+    # exactly what the loader computes for a replicated model: (q.float() * s).to(dtype), then F.linear
+    w = (layer.weight.float() * layer.weight_scale[:, None]).to(torch.float32)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, w, bias))
+    assert _rel(w, ref_w) < 0.03
+    exact = torch.nn.functional.linear(x, ref_w, bias)
+    for cfg in (Fp8Config("fp8", "row"), Fp8Config("fp8", "row", bias_epilogue=False), Fp8Config("fp8", "tensor")):
+        layer.config = cfg
+        layer.set_weight(ref_w)
+        y = layer(x)
+        assert y.shape == (5, 7, 320) and 0 < _rel(y, exact) < 0.06, cfg
+
+
+def test_choices_are_validated_once_with_the_choices_named():
+    with pytest.raises(ValueError, match="fp8 compute must be one of 'upcast' or 'fp8', got 'int8'"):
+        Fp8Config("int8")
+    with pytest.raises(ValueError, match="fp8 scaling must be one of 'row' or 'tensor'"):
+        Fp8Config("fp8", "block")
+
+
+def test_fp8_compute_is_refused_on_a_cpu_naming_the_fix(tmp_path):
+    msg = fp8_support_error(torch.device("cpu"))
+    assert "FP8 tensor cores" in msg and "choose dtype 'bf16'" in msg
+    _, fp8_file = _tiny_files(tmp_path)
+    with pytest.raises(ValueError, match="choose dtype 'bf16'"):
+        load_ltx_model(fp8_file, "cpu", torch.bfloat16, fp8_compute=True)
+
+
+def test_the_loader_keeps_e4m3_weights_as_stored_with_their_scales(tmp_path):
+    _, fp8_file = _tiny_files(tmp_path)
+    info = inspect_checkpoint(fp8_file)
+    key = "transformer_blocks.3.ff.net.0.proj.weight"
+    assert key in info.e4m3_keys and "transformer_blocks.3.scale_shift_table" not in info.e4m3_keys
+    loader = StateDictLoader(info, torch.float32, {}, keep_e4m3={key}, rows={key: slice(8, 40)})
+    sd = loader.load(fp8_file).sd
+    with safe_open(fp8_file, "pt") as f:
+        stored, scale = f.get_tensor(key), f.get_tensor(key.replace(".weight", ".scale_weight"))
+    assert sd[key].dtype == torch.float8_e4m3fn
+    assert torch.equal(sd[key].view(torch.uint8), stored[8:40].view(torch.uint8))
+    assert torch.equal(loader.scales[key].reshape(()), scale.float().reshape(()))
+    other = "transformer_blocks.3.attn1.to_q.weight"  # not asked for: upcast as before
+    assert sd[other].dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sharded_fp8_file_gathers_e4m3_and_equals_the_replicated_load(tmp_path, world):
+    f32_file, fp8_file = _tiny_files(tmp_path)
+    shape = dict(frames=3, height=3, width=5, audio_tokens=7)
+    cases = [dict(name="fp8_av", **shape, checkpoint=fp8_file, sharded=True),
+             dict(name="fp8_cfg_mask", **shape, batch=2, attention_mask=True, checkpoint=fp8_file, sharded=True),
+             dict(name="f32_av", **shape, checkpoint=f32_file, sharded=True)]
+    reports = run_ranks(world, cases, tmp_path)
+    replicated = load_ltx_model(fp8_file, dtype=torch.float32).transformer  # e4m3 upcast at load
+    for case in cases[:2]:
+        with torch.no_grad():
+            ref_v, ref_a = run_case(replicated, case)
+        for r in range(world):
+            got = load_file(str(tmp_path / f"rank{r}_{case['name']}.safetensors"))
+            assert _rel(got["video"], ref_v) <= REL and _rel(got["audio"], ref_a) <= REL, (case["name"], r)
+    info = inspect_checkpoint(fp8_file)
+    linears = [info.shapes[k] for k in info.e4m3_keys]
+    # what the gathers should carry: the float32 file's bytes, each e4m3 weight at 1 byte instead of 4,
+    # plus its float32 row scales
+    saved = sum(o * i for o, i in linears) * 3 - sum(o for o, _ in linears) * 4
+    for report in reports:
+        fp8, f32 = report["fp8_av"], report["f32_av"]
+        assert fp8["error"] is None and f32["error"] is None
+        expected = f32["gathered_bytes"] - saved
+        assert abs(fp8["gathered_bytes"] - expected) <= 0.02 * expected, (fp8["gathered_bytes"], expected)
+        s = fp8["sharding"]
+        assert s["held_after"] <= s["total_bytes"] / world * 1.05 + 4096, s
+
+
+# --------------------------------------------------------------------------- a pool
+
+
+def _pool(base, ranks: int):
+    from ltx_mgpu.client.pool_client import PoolClient
+
+    return PoolClient.connect(gpus="cpu", nproc=ranks, runtime_dir=base, lifetime="with-owner", startup_timeout=120)
+
+
+@pytest.mark.slow
+def test_a_cpu_pool_refuses_dtype_fp8_and_merges_patches_into_e4m3_shards(base, tiny_ltx_23, tmp_path):
+    from ltx_mgpu.client.denoise import remote_load_transformer
+    from ltx_mgpu.client.errors import PoolError
+    from ltx_mgpu.client.model import PoolModel
+
+    fp8_file = str(export_transformer_only(tiny_ltx_23, tmp_path / "ltx23_fp8.safetensors", fp8="scaled"))
+    pool = _pool(base, 2)
+    try:
+        with pytest.raises(PoolError, match="FP8 tensor cores.*choose dtype 'bf16'"):
+            remote_load_transformer(pool, fp8_file, dtype="fp8", name="f", timeout=180)
+        rep = remote_load_transformer(pool, fp8_file, dtype="fp32", name="rep", timeout=180)
+        sh = remote_load_transformer(pool, fp8_file, dtype="fp32", name="sh", weights="sharded", timeout=180)
+        sh32 = remote_load_transformer(pool, str(tiny_ltx_23), dtype="fp32", name="sh32", weights="sharded",
+                                       timeout=180)
+        assert (rep["fp8"], sh["fp8"], sh32["fp8"]) == (None, "upcast", None)
+        # each rank holds its rows of the e4m3 weights at 1 byte (+ a float32 scale per row) instead of 4
+        linears = [inspect_checkpoint(fp8_file).shapes[k] for k in inspect_checkpoint(fp8_file).e4m3_keys]
+        saved = (sum(o * i for o, i in linears) * 3 - sum(o for o, _ in linears) * 4) / 2
+        assert abs((sh32["bytes"] - sh["bytes"]) - saved) <= 0.05 * saved, (sh32["bytes"], sh["bytes"], saved)
+        g = torch.Generator().manual_seed(3)
+        x = [torch.randn(2, 128, 3, 3, 5, generator=g), torch.randn(2, 8, 7, 16, generator=g)]
+        t = (torch.full((2,), 0.6), torch.full((2,), 0.6))
+        ctx = torch.randn(2, 1024, sum(sh["context_widths"]), generator=g)
+        q = "diffusion_model.transformer_blocks.0.attn1.to_q.weight"
+        width = rep["context_widths"][0]
+        up, down = 0.5 * torch.randn(width, 2, generator=g), torch.randn(2, width, generator=g)
+
+        class Lora:
+            name, weights = "lora", (up, down, None, None, None, None)
+
+        patches = ("p1", {q: [(0.5, Lora(), 1.0, None, None)]})
+        outs = {}
+        for name, res in (("rep", rep), ("sh", sh)):
+            pm = PoolModel(lambda: pool, lambda: None, name=name, key=res["key"])
+            plain = pm.forward(x, t, ctx, frame_rate=24.0)
+            patched = pm.forward(x, t, ctx, frame_rate=24.0, patches=patches)
+            pm.sync_patches("none", {})
+            outs[name] = (plain, patched, pm.forward(x, t, ctx, frame_rate=24.0))
+        for a, b in zip(outs["sh"][0], outs["rep"][0]):
+            assert _rel(a, b) <= REL  # e4m3 upcast after the gather = upcast at load
+        for a, b in zip(outs["sh"][2], outs["sh"][0]):
+            assert torch.equal(a, b)  # the patch removed: the file's e4m3 weights again
+        # the merged weight is re-quantised per row (the replicated load keeps it in float32)
+        assert _rel(outs["sh"][1][0], outs["sh"][0][0]) > 1e-4
+        assert _rel(outs["sh"][1][0], outs["rep"][1][0]) < 0.05
+    finally:
+        pool.shutdown()
