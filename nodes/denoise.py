@@ -135,7 +135,9 @@ class LTXMGPUModelLoader:
                 "ckpt_name": (choices, ckpt),
                 "dtype": (list(DTYPES), {"default": "bf16", "tooltip": (
                     "Compute and weight dtype of the transformer in the pool (bf16 is the model's own; fp32 only "
-                    "for checks on small models).")}),
+                    "for checks on small models). fp8: the blocks' large linears as e4m3 GEMMs on FP8 tensor "
+                    "cores (Ada, Hopper or newer GPUs), the rest bf16: faster, a few percent off bf16's result; "
+                    "the first run at each size compiles for minutes.")}),
                 "loras": ("STRING", {"multiline": True, "default": "", "tooltip": (
                     "LoRAs from models/loras, one per line as file.safetensors:strength (strength 1.0 if "
                     "omitted); fused into the weights at load.")}),

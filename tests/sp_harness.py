@@ -139,9 +139,26 @@ def _inputs_for(case: dict):
     return video, make_perturbations(case.get("perturbations"), case.get("batch", 1))
 
 
+def fp8_compute(model) -> None:
+    """Make the block linears of a tiny model e4m3 GEMM layers (``ltx_mgpu.denoise.fp8``; CPU
+    torch runs ``_scaled_mm``): every one whose sizes are multiples of 16 (the tiny model is below
+    the production minimum size)."""
+    from ltx_mgpu.denoise.fp8 import Fp8Config, fp8_linear_names, swap_linears
+
+    names = [n for n in fp8_linear_names(model, compute=False)
+             if all(d % 16 == 0 for d in model.get_submodule(n).weight.shape)]
+    swap_linears(model, Fp8Config("fp8"), names)
+
+
 def reference(case: dict):
-    """The world-size-1 output of ``case`` (plain ltx-core model)."""
+    """The world-size-1 output of ``case`` (plain ltx-core model; fp8 compute layers, compiled,
+    with ``fp8_compute``)."""
+    from ltx_mgpu.denoise.fp8 import compile_blocks
+
     model = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
+    if case.get("fp8_compute"):
+        fp8_compute(model)
+        compile_blocks(model, dynamic=False)
     with torch.no_grad():
         return run_case(model, case)
 
@@ -155,7 +172,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, cases: list[dict], out_dir: Path) -> list[dict]:
+def run_ranks(world: int, cases: list[dict], out_dir: Path, timeout: float = RANK_TIMEOUT_S) -> list[dict]:
     """Run ``cases`` on ``world`` gloo ranks (one subprocess each); returns each rank's report.
 
     A report maps case name -> {"error": str | None}; outputs are in
@@ -164,7 +181,7 @@ def run_ranks(world: int, cases: list[dict], out_dir: Path) -> list[dict]:
     out_dir = Path(out_dir)
     spec = out_dir / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "port": free_port(), "world": world}))
-    run_rank_processes(__file__, str(spec), world, timeout=RANK_TIMEOUT_S)
+    run_rank_processes(__file__, str(spec), world, timeout=timeout)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -192,6 +209,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from ltx_mgpu.denoise.fp8 import compile_blocks
     from ltx_mgpu.denoise.model import load_ltx_model
     from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
     from ltx_mgpu.denoise.sharding import gathered_blocks, held_bytes, shard_transformer
@@ -206,8 +224,8 @@ def _rank_main(spec_path: str, rank: int) -> None:
     for case in spec["cases"]:
         name = case["name"]
         sharded = case.get("sharded", False)
-        key = json.dumps([case.get("video_only", False), case.get("model", {}), sharded, case.get("checkpoint")],
-                         sort_keys=True)
+        key = json.dumps([case.get("video_only", False), case.get("model", {}), sharded, case.get("checkpoint"),
+                          case.get("fp8_compute", False)], sort_keys=True)
         if key not in models and case.get("checkpoint"):  # a file, loaded as the pool loads it
             total = held_bytes(load_ltx_model(case["checkpoint"], dtype=torch.float32).transformer)
             models[key] = load_ltx_model(case["checkpoint"], dtype=torch.float32, group=dist.group.WORLD,
@@ -218,6 +236,8 @@ def _rank_main(spec_path: str, rank: int) -> None:
             shards[key] = {"total_bytes": total, "held_bytes": held_bytes(models[key]), "gathered": gathered}
         if key not in models:
             models[key] = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
+            if case.get("fp8_compute"):
+                fp8_compute(models[key])
             if sharded:  # FSDP2 over the same ranks (ltx_mgpu.denoise.sharding)
                 total = held_bytes(models[key])
                 shard_transformer(models[key], dist.group.WORLD, torch.device("cpu"))
@@ -226,6 +246,8 @@ def _rank_main(spec_path: str, rank: int) -> None:
                     block.register_forward_pre_hook(
                         lambda _m, _a, m=models[key], g=gathered: g.append(gathered_blocks(m)))
                 shards[key] = {"total_bytes": total, "held_bytes": held_bytes(models[key]), "gathered": gathered}
+            if case.get("fp8_compute"):
+                compile_blocks(models[key], dynamic=False)  # after sharding, as the loader does
         try:
             sp = SequenceParallelTransformer(models[key], None, case.get("max_tokens", 4096),
                                              layout=case.get("layout", "ulysses"),

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from sp_harness import build_tiny_model, run_case, run_ranks, tiny_config
+from sp_harness import build_tiny_model, reference, run_case, run_ranks, tiny_config
 
 from ltx_mgpu.denoise.checkpoint import StateDictLoader, inspect_checkpoint
 from ltx_mgpu.denoise.fp8 import E4M3_MAX, Float8Linear, Fp8Config, fp8_support_error, quantize_rows, swap_linears
@@ -102,6 +102,16 @@ def test_fp8_compute_is_refused_on_a_cpu_naming_the_fix(tmp_path):
         load_ltx_model(fp8_file, "cpu", torch.bfloat16, fp8_compute=True)
 
 
+def test_fp8_compute_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA GeForce RTX 3090")
+    msg = fp8_support_error(torch.device("cuda", 0))
+    assert msg == ("dtype 'fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
+                   "NVIDIA GeForce RTX 3090 is 8.6: choose dtype 'bf16' (or 'fp16')")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
+    assert fp8_support_error(torch.device("cuda", 0)) is None
+
+
 def test_the_loader_keeps_e4m3_weights_as_stored_with_their_scales(tmp_path):
     _, fp8_file = _tiny_files(tmp_path)
     info = inspect_checkpoint(fp8_file)
@@ -149,6 +159,26 @@ def test_a_sharded_fp8_file_gathers_e4m3_and_equals_the_replicated_load(tmp_path
         assert abs(fp8["gathered_bytes"] - expected) <= 0.02 * expected, (fp8["gathered_bytes"], expected)
         s = fp8["sharding"]
         assert s["held_after"] <= s["total_bytes"] / world * 1.05 + 4096, s
+
+
+@pytest.mark.slow
+def test_fp8_compute_under_sequence_parallelism_cfg_parallel_and_sharding_equals_world_size_one(tmp_path):
+    """The compiled e4m3 blocks (per-token activation scales, so a token's quantisation does not
+    depend on how the tokens are split) with the Ulysses exchanges running eagerly between the
+    compiled regions, on 2 gloo ranks: Ulysses, CFG-parallel and FSDP2-sharded weights equal the
+    compiled fp8 model at world size 1."""
+    shape = dict(frames=3, height=3, width=5, audio_tokens=7, batch=2, fp8_compute=True)
+    cases = [dict(name="fp8_sharded_ulysses", **shape, layout="ulysses", sharded=True),
+             dict(name="fp8_cfg", **shape, layout="cfg_ulysses")]
+    reports = run_ranks(2, cases, tmp_path, timeout=600)
+    ref_v, ref_a = reference(cases[0])
+    for case in cases:
+        for r, report in enumerate(reports):
+            assert report[case["name"]]["error"] is None, report[case["name"]]["error"]
+            got = load_file(str(tmp_path / f"rank{r}_{case['name']}.safetensors"))
+            assert _rel(got["video"], ref_v) <= 1e-4 and _rel(got["audio"], ref_a) <= 1e-4, \
+                (case["name"], r, _rel(got["video"], ref_v), _rel(got["audio"], ref_a))
+    assert reports[0]["fp8_cfg"]["cfg_parallel"] and not reports[0]["fp8_sharded_ulysses"]["cfg_parallel"]
 
 
 # --------------------------------------------------------------------------- a pool

@@ -142,7 +142,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
                    help="where Gemma runs in the pool (default single: rank 0)")
     p.add_argument("--dtype", choices=TRANSFORMER_DTYPES, default=None,
-                   help="transformer dtype (default bf16 on GPUs, fp32 on CPU ranks)")
+                   help="transformer dtype (default bf16 on GPUs, fp32 on CPU ranks; fp8: e4m3 GEMMs on Ada / Hopper "
+                        "GPUs, the rest bf16, the first call at each size compiles)")
     p.add_argument("--transformer-weights", choices=TRANSFORMER_WEIGHTS, default=d.transformer_weights,
                    help="replicated: a whole transformer on every GPU (default); sharded: each GPU holds 1/N of "
                         "every weight (FSDP), for GPUs too small for a whole copy")
