@@ -211,6 +211,7 @@ def main(argv=None) -> int:
         else:
             cfg, compile_on = VARIANTS[name]
             set_fp8(model, originals, cfg)
+            res["fp8_linears"] = sum(isinstance(m, Float8Linear) for m in model.modules())
         if compile_on:
             compile_blocks(model, dynamic=False if a.static else None)
         try:
@@ -257,8 +258,6 @@ def main(argv=None) -> int:
                          "rel_error_video": rel(got[0], ref[0]), "rel_error_audio": rel(got[1], ref[1])}
         print(f"sample {a.sample_shape}, {a.sample_steps} steps: fp8-row vs bf16 relative error video "
               f"{res['sample']['rel_error_video']:.4f} audio {res['sample']['rel_error_audio']:.4f}", flush=True)
-    n = sum(isinstance(m, Float8Linear) for m in model.modules())
-    res["fp8_linears"] = n
     if a.out:
         write_json(a.out, res)
     return 0

@@ -433,3 +433,22 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
             assert _rel(a, b) <= 1e-2, (weights, _rel(a, b))
         assert _rel(patched[0], plain[0]) > 1e-3
         assert all(torch.equal(a, b) for a, b in zip(restored, plain))
+
+
+def test_fp8_is_refused_where_torch_cannot_run_the_rowwise_fp8_gemm(monkeypatch):
+    """The load-time probe: a GPU whose cuBLAS / CUTLASS lacks the rowwise-scaled e4m3 GEMM is
+    refused before loading, naming the fix; this GPU passes it."""
+    from ltx_mgpu.denoise.fp8 import fp8_support_error
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        pytest.skip("this GPU has no FP8 tensor cores (the capability check refuses it first)")
+    assert fp8_support_error(device) is None
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+
+    monkeypatch.setattr(torch, "_scaled_mm", unsupported)
+    msg = fp8_support_error(device)
+    assert "cannot run the rowwise-scaled FP8 GEMM" in msg and "CUBLAS_STATUS_NOT_SUPPORTED" in msg
+    assert msg.endswith("choose dtype 'bf16'")

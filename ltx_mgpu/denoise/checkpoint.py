@@ -477,6 +477,10 @@ class StateDictLoader:
         if t.dtype in _FP8 and stem is not None:
             sk = next((s for s in (f"{stem}.weight_scale", f"{stem}.scale_weight") if s in names), None)
             scale = f.get_tensor(sk).to(device=device, dtype=torch.float32) if sk else None
+            whole = f.get_slice(key).get_shape()[0] if t.ndim else 1
+            if scale is not None and scale.numel() not in (1, whole):
+                raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor "
+                                      "per-row scaling; use a bf16 file or one with per-tensor or per-row scales")
             if scale is not None and rows is not None and scale.numel() > 1:
                 scale = scale.reshape(-1)[rows]
         if t.dtype == torch.float8_e4m3fn and not deltas and new in self.keep_e4m3:

@@ -35,15 +35,16 @@ round-to-nearest-even; ``s = amax / 448``.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 import torch.nn.functional as F
 
 from ltx_mgpu.choices import check_choice
-from ltx_mgpu.denoise.sharding import local_tensor
+from ltx_mgpu.denoise.sharding import local_rows, local_tensor
 
 __all__ = ["E4M3_MAX", "FP8_COMPUTES", "FP8_SCALINGS", "MIN_FEATURES", "Float8Linear", "Fp8Config", "compile_blocks",
-           "fp8_linear_names", "fp8_shape", "fp8_support_error", "quantize_rows", "swap_linears"]
+           "fp8_linear_names", "fp8_shape", "fp8_support_error", "rounding_noise", "quantize_rows", "swap_linears"]
 
 #: The largest finite e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``).
 E4M3_MAX = 448.0
@@ -55,6 +56,8 @@ FP8_COMPUTES = ("upcast", "fp8")
 FP8_SCALINGS = ("row", "tensor")
 #: Smallest in / out size of a swapped linear: smaller GEMMs gain nothing from FP8.
 MIN_FEATURES = 256
+#: Compiled graphs Dynamo keeps per code object under :func:`compile_blocks` (its default is 8).
+_RECOMPILE_LIMIT = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,30 +84,64 @@ class Fp8Config:
 
 def fp8_support_error(device: torch.device) -> str | None:
     """None when ``device`` has FP8 tensor cores (CUDA compute capability 8.9: Ada, or newer:
-    Hopper, Blackwell), else the message naming the fix."""
+    Hopper, Blackwell) and this torch runs the layers' GEMM there (tried once, on a tiny input),
+    else the message naming the fix."""
     device = torch.device(device)
     if device.type != "cuda":
         return (f"dtype 'fp8' computes on FP8 tensor cores (an NVIDIA Ada, Hopper or newer GPU); this pool runs on "
                 f"{device.type.upper()}: choose dtype 'bf16' (an fp8 checkpoint is then upcast to bf16)")
     cap = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
     if cap < (8, 9):
-        name = torch.cuda.get_device_name(device)
         return (f"dtype 'fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
                 f"{name} is {cap[0]}.{cap[1]}: choose dtype 'bf16' (or 'fp16')")
+    try:  # the GEMM the layers run (rowwise scales, bias), tiny: cuBLAS / CUTLASS lack it on some GPUs
+        a = torch.ones(32, 64, device=device).to(torch.float8_e4m3fn)
+        b = torch.ones(32, 64, device=device).to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, b.t(), scale_a=torch.ones(32, 1, device=device), scale_b=torch.ones(1, 32, device=device),
+                         bias=torch.zeros(32, device=device, dtype=torch.bfloat16), out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
+    except RuntimeError as e:
+        return (f"dtype 'fp8': this torch {torch.__version__} cannot run the rowwise-scaled FP8 GEMM on {name} "
+                f"({str(e).splitlines()[0][:200]}): choose dtype 'bf16'")
     return None
 
 
-def quantize_rows(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(weight: torch.Tensor, scale: torch.Tensor | None = None,
+                  noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, s)``: ``weight`` ``[out, in]`` (any float dtype) as e4m3 ``q`` ``[out, in]`` and float32
     ``s`` ``[out]`` with ``weight ~= q * s[:, None]``: ``s = max|row| / 448`` per row, or ``scale``
     when given (``[out]`` or one value, broadcast: a stored fp8 file's scale, or one scale for
-    the tensor)."""
+    the tensor). Rounds to nearest; with ``noise`` (uniform [0, 1), ``weight``'s shape)
+    stochastically: each value becomes one of its two e4m3 neighbours with the probability that
+    makes the expected value exact (as ComfyUI rounds merged LoRA weights to fp8), so a small
+    LoRA delta survives on average instead of being rounded away."""
     w = weight.float()
     if scale is None:
         scale = w.abs().amax(dim=1).clamp_min(_TINY) / E4M3_MAX
     scale = scale.to(device=w.device, dtype=torch.float32).reshape(-1).expand(w.shape[0]).contiguous()
-    q = (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    x = (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    q = x.to(torch.float8_e4m3fn)
+    if noise is None:
+        return q, scale
+    bits = q.view(torch.uint8).to(torch.int16)
+    near = q.float()
+    # the other neighbour: one step of magnitude toward x (e4m3fn magnitudes are ordered by their
+    # 7 low bits; 0x7E is 448, 0x7F NaN), with x's sign (RTN may have given a signed zero)
+    mag = (bits & 0x7F) + torch.where(x.abs() > near.abs(), 1, -1)
+    other_bits = (mag.clamp(0, 0x7E) | torch.where(x < 0, 0x80, 0)).to(torch.uint8)
+    other = other_bits.view(torch.float8_e4m3fn).float()
+    p = ((x - near).abs() / (other - near).abs().clamp_min(_TINY)).nan_to_num_(0.0)
+    pick = noise.to(device=x.device, dtype=torch.float32) < p
+    return torch.where(pick, other_bits, q.view(torch.uint8)).view(torch.float8_e4m3fn), scale
+
+
+def rounding_noise(key: str, shape, device) -> torch.Tensor:
+    """The uniform noise :func:`quantize_rows` rounds the weight ``key`` of the whole ``shape``
+    with: seeded by the key alone, so every rank, world size and reload draws the same values
+    (a shard takes its rows)."""
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
+    return torch.rand(tuple(shape), generator=gen, device=device)
 
 
 class Float8Linear(torch.nn.Module):
@@ -133,19 +170,38 @@ class Float8Linear(torch.nn.Module):
                 f"compute={c.compute}" + (f", scaling={c.scaling}" if c.compute == "fp8" else ""))
 
     @torch.no_grad()
-    def set_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def set_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None, *,
+                   stochastic_key: str | None = None) -> None:
         """Hold ``weight`` (this rank's rows of it, when the weight is sharded: ``[rows, in]``):
         an e4m3 tensor is kept as is with its ``scale`` (``[rows]`` or one value; None: 1), a float
-        one is quantised (:func:`quantize_rows`; one scale for the tensor under ``scaling="tensor"``
-        with ``compute="fp8"``, else per row)."""
+        one is quantised per row (:func:`quantize_rows`; rounded stochastically with the noise of
+        ``stochastic_key``, :func:`rounding_noise`, when given: merged LoRA weights).
+
+        Under ``compute="fp8", scaling="tensor"`` the weight gets one scale (requantised from a
+        per-row one); that needs the whole weight (not a shard).
+
+        Raises:
+            ValueError: per-tensor scaling of a sharded weight.
+        """
         target = local_tensor(self.weight)
+        rows = local_rows(self.weight)
+        tensorwise = self.config.compute == "fp8" and self.config.scaling == "tensor"
+        if tensorwise and rows is not None:
+            raise ValueError("per-tensor fp8 scaling needs whole weights; shard with scaling 'row'")
         if weight.dtype == torch.float8_e4m3fn:
             scale = torch.ones(1) if scale is None else scale
-            q, s = weight, scale.to(device=target.device, dtype=torch.float32).reshape(-1).expand(weight.shape[0])
-        else:
-            tensorwise = self.config.compute == "fp8" and self.config.scaling == "tensor"
-            q, s = quantize_rows(weight, weight.float().abs().amax().clamp_min(_TINY) / E4M3_MAX
-                                 if tensorwise else None)
+            s = scale.to(device=target.device, dtype=torch.float32).reshape(-1).expand(weight.shape[0])
+            if not tensorwise or bool((s == s[:1]).all()):
+                target.copy_(weight)
+                local_tensor(self.weight_scale).copy_(s)
+                return
+            weight = weight.float() * s[:, None]
+        noise = None
+        if stochastic_key is not None:
+            noise = rounding_noise(stochastic_key, self.weight.shape, target.device)
+            noise = noise if rows is None else noise[rows]
+        one = weight.float().abs().amax().clamp_min(_TINY) / E4M3_MAX if tensorwise and weight.numel() else None
+        q, s = quantize_rows(weight, one, noise)
         target.copy_(q)
         local_tensor(self.weight_scale).copy_(s)
 
@@ -161,12 +217,15 @@ class Float8Linear(torch.nn.Module):
             return F.linear(x, w, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] == 0:  # no tokens: the FP8 GEMMs refuse empty operands
+            return x.new_zeros(*shape[:-1], self.out_features)
         if c.scaling == "row":
             x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp_min(_TINY) / E4M3_MAX
             w_scale = self.weight_scale[None, :]
         else:
             x_scale = x2.abs().amax().float().clamp_min(_TINY) / E4M3_MAX
-            w_scale = self.weight_scale.amax()  # every row holds the one scale
+            # set_weight gave every row the one scale; a reduction, as inductor lowers it (a 0-d view it did not)
+            w_scale = self.weight_scale.amax()
         xq = (x2.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         bias = self.bias if c.bias_epilogue else None
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=x.dtype,
@@ -224,8 +283,12 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool | None = None) -> int:
     the graph (``torch.compiler.disable``). ``dynamic``: ``torch.compile``'s (None: a second token
     count recompiles with symbolic shapes; False: one compiled graph per token count)."""
     blocks = list(model.transformer_blocks)
-    # 48 blocks share one code object; a recompile per new token count must not exhaust the cache.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    # One graph per token count, layout and batch, for each code object the attention wrappers'
+    # graph breaks make (``Attention.forward`` and its resume functions): a pool that meets many
+    # sizes must not reach the limits, past which Dynamo would run the blocks eagerly.
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, _RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * _RECOMPILE_LIMIT)
     for block in blocks:
         block.forward = torch.compile(block.forward, dynamic=dynamic)
     return len(blocks)

@@ -198,8 +198,9 @@ def load_ltx_model(
         than bf16 (the message names the fix).
     """
     device = torch.device(device)
-    if fp8_compute and (err := fp8_support_error(device) or (None if dtype == torch.bfloat16 else
-                                                             f"fp8 compute keeps bf16 for the rest, not {dtype}")):
+    if fp8_compute and (err := fp8_support_error(device) or (
+            None if dtype == torch.bfloat16 else f"fp8 compute runs everything but the e4m3 GEMMs in bf16, not "
+            f"{dtype}: pass dtype=torch.bfloat16 with fp8_compute=True")):
         raise ValueError(err)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive token count, got {max_tokens}")
@@ -254,8 +255,8 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
     stored, nothing else is read or materialised."""
     transformer = builder.meta_model(info.config, ()).to(loader.dtype)  # every weight in the compute dtype
     fp8_names = []
+    file_keys = {transformer_key(info, k): k for k in info.shapes}
     if fp8 is not None:
-        file_keys = {transformer_key(info, k): k for k in info.shapes}
         fp8_names = [n for n in fp8_linear_names(transformer, compute=fp8 == "fp8")
                      if fp8 == "fp8" or file_keys.get(n + ".weight") in info.e4m3_keys]
         swap_linears(transformer, Fp8Config(fp8), fp8_names)
@@ -265,17 +266,42 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
     params = dict(transformer.named_parameters())
     loader.rows = {name: r for name, p in params.items() if (r := local_rows(p)) is not None}
     loader.keep_e4m3 = {n + ".weight" for n in fp8_names}
-    sd = loader.load(info.path, sd_ops, device).sd
-    loader.rows, loader.keep_e4m3 = {}, frozenset()
+    layers = set(fp8_names)
+    loaded: list[str] = []
+    # one block at a time: the device holds the model plus one block as read, never a second model
+    groups: dict[str, list[str]] = {}
+    for name in params:
+        head = ".".join(name.split(".")[:2]) if name.startswith("transformer_blocks.") else ""
+        groups.setdefault(head, []).append(name)
     with torch.no_grad():
-        for name in fp8_names:
-            key = name + ".weight"
-            transformer.get_submodule(name).set_weight(sd.pop(key), loader.scales.pop(key, None))
-            params.pop(key)
-        for name, p in params.items():
-            if name in sd:
-                local_tensor(p).copy_(sd.pop(name))
+        for names in groups.values():
+            sd = loader.load(info.path, _Only(sd_ops, info.prefix, set(names)), device).sd
+            loaded += loader.loaded_keys
+            for name in names:
+                if name not in sd:  # a missing weight: reported with the others below
+                    continue
+                layer = name[: -len(".weight")] if name.endswith(".weight") else None
+                if layer in layers:
+                    fused = file_keys.get(name) in loader.loras  # merged with a LoRA: round stochastically
+                    transformer.get_submodule(layer).set_weight(sd.pop(name), loader.scales.pop(name, None),
+                                                                stochastic_key=name if fused else None)
+                else:
+                    local_tensor(params[name]).copy_(sd.pop(name))
+            del sd
+    loader.rows, loader.keep_e4m3, loader.loaded_keys = {}, frozenset(), loaded
     return transformer
+
+
+class _Only:
+    """An ``sd_ops`` for :class:`StateDictLoader`: ``ops``' renaming (None: the key less
+    ``prefix``), keeping only the renamed keys in ``names``."""
+
+    def __init__(self, ops, prefix: str, names: set[str]):
+        self.ops, self.prefix, self.names = ops, prefix, names
+
+    def apply_to_key(self, key: str) -> str | None:
+        new = self.ops.apply_to_key(key) if self.ops is not None else key[len(self.prefix):]
+        return new if new in self.names else None
 
 
 def transformer_key(info: CheckpointInfo, key: str) -> str | None:

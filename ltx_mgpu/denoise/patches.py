@@ -23,8 +23,9 @@ Differences from ComfyUI, said once: for an fp8 checkpoint ComfyUI re-quantises 
 weight to fp8 (stochastic rounding); here the weights are kept in the model's compute dtype
 (fp8 is upcast at load), so the merged weight is not rounded to fp8 — except in the layers
 :mod:`ltx_mgpu.denoise.fp8` holds as e4m3 (``dtype: fp8``, or a sharded fp8 file): there the
-merged float32 weight is quantised per row (round to nearest), and an unpatched one goes back
-to the file's e4m3 values.
+merged float32 weight is quantised per row with stochastic rounding (as ComfyUI's; the noise
+seeded by the key, ``ltx_mgpu.denoise.fp8.rounding_noise``), and an unpatched one goes back to
+the file's e4m3 values.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def apply_patches(model, patches: Mapping[str, Sequence[WeightPatch]], previous:
                 if todo:  # merged in float32, then quantised per row
                     if original.dtype == torch.float8_e4m3fn:
                         original = original.float() * (1.0 if scale is None else scale.reshape(-1, 1))
-                    layers[key].set_weight(merge(original.float(), todo, rows.get(key)))
+                    layers[key].set_weight(merge(original.float(), todo, rows.get(key)), stochastic_key=key)
                 else:
                     layers[key].set_weight(original, scale)
         del originals
