@@ -29,7 +29,12 @@ dtype.
 
 Formats: e4m3 (OCP 8-bit floating point specification, ``E4M3``: max normal 448, PyTorch's
 ``torch.float8_e4m3fn``). A quantised value is ``clamp(x / s, -448, 448)`` cast with
-round-to-nearest-even; ``s = amax / 448``.
+round-to-nearest-even, ``s = amax / 448``; a weight merged with a LoRA is rounded
+stochastically instead (:func:`quantize_rows`), as ComfyUI rounds its fp8 merges.
+
+Compiling (:func:`compile_blocks`, FP8 compute): the first call at each token count compiles
+the blocks before it runs, and a Stop is seen only after that call; later calls at the size
+run compiled.
 """
 
 from __future__ import annotations
