@@ -46,7 +46,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sp import add_model_arguments, build_model, make_inputs, modalities, transformer_config  # noqa: E402
+from benchmarks.bench_sp import (  # noqa: E402
+    ATTENTION_KERNELS,
+    add_model_arguments,
+    build_model,
+    make_inputs,
+    modalities,
+    profiled_self_times,
+    transformer_config,
+)
 from benchmarks.timing import time_ms, warm_gpu, write_json  # noqa: E402
 from ltx_mgpu.denoise.fp8 import Float8Linear, Fp8Config, compile_blocks, fp8_support_error, swap_linears  # noqa: E402
 
@@ -124,13 +132,11 @@ def gemm_table(device, dtype) -> list[dict]:
 
 def kernel_breakdown(fn, device) -> dict:
     """Milliseconds of GPU kernel time of one call of ``fn`` by kind: GEMMs, attention, the rest."""
-    from benchmarks.bench_sp import profiled_self_times
-
     out = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     top = []
     for k, t in profiled_self_times(fn, device):
         low = k.lower()
-        kind = ("attention" if any(x in low for x in ("flash", "fmha", "attention", "cudnn")) else
+        kind = ("attention" if any(x in low for x in ATTENTION_KERNELS) else
                 "gemm" if any(x in low for x in ("gemm", "cutlass", "sm90", "nvjet", "scaled_mm", "xmma")) else "other")
         out[kind] += t / 1e3
         top.append((round(t / 1e3, 2), k[:90]))

@@ -55,7 +55,7 @@ from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, inspect_checkpoint  # noqa: E402
-from ltx_mgpu.denoise.fp8 import fp8_shape  # noqa: E402
+from ltx_mgpu.denoise.fp8 import fp8_weight  # noqa: E402
 from ltx_mgpu.denoise.sharding import HEADROOM, weight_plan  # noqa: E402
 
 #: Dense bf16 tensor-core rates (FP32 accumulate), TFLOP/s, memory, GiB, and memory bandwidth, GB/s.
@@ -129,11 +129,11 @@ def on_paper(results: dict, plans: dict, link_share: float, a, upcast_s: float |
 
 def plans_of(shapes: dict) -> dict:
     """The bf16 and the sharded-fp8-file :class:`WeightPlan` of a checkpoint's DiT ``shapes``
-    (every block linear stored e4m3 in the latter, ``ltx_mgpu.denoise.fp8.fp8_shape``)."""
-    def linear(key: str) -> bool:
-        return key.startswith("transformer_blocks.") and key.endswith(".weight") and fp8_shape(shapes[key], False)
+    (every block linear stored e4m3 in the latter, ``ltx_mgpu.denoise.fp8.fp8_weight``)."""
+    def e4m3(key: str) -> bool:
+        return fp8_weight(key, shapes[key], compute=False)
 
-    return {"bf16": weight_plan(shapes, 2, 1, CONNECTORS), "fp8": weight_plan(shapes, 2, 1, CONNECTORS, linear)}
+    return {"bf16": weight_plan(shapes, 2, 1, CONNECTORS), "fp8": weight_plan(shapes, 2, 1, CONNECTORS, e4m3)}
 
 
 def print_on_paper(rows: list[dict]) -> None:

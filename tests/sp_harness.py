@@ -185,6 +185,17 @@ def run_ranks(world: int, cases: list[dict], out_dir: Path, timeout: float = RAN
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def _watch_shards(model, total: int) -> dict:
+    """``{"total_bytes", "held_bytes", "gathered"}`` of a sharded ``model``: ``gathered`` fills
+    with how many blocks are whole as each block starts (``ltx_mgpu.denoise.sharding``)."""
+    from ltx_mgpu.denoise.sharding import gathered_blocks, held_bytes
+
+    gathered: list[int] = []
+    for block in model.transformer_blocks:
+        block.register_forward_pre_hook(lambda _m, _a, g=gathered: g.append(gathered_blocks(model)))
+    return {"total_bytes": total, "held_bytes": held_bytes(model), "gathered": gathered}
+
+
 @contextlib.contextmanager
 def _counting_gathers():
     """Count the bytes FSDP2's all-gathers deliver to this rank while the block runs (its
@@ -212,7 +223,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
     from ltx_mgpu.denoise.fp8 import compile_blocks
     from ltx_mgpu.denoise.model import load_ltx_model
     from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
-    from ltx_mgpu.denoise.sharding import gathered_blocks, held_bytes, shard_transformer
+    from ltx_mgpu.denoise.sharding import held_bytes, shard_transformer
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -230,10 +241,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
             total = held_bytes(load_ltx_model(case["checkpoint"], dtype=torch.float32).transformer)
             models[key] = load_ltx_model(case["checkpoint"], dtype=torch.float32, group=dist.group.WORLD,
                                          weights="sharded" if sharded else "replicated").transformer
-            gathered = []
-            for block in models[key].transformer_blocks:
-                block.register_forward_pre_hook(lambda _m, _a, m=models[key], g=gathered: g.append(gathered_blocks(m)))
-            shards[key] = {"total_bytes": total, "held_bytes": held_bytes(models[key]), "gathered": gathered}
+            shards[key] = _watch_shards(models[key], total)
         if key not in models:
             models[key] = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
             if case.get("fp8_compute"):
@@ -241,11 +249,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
             if sharded:  # FSDP2 over the same ranks (ltx_mgpu.denoise.sharding)
                 total = held_bytes(models[key])
                 shard_transformer(models[key], dist.group.WORLD, torch.device("cpu"))
-                gathered = []
-                for block in models[key].transformer_blocks:
-                    block.register_forward_pre_hook(
-                        lambda _m, _a, m=models[key], g=gathered: g.append(gathered_blocks(m)))
-                shards[key] = {"total_bytes": total, "held_bytes": held_bytes(models[key]), "gathered": gathered}
+                shards[key] = _watch_shards(models[key], total)
             if case.get("fp8_compute"):
                 compile_blocks(models[key], dynamic=False)  # after sharding, as the loader does
         try:

@@ -49,7 +49,7 @@ from ltx_mgpu.choices import check_choice
 from ltx_mgpu.denoise.sharding import local_rows, local_tensor
 
 __all__ = ["E4M3_MAX", "FP8_COMPUTES", "FP8_SCALINGS", "MIN_FEATURES", "Float8Linear", "Fp8Config", "compile_blocks",
-           "fp8_linear_names", "fp8_shape", "fp8_support_error", "rounding_noise", "quantize_rows", "swap_linears"]
+           "fp8_linear_names", "fp8_support_error", "fp8_weight", "rounding_noise", "quantize_rows", "swap_linears"]
 
 #: The largest finite e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``).
 E4M3_MAX = 448.0
@@ -210,11 +210,6 @@ class Float8Linear(torch.nn.Module):
         target.copy_(q)
         local_tensor(self.weight_scale).copy_(s)
 
-    def dequantized(self) -> torch.Tensor:
-        """The whole weight, float32 ``[out, in]`` (``weight * weight_scale[:, None]``; the weight
-        must be whole here: not sharded, or inside a forward)."""
-        return self.weight.float() * self.weight_scale[:, None]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.compute == "upcast":
@@ -240,20 +235,21 @@ class Float8Linear(torch.nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def fp8_shape(shape, compute: bool = True) -> bool:
-    """Whether a block linear's weight of ``shape`` ``[out, in]`` is made fp8: for FP8 compute
-    both sizes multiples of 16 and at least :data:`MIN_FEATURES` (module doc); for fp8 storage
-    (``compute=False``) any 2-D weight."""
-    if len(shape) != 2:
+def fp8_weight(key: str, shape, compute: bool = True) -> bool:
+    """Whether the weight ``key`` (a transformer parameter or prefix-less checkpoint key) of
+    ``shape`` is a block linear's that is made fp8: inside ``transformer_blocks``, 2-D, and for
+    FP8 compute both sizes multiples of 16 and at least :data:`MIN_FEATURES` (module doc); for fp8
+    storage (``compute=False``) any size."""
+    if not (key.startswith("transformer_blocks.") and key.endswith(".weight") and len(shape) == 2):
         return False
     return not compute or (min(shape) >= MIN_FEATURES and shape[0] % 16 == 0 and shape[1] % 16 == 0)
 
 
 def fp8_linear_names(model: torch.nn.Module, compute: bool = True) -> list[str]:
     """The names (in ``model.named_modules()``) of the ``nn.Linear`` layers inside
-    ``model.transformer_blocks`` that :func:`swap_linears` replaces (:func:`fp8_shape`)."""
-    return [name for name, m in model.named_modules() if name.startswith("transformer_blocks.")
-            and type(m) is torch.nn.Linear and fp8_shape(m.weight.shape, compute)]
+    ``model.transformer_blocks`` that :func:`swap_linears` replaces (:func:`fp8_weight`)."""
+    return [name for name, m in model.named_modules()
+            if type(m) is torch.nn.Linear and fp8_weight(name + ".weight", m.weight.shape, compute)]
 
 
 def swap_linears(model: torch.nn.Module, config: Fp8Config, names: list[str] | None = None) -> list[str]:

@@ -48,7 +48,7 @@ from ltx_mgpu.denoise.checkpoint import (
     check_loras,
     inspect_checkpoint,
 )
-from ltx_mgpu.denoise.fp8 import fp8_shape, fp8_support_error
+from ltx_mgpu.denoise.fp8 import fp8_support_error, fp8_weight
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
 from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
@@ -213,12 +213,9 @@ def _weight_plan(info, dtype_name: str, weights: str, world: int):
     """The :class:`~ltx_mgpu.denoise.sharding.WeightPlan` of loading ``info`` so: the block
     linears at one byte when they are held as e4m3 (``dtype`` fp8: all of them; a sharded fp8
     file: those it stores so; ``ltx_mgpu.denoise.model.load_ltx_model``)."""
-    def linear(key: str, compute: bool) -> bool:
-        return key.startswith("transformer_blocks.") and key.endswith(".weight") and fp8_shape(info.shapes[key],
-                                                                                               compute)
-
-    fp8 = ((lambda k: linear(k, True)) if dtype_name == "fp8" else
-           (lambda k: k in info.e4m3_keys and linear(k, False)) if weights == "sharded" and info.e4m3_keys else None)
+    fp8 = ((lambda k: fp8_weight(k, info.shapes[k])) if dtype_name == "fp8" else
+           (lambda k: k in info.e4m3_keys and fp8_weight(k, info.shapes[k], compute=False))
+           if weights == "sharded" and info.e4m3_keys else None)
     return weight_plan(info.shapes, DTYPES[dtype_name].itemsize, world, CONNECTORS, fp8)
 
 
