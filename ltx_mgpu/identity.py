@@ -20,7 +20,7 @@ from typing import Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from ltx_mgpu.files import check_directory_setting
+from ltx_mgpu import settings
 
 _CHUNK = 16 * 1024 * 1024
 _LOCK = threading.Lock()
@@ -40,9 +40,9 @@ def home_dir() -> Path:
     Raises:
         ValueError: ``$LTX_MGPU_HOME`` names a file (or a path under one).
     """
-    env = os.environ.get("LTX_MGPU_HOME")
-    if env:
-        return check_directory_setting(env, "$LTX_MGPU_HOME")
+    home = settings.HOME.get()
+    if home is not None:
+        return home
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ltx_mgpu"
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
+from ltx_mgpu import settings
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 
 __all__ = [
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 #: Without ComfyUI: the directory holding one sub-directory per folder name (like ComfyUI's ``models/``).
-MODELS_DIR_ENV = "LTX_MGPU_MODELS_DIR"
+MODELS_DIR_ENV = settings.MODELS_DIR.name
 #: File extensions the fallback pickers list (the safetensors ones of ComfyUI's
 #: ``supported_pt_extensions``; the pool reads nothing else, and never unpickles).
 MODEL_EXTENSIONS = (".safetensors", ".sft")
@@ -246,8 +247,8 @@ def to_comfy_latent(latent: dict) -> dict:
 
 
 def _fallback_roots(folder: str) -> list[Path]:
-    base = os.environ.get(MODELS_DIR_ENV)
-    return [Path(base).expanduser() / folder] if base else []
+    base = settings.MODELS_DIR.get()
+    return [base / folder] if base is not None else []
 
 
 def _roots(folder: str) -> list[Path]:

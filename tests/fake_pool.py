@@ -37,8 +37,8 @@ import psutil
 
 import ltx_mgpu
 from ltx_mgpu import wire
-from ltx_mgpu.pool import runtime
 from ltx_mgpu.pool.server import Server
+from ltx_mgpu.wire import rendezvous
 
 BEHAVIOURS = ("serve", "fatal", "die", "hang")
 BEHAVIOUR_FILE = "fake_behaviour"
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [{"rank": 0, "pid": me.pid, "create_time": me.create_time()}]
     for r, c in enumerate(children, start=1):
         ranks.append({"rank": r, "pid": c.pid, "create_time": psutil.Process(c.pid).create_time()})
-        runtime.write_private(d / f"rank{r}.json", json.dumps(ranks[-1]).encode())
-    info = runtime.PoolInfo.read(d)
+        rendezvous.write_private(d / f"rank{r}.json", json.dumps(ranks[-1]).encode())
+    info = rendezvous.PoolInfo.read(d)
 
     def describe() -> dict:
         return {"version": ltx_mgpu.__version__, "protocol": wire.PROTOCOL_VERSION, "world_size": args.ranks,
@@ -74,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     def end(code: int) -> None:
         for c in children:
             c.kill()
-        runtime.remove_pool_files(d, info.instance if info else None)
+        rendezvous.remove_pool_files(d, info.instance if info else None)
         os._exit(code)
 
-    server = Server(d / runtime.SOCKET_NAME, runtime.read_token(d), describe, lambda: ranks)
+    server = Server(d / rendezvous.SOCKET_NAME, rendezvous.read_token(d), describe, lambda: ranks)
     server.start()
     if args.owner_pid:
         def watch_owner() -> None:
-            while runtime.same_process(args.owner_pid, args.owner_create_time):
+            while rendezvous.same_process(args.owner_pid, args.owner_create_time):
                 time.sleep(0.2)
             server.close(flush_timeout=0.5)
             end(0)

@@ -16,7 +16,7 @@ import torch
 
 from ltx_mgpu import wire
 from ltx_mgpu.client import launch
-from ltx_mgpu.pool import runtime
+from ltx_mgpu.wire import rendezvous
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -35,7 +35,7 @@ def pool_pids(client) -> list[tuple[int, float | None]]:
 
 def running(pids: list[tuple[int, float | None]]) -> list[int]:
     """The pids (of those processes) still running; a zombie counts as gone."""
-    return [pid for pid, ct in pids if runtime.same_process(pid, ct)]
+    return [pid for pid, ct in pids if rendezvous.same_process(pid, ct)]
 
 
 def wait_all_gone(pids, timeout: float = 30.0) -> list[int]:
@@ -50,9 +50,9 @@ def cleanup(base: Path) -> None:
     for d in base.glob("*/"):
         with contextlib.suppress(Exception):
             launch.stop(d, timeout=10.0)
-        for rec in runtime.rank_records(d):  # ranks of a pool whose torchrun already died
+        for rec in rendezvous.rank_records(d):  # ranks of a pool whose torchrun already died
             with contextlib.suppress(psutil.Error):
-                if runtime.same_process(rec["pid"], rec["create_time"]):
+                if rendezvous.same_process(rec["pid"], rec["create_time"]):
                     psutil.Process(rec["pid"]).kill()
     shutil.rmtree(base, ignore_errors=True)
 
@@ -62,7 +62,7 @@ def raw_connect(dir: Path, timeout: float = 10.0) -> socket.socket:
 
 
 def raw_hello(sock: socket.socket, dir: Path) -> dict:
-    return launch.hello(sock, runtime.read_token(dir))
+    return launch.hello(sock, rendezvous.read_token(dir))
 
 
 def read_answer(sock: socket.socket, timeout: float = 10.0):

@@ -20,7 +20,7 @@ from pool_support import cleanup, short_dir
 from ltx_mgpu.client import jobs, launch
 from ltx_mgpu.client.errors import JobCancelledError, PoolFatalError
 from ltx_mgpu.client.pool_client import PoolClient
-from ltx_mgpu.pool import runtime
+from ltx_mgpu.wire import rendezvous
 
 FAKE = Path(__file__).with_name("fake_pool.py")
 
@@ -40,7 +40,7 @@ def rt(monkeypatch):
     monkeypatch.setattr(launch, "torchrun_command", fake_command)
     base = short_dir()
     yield base
-    for info in [runtime.PoolInfo.read(d) for d in base.iterdir() if d.is_dir()]:
+    for info in [rendezvous.PoolInfo.read(d) for d in base.iterdir() if d.is_dir()]:
         if info is not None:
             launch.stop(Path(info.dir), graceful=False)
     cleanup(base)
@@ -79,7 +79,7 @@ def test_a_second_client_attaches_to_the_running_pool(rt):
         second.close()
     finally:
         first.shutdown()
-    assert gone(pool_pids(first)) and not (rt / "cpu-2" / runtime.INFO_NAME).exists()
+    assert gone(pool_pids(first)) and not (rt / "cpu-2" / rendezvous.INFO_NAME).exists()
 
 
 def test_a_fatal_error_ends_the_job_and_the_next_request_gets_a_fresh_pool(rt):
@@ -153,16 +153,16 @@ def test_a_pool_that_died_leaves_no_files_and_stale_ones_do_not_stop_a_start(rt)
     with pytest.raises(PoolFatalError):
         client.request("selftest", {"steps": 1}, timeout=10)
     deadline = time.monotonic() + 5
-    while (d / runtime.INFO_NAME).exists() and time.monotonic() < deadline:
+    while (d / rendezvous.INFO_NAME).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any((d / n).exists() for n in (runtime.INFO_NAME, runtime.TOKEN_NAME, runtime.SOCKET_NAME))
+    assert not any((d / n).exists() for n in (rendezvous.INFO_NAME, rendezvous.TOKEN_NAME, rendezvous.SOCKET_NAME))
     client.close()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    info = runtime.PoolInfo(pid=int(dead.stdout), create_time=0.0, gpus=[], nproc=2, device="cpu",
+    info = rendezvous.PoolInfo(pid=int(dead.stdout), create_time=0.0, gpus=[], nproc=2, device="cpu",
                             version="0", protocol=1, start_time=0.0, lifetime="detached", owner_pid=None,
                             master_port=1, instance="stale", dir=str(d))
     info.write()
-    runtime.write_private(d / runtime.TOKEN_NAME, b"stale")
+    rendezvous.write_private(d / rendezvous.TOKEN_NAME, b"stale")
     (d / "fake_behaviour").write_text("serve")
     fresh = connect(rt)
     try:

@@ -137,7 +137,7 @@ def test_which_towers_are_graphed(tower, monkeypatch, caplog):
     monkeypatch.setenv(graphs.ENV, "bogus")
     with caplog.at_level("WARNING", logger="ltx_mgpu.text.gemma.graphs"):
         assert graphs.graphs_enabled() is True
-    assert "'bogus' is not understood: CUDA graphs stay on (use 0 to turn them off" in caplog.text
+    assert "$LTX_MGPU_CUDA_GRAPHS='bogus': give one of 1, on, true, yes, 0, off, false, no: CUDA graphs stay on" in caplog.text
 
 
 def test_the_graphed_forward_runs_causal_kernels_without_a_mask_even_while_capturing(tower, monkeypatch):

@@ -35,7 +35,7 @@ from ltx_mgpu import wire
 from ltx_mgpu.client import launch, pool_client
 from ltx_mgpu.client.errors import PoolBusyError, PoolError
 from ltx_mgpu.client.pool_client import PoolClient
-from ltx_mgpu.pool import runtime
+from ltx_mgpu.wire import rendezvous
 
 FAKE = Path(__file__).with_name("fake_pool.py")
 NOBODY = 65534
@@ -129,7 +129,7 @@ def test_the_whole_handshake_is_bounded_not_each_read(rt):
     the handshake's limit (1 s here) has passed, and the pool serves on."""
     client = connect(rt)
     try:
-        frame = _hello_frame(runtime.read_token(client.dir))
+        frame = _hello_frame(rendezvous.read_token(client.dir))
         s = raw_connect(client.dir)
         t0, cut = time.monotonic(), False
         for i in range(len(frame) - 1):
@@ -219,13 +219,13 @@ def test_a_runtime_directory_of_another_user_is_refused(rt):
 def test_a_forged_pool_json_never_gets_an_unrelated_process_signalled(rt):
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        d = runtime.ensure_private_dir(rt / "cpu-2")
-        info = runtime.PoolInfo(pid=victim.pid, create_time=psutil.Process(victim.pid).create_time(), gpus=[],
+        d = rendezvous.ensure_private_dir(rt / "cpu-2")
+        info = rendezvous.PoolInfo(pid=victim.pid, create_time=psutil.Process(victim.pid).create_time(), gpus=[],
                                 nproc=2, device="cpu", version="0", protocol=wire.PROTOCOL_VERSION,
                                 start_time=time.time(), lifetime="detached", owner_pid=None, master_port=1,
                                 instance="forged", dir=str(d))
         info.write()
-        runtime.write_private(d / runtime.TOKEN_NAME, b"forged")
+        rendezvous.write_private(d / rendezvous.TOKEN_NAME, b"forged")
         assert launch.pool_processes(d) == []
         launch.stop(d)
         with pytest.raises(PoolError):
@@ -263,7 +263,7 @@ def test_a_socket_served_by_a_process_that_is_not_the_pool_is_refused(rt, tmp_pa
         spot = tmp_path / "imp.sock"
         imp = _impostor(spot, None)
         try:
-            os.replace(spot, d / runtime.SOCKET_NAME)
+            os.replace(spot, d / rendezvous.SOCKET_NAME)
             with pytest.raises(PoolError, match="which is not the pool recorded"):
                 launch.open_socket(d)
             assert launch.ping(d) is None
@@ -283,7 +283,7 @@ def test_a_socket_served_by_another_user_is_refused(rt):
         os.chmod(box, 0o777)
         imp = _impostor(box / "imp.sock", NOBODY)
         try:
-            os.replace(box / "imp.sock", client.dir / runtime.SOCKET_NAME)
+            os.replace(box / "imp.sock", client.dir / rendezvous.SOCKET_NAME)
             with pytest.raises(PoolError, match=f"served by uid {NOBODY}, not by you"):
                 launch.open_socket(client.dir)
         finally:
@@ -304,13 +304,13 @@ def test_the_pool_refuses_connections_from_another_user(rt):
         d = client.dir
         os.chmod(rt, 0o711)
         os.chmod(d, 0o711)
-        os.chmod(d / runtime.SOCKET_NAME, 0o666)
+        os.chmod(d / rendezvous.SOCKET_NAME, 0o666)
         code = textwrap.dedent(f"""
             import os, socket, sys
             sys.path[:0] = [{str(FAKE.parent.parent)!r}]
             from ltx_mgpu import wire  # before dropping to the other user, who cannot read this tree
             os.setgid({NOBODY}); os.setuid({NOBODY})
-            s = socket.socket(socket.AF_UNIX); s.connect({str(d / runtime.SOCKET_NAME)!r})
+            s = socket.socket(socket.AF_UNIX); s.connect({str(d / rendezvous.SOCKET_NAME)!r})
             wire.send_frame(s, wire.make_request("hello", "h", {{"token": "x"}}))
             print(wire.recv_frame(s)[0])
         """)

@@ -38,7 +38,8 @@ HEAVY = {
 
 #: Modules the ComfyUI nodes may import from the engine: the client, the wire, and the
 #: dependency-free leaves the node definitions need (choices, the text encoder's config).
-NODE_ROOMS = ("ltx_mgpu.client", "ltx_mgpu.wire", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.text.config")
+NODE_ROOMS = ("ltx_mgpu.client", "ltx_mgpu.wire", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.settings",
+              "ltx_mgpu.text.config")
 #: Top-level names of ComfyUI's own modules (the engine never imports them).
 COMFY_MODULES = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "server", "execution",
                  "latent_preview", "node_helpers"}
@@ -48,11 +49,12 @@ FORBIDDEN = {
     "ltx_mgpu.denoise": ("ltx_mgpu.pool", "ltx_mgpu.client", "ltx_mgpu.cli", "ltx_mgpu.text"),
     "ltx_mgpu.wire": ("ltx_mgpu.pool", "ltx_mgpu.client", "ltx_mgpu.cli", "ltx_mgpu.text", "ltx_mgpu.denoise"),
     "ltx_mgpu.pool": ("ltx_mgpu.client", "ltx_mgpu.cli"),
-    "ltx_mgpu.client": ("ltx_mgpu.cli",),
+    "ltx_mgpu.client": ("ltx_mgpu.cli", "ltx_mgpu.pool"),
     "ltx_mgpu.assets": ("ltx_mgpu.pool", "ltx_mgpu.client", "ltx_mgpu.cli"),
 }
 #: The leaf utilities: they import no other ltx_mgpu module but each other.
-LEAVES = ("ltx_mgpu.files", "ltx_mgpu.identity", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.cancellation")
+LEAVES = ("ltx_mgpu.files", "ltx_mgpu.identity", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.cancellation",
+          "ltx_mgpu.settings")
 
 
 @dataclass(frozen=True)

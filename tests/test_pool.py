@@ -481,12 +481,12 @@ def test_a_cancelled_model_load_is_waited_for_and_returns_while_a_stepped_job_is
 def test_a_bad_profile_jobs_value_is_one_clear_error_before_anything_starts(monkeypatch):
     from pool_support import cleanup, short_dir
 
-    from ltx_mgpu.pool.profiling import profile_jobs_from_env
+    from ltx_mgpu.settings import PROFILE_JOBS
 
-    assert profile_jobs_from_env({}) == 0 and profile_jobs_from_env({"LTX_MGPU_PROFILE_JOBS": " 3 "}) == 3
+    assert PROFILE_JOBS.get({}) == 0 and PROFILE_JOBS.get({"LTX_MGPU_PROFILE_JOBS": " 3 "}) == 3
     for bad in ("abc", "-1", "1.5"):
-        with pytest.raises(ValueError, match=r"LTX_MGPU_PROFILE_JOBS='.*': give the number of jobs to profile"):
-            profile_jobs_from_env({"LTX_MGPU_PROFILE_JOBS": bad})
+        with pytest.raises(ValueError, match=r"LTX_MGPU_PROFILE_JOBS='.*': give a whole number"):
+            PROFILE_JOBS.get({"LTX_MGPU_PROFILE_JOBS": bad})
     base = short_dir()
     monkeypatch.setenv("LTX_MGPU_PROFILE_JOBS", "abc")
     try:

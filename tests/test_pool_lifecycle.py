@@ -21,7 +21,7 @@ from ltx_mgpu.client import launch
 from ltx_mgpu.client.errors import PoolFatalError
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.spec import resolve_spec
-from ltx_mgpu.pool import runtime
+from ltx_mgpu.wire import rendezvous
 
 pytestmark = pytest.mark.slow
 REPO = launch.repo_root()
@@ -43,7 +43,7 @@ def test_cli_detached_pool_is_attached_not_duplicated_and_stays_until_stopped(ba
     common = ["--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(base)]
     out = _cli("start", "--detach", *common)
     assert out.returncode == 0, out.stderr
-    info = runtime.PoolInfo.read(base / "cpu-2")
+    info = rendezvous.PoolInfo.read(base / "cpu-2")
     assert f"started pool pid {info.pid}" in out.stdout and info.lifetime == "detached"
     assert info.alive()  # the CLI has exited; the detached pool stays
 
@@ -65,7 +65,7 @@ def test_cli_detached_pool_is_attached_not_duplicated_and_stays_until_stopped(ba
     stop = _cli("stop", *common)
     assert stop.returncode == 0 and f"stopped pool pid {info.pid}" in stop.stdout
     assert wait_all_gone(pids) == []
-    assert not (base / "cpu-2" / runtime.SOCKET_NAME).exists() and runtime.PoolInfo.read(base / "cpu-2") is None
+    assert not (base / "cpu-2" / rendezvous.SOCKET_NAME).exists() and rendezvous.PoolInfo.read(base / "cpu-2") is None
     assert _cli("status", *common).returncode == 1
 
 
@@ -116,7 +116,7 @@ def test_after_kill_9_of_rank_0_the_client_that_saw_it_removes_the_pool_files(ba
         os.kill(client.pool["ranks"][0]["pid"], signal.SIGKILL)
         assert wait_all_gone(old, timeout=60) == []
         deadline = time.monotonic() + 30
-        names = (runtime.SOCKET_NAME, runtime.TOKEN_NAME, runtime.INFO_NAME)
+        names = (rendezvous.SOCKET_NAME, rendezvous.TOKEN_NAME, rendezvous.INFO_NAME)
         while any((d / n).exists() for n in names) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [n for n in names if (d / n).exists()]
@@ -132,7 +132,7 @@ def test_unexpected_exception_is_fatal_and_the_pool_exits_cleanly(base, fail_ran
         with pytest.raises(PoolFatalError, match=f"injected failure on rank {fail_rank} at step 1"):
             client.request("selftest", {"steps": 5, "fail_rank": fail_rank, "fail_step": 1}, timeout=30)
         assert wait_all_gone(old) == []
-        assert not (client.dir / runtime.SOCKET_NAME).exists() and runtime.PoolInfo.read(client.dir) is None
+        assert not (client.dir / rendezvous.SOCKET_NAME).exists() and rendezvous.PoolInfo.read(client.dir) is None
         assert client.request("selftest", {"steps": 1}, timeout=60)[0]["allreduce_ok"]
         assert client.pid != old[0][0]
     finally:
@@ -140,13 +140,13 @@ def test_unexpected_exception_is_fatal_and_the_pool_exits_cleanly(base, fail_ran
 
 
 def test_busy_rendezvous_port_and_stale_files_do_not_stop_a_start(base):
-    d = runtime.ensure_private_dir(base / "cpu-2")
+    d = rendezvous.ensure_private_dir(base / "cpu-2")
     stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(d / runtime.SOCKET_NAME))  # a socket file nobody listens on
+    stale.bind(str(d / rendezvous.SOCKET_NAME))  # a socket file nobody listens on
     stale.close()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    runtime.PoolInfo(pid=dead.pid, create_time=0.0, gpus=[], nproc=2, device="cpu", version="0", protocol=1,
+    rendezvous.PoolInfo(pid=dead.pid, create_time=0.0, gpus=[], nproc=2, device="cpu", version="0", protocol=1,
                     start_time=0.0, lifetime="detached", owner_pid=None, master_port=1, instance="stale",
                     dir=str(d)).write()
     busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -157,9 +157,9 @@ def test_busy_rendezvous_port_and_stale_files_do_not_stop_a_start(base):
         client = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, master_port=port, startup_timeout=120)
         try:
             assert client.request("selftest", {"steps": 1}, timeout=30)[0]["allreduce_ok"]
-            log = (d / runtime.LOG_NAME).read_text()
+            log = (d / rendezvous.LOG_NAME).read_text()
             assert f"attempt 1, master port {port}" in log and launch.is_port_conflict(log) and "attempt 2" in log
-            assert runtime.PoolInfo.read(d).master_port != port
+            assert rendezvous.PoolInfo.read(d).master_port != port
         finally:
             client.shutdown()
     finally:
@@ -180,7 +180,7 @@ def test_with_owner_pool_exits_when_its_owner_dies(base):
         owner.kill()
         owner.wait()
         assert wait_all_gone(pids) == []
-        assert runtime.PoolInfo.read(base / "cpu-2") is None
+        assert rendezvous.PoolInfo.read(base / "cpu-2") is None
     finally:
         owner.kill()
         owner.wait()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ltx_mgpu.client.spec import PoolSpec
-    from ltx_mgpu.pool.runtime import PoolInfo
+    from ltx_mgpu.wire.rendezvous import PoolInfo
 
 __all__ = ["register", "cli_gpus"]
 
@@ -93,7 +93,7 @@ def _spec(args: argparse.Namespace, lifetime: str = "detached") -> PoolSpec:
 def cmd_start(args: argparse.Namespace) -> int:
     from ltx_mgpu.client import launch
     from ltx_mgpu.client.pool_client import PoolClient
-    from ltx_mgpu.pool.runtime import LOG_NAME, SOCKET_NAME
+    from ltx_mgpu.wire.rendezvous import LOG_NAME, SOCKET_NAME
 
     lifetime = "detached" if args.detach else "with-owner"
     spec = _spec(args, lifetime)

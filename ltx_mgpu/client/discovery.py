@@ -14,7 +14,7 @@ from pathlib import Path
 from ltx_mgpu.client import launch
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.spec import PoolSpec, runtime_base
-from ltx_mgpu.pool.runtime import INFO_NAME, PoolInfo
+from ltx_mgpu.wire.rendezvous import INFO_NAME, PoolInfo
 
 __all__ = ["live_pools", "spec_of", "pool_status", "free_pool", "format_status"]
 

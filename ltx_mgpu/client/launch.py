@@ -5,7 +5,7 @@
 environment (:func:`worker_env`), retrying on a fresh port when the rendezvous port is taken,
 and waits until rank 0 answers ``hello``. ``find_live_pool`` / ``ping`` attach, ``stop`` ends a
 pool (``shutdown`` request, then SIGTERM, then SIGKILL) and removes its files. The runtime
-directory and its files are described in :mod:`ltx_mgpu.pool.runtime`.
+directory and its files are described in :mod:`ltx_mgpu.wire.rendezvous`.
 
 Lifetimes: ``with-owner`` (the default for clients: rank 0 polls the owner pid and the pool
 exits when the owner dies) and ``detached`` (``python -m ltx_mgpu pool start --detach``).
@@ -29,11 +29,10 @@ import psutil
 import torch
 
 import ltx_mgpu
-from ltx_mgpu import wire
+from ltx_mgpu import settings, wire
 from ltx_mgpu.client.errors import PoolError, PoolStartError
 from ltx_mgpu.client.spec import PoolSpec
-from ltx_mgpu.pool.profiling import profile_jobs_from_env
-from ltx_mgpu.pool.runtime import (
+from ltx_mgpu.wire.rendezvous import (
     INFO_NAME,
     LOG_NAME,
     SOCKET_NAME,
@@ -198,7 +197,7 @@ def worker_env(spec: PoolSpec, base: dict | None = None) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = src.get("OMP_NUM_THREADS") or str(max(1, cores // spec.nproc))
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
     if spec.gpus:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = src.get("LTX_MGPU_CUDA_ALLOC_CONF", "expandable_segments:True")
+        env["PYTORCH_CUDA_ALLOC_CONF"] = settings.CUDA_ALLOC_CONF.get(src)
     return env
 
 
@@ -206,7 +205,7 @@ def check_startable(spec: PoolSpec) -> None:
     """Raise a one-line ValueError naming the fix when a pool for ``spec`` cannot start here:
     it asks for GPUs and torch sees none, or ``$LTX_MGPU_PROFILE_JOBS`` is not a number
     (checked before anything starts or is written)."""
-    profile_jobs_from_env()
+    settings.PROFILE_JOBS.get()
     if spec.gpus and not torch.cuda.is_available():
         raise ValueError(
             f"GPUs {','.join(map(str, spec.gpus))} requested, but torch sees no CUDA GPU (a CPU-only torch "
@@ -262,8 +261,7 @@ def launch(spec: PoolSpec, *, owner_pid: int | None = None, master_port: int | N
     shutil.rmtree(spec.dir / "elastic", ignore_errors=True)
     _rotate_log(spec.dir)
     owner = (owner_pid, psutil.Process(owner_pid).create_time()) if owner_pid else None
-    env_port = os.environ.get("LTX_MGPU_MASTER_PORT")
-    port = master_port or (int(env_port) if env_port else None)
+    port = master_port or settings.MASTER_PORT.get()
     last = ""
     for attempt in range(attempts):
         port = port if (attempt == 0 and port) else free_port()
@@ -320,7 +318,7 @@ def _abort(launched: LaunchedPool, remove_files: bool) -> None:
 def pool_processes(dir: Path, info: PoolInfo | None = None) -> list[psutil.Process]:
     """The live processes of the pool in ``dir``: torchrun (checked by start time), its
     descendants, and every rank recorded in ``rank<r>.json`` (checked by start time). torchrun
-    and the recorded ranks count only when :func:`~ltx_mgpu.pool.runtime.is_pool_process` proves
+    and the recorded ranks count only when :func:`~ltx_mgpu.wire.rendezvous.is_pool_process` proves
     them the pool's, so forged files never get an unrelated process signalled."""
     procs: dict[int, psutil.Process] = {}
     info = info or PoolInfo.read(dir)

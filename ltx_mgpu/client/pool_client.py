@@ -44,7 +44,7 @@ from ltx_mgpu.client import launch
 from ltx_mgpu.client.errors import BadInputError, PoolBusyError, PoolError, PoolFatalError
 from ltx_mgpu.client.jobs import Job, ProgressCallback, Receive
 from ltx_mgpu.client.spec import PoolSpec, resolve_spec
-from ltx_mgpu.pool import runtime
+from ltx_mgpu.wire import rendezvous
 from ltx_mgpu.wire.arena import FEATURE as SHM
 from ltx_mgpu.wire.arena import FEATURE_OWN as SHM_OWN
 from ltx_mgpu.wire.arena import available as shm_available
@@ -135,8 +135,8 @@ class PoolClient:
 
     def with_log(self, message: str) -> str:
         """``message`` followed by the tail of the pool's log (when it has one)."""
-        tail = runtime.log_tail(self.dir, 3000).strip()
-        return f"{message}\n--- tail of {self.dir / runtime.LOG_NAME} ---\n{tail}" if tail else message
+        tail = rendezvous.log_tail(self.dir, 3000).strip()
+        return f"{message}\n--- tail of {self.dir / rendezvous.LOG_NAME} ---\n{tail}" if tail else message
 
     def _ensure(self) -> None:
         with self._lock:
@@ -146,7 +146,7 @@ class PoolClient:
                 self._reap()
             if self.start and not self.dir.is_dir():  # no pool there: refuse GPUs torch cannot see before
                 launch.check_startable(self.spec)  # the lock makes the directory
-            with runtime.launch_lock(self.dir, timeout=self.startup_timeout + 60):
+            with rendezvous.launch_lock(self.dir, timeout=self.startup_timeout + 60):
                 info = launch.find_live_pool(self.dir)
                 if info is not None:
                     want = (ltx_mgpu.__version__, wire.PROTOCOL_VERSION, list(self.spec.gpus), self.spec.nproc)
@@ -166,7 +166,7 @@ class PoolClient:
                                                startup_timeout=self.startup_timeout)
                 self._open()
 
-    def _attach(self, info: runtime.PoolInfo) -> bool:
+    def _attach(self, info: rendezvous.PoolInfo) -> bool:
         """Connect to the live pool ``info``, retrying with backoff while it runs: a burst of
         clients can fill its listen backlog or its connection slots for a moment. A pool that
         answers nobody is never stopped from here (only one proven dead is replaced).
@@ -198,7 +198,7 @@ class PoolClient:
         sock = launch.open_socket(self.dir, timeout=10.0)
         receiver = None
         try:
-            self.pool = launch.hello(sock, runtime.read_token(self.dir), rid=uuid.uuid4().hex)
+            self.pool = launch.hello(sock, rendezvous.read_token(self.dir), rid=uuid.uuid4().hex)
             offered = self.pool.get("features", ())
             if self.use_shm and SHM in offered:
                 receiver = ArenaReceiver(take=self._take)
@@ -212,10 +212,10 @@ class PoolClient:
         procs = []
         known = [(self.pool["torchrun_pid"], self.pool.get("torchrun_create_time"))]
         for pid, ct in known + [(r["pid"], r["create_time"]) for r in self.pool["ranks"]]:
-            if runtime.same_process(pid, ct):
+            if rendezvous.same_process(pid, ct):
                 with contextlib.suppress(psutil.Error):
                     p = psutil.Process(pid)
-                    if runtime.is_pool_process(p, self.dir):  # what may be signalled later
+                    if rendezvous.is_pool_process(p, self.dir):  # what may be signalled later
                         procs.append(p)
         self._procs, self._sock, self._dead, self._fatal, self._shm = procs, sock, None, False, receiver
         self._closing.clear()
@@ -268,13 +268,13 @@ class PoolClient:
         files; a pool that still runs, or a newer one, is left alone."""
         deadline = time.monotonic() + wait
         while True:
-            info = runtime.PoolInfo.read(self.dir)
+            info = rendezvous.PoolInfo.read(self.dir)
             if info is None or info.instance != instance:
                 return
             if not info.alive():
-                runtime.kill_processes([p for p in procs if runtime.is_alive(p)], grace=3.0)
-                with contextlib.suppress(TimeoutError), runtime.launch_lock(self.dir, timeout=30.0):
-                    runtime.remove_pool_files(self.dir, instance)  # not while a new pool is launching
+                rendezvous.kill_processes([p for p in procs if rendezvous.is_alive(p)], grace=3.0)
+                with contextlib.suppress(TimeoutError), rendezvous.launch_lock(self.dir, timeout=30.0):
+                    rendezvous.remove_pool_files(self.dir, instance)  # not while a new pool is launching
                 return
             if time.monotonic() > deadline or self._closing.wait(0.1):
                 return
@@ -308,20 +308,20 @@ class PoolClient:
         self._sock = None
         if not self._fatal and launch.ping(self.dir, timeout=3.0) is not None:
             return
-        runtime.kill_processes(runtime.wait_gone(self._procs, 5.0), grace=3.0)
+        rendezvous.kill_processes(rendezvous.wait_gone(self._procs, 5.0), grace=3.0)
         if self._launched is not None:
             with contextlib.suppress(Exception):
                 self._launched.popen.wait(timeout=5.0)
-        info = runtime.PoolInfo.read(self.dir)
+        info = rendezvous.PoolInfo.read(self.dir)
         if info is not None and not info.alive():
-            runtime.remove_pool_files(self.dir, info.instance)
+            rendezvous.remove_pool_files(self.dir, info.instance)
         self._procs, self._launched = [], None
 
     def kill(self, reason: str) -> None:
         """Kill the pool now (it stopped answering)."""
         with self._lock:
             self._fatal = True
-            runtime.kill_processes(self._procs, grace=3.0)
+            rendezvous.kill_processes(self._procs, grace=3.0)
             self.mark_dead(reason, fatal=True)
 
     # ---- requests
@@ -398,14 +398,14 @@ class PoolClient:
         if self._sock is not None and self._dead is None:
             with contextlib.suppress(PoolError):
                 self.request("shutdown", {"reason": "client shutdown"}, timeout=10.0)
-        runtime.kill_processes(runtime.wait_gone(procs, timeout), grace=5.0)
+        rendezvous.kill_processes(rendezvous.wait_gone(procs, timeout), grace=5.0)
         if launched is not None:
             with contextlib.suppress(Exception):
                 launched.popen.wait(timeout=5.0)
         if instance is not None:
-            info = runtime.PoolInfo.read(self.dir)
+            info = rendezvous.PoolInfo.read(self.dir)
             if info is not None and not info.alive():
-                runtime.remove_pool_files(self.dir, instance)
+                rendezvous.remove_pool_files(self.dir, instance)
         self.close()
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ from what a user types (:func:`resolve_spec`).
 One pool serves one GPU set. Its runtime directory is ``<base>/<key>``: ``<base>`` is
 ``runtime_dir`` / ``$LTX_MGPU_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/ltx_mgpu``, else
 ``<ltx_mgpu home>/run`` (:func:`runtime_base`); ``<key>`` is ``gpu-0-1`` or ``cpu-2`` (CPU ranks).
-What the directory holds is :mod:`ltx_mgpu.pool.runtime`'s.
+What the directory holds is :mod:`ltx_mgpu.wire.rendezvous`'s.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ltx_mgpu import settings
 from ltx_mgpu.choices import LIFETIMES
 from ltx_mgpu.files import check_directory_setting
 from ltx_mgpu.identity import home_dir
-from ltx_mgpu.pool.runtime import SOCKET_NAME, UNIX_PATH_MAX
+from ltx_mgpu.wire.rendezvous import SOCKET_NAME, UNIX_PATH_MAX
 
 __all__ = ["PoolSpec", "runtime_base", "parse_gpus", "resolve_spec"]
 
@@ -49,9 +50,9 @@ def runtime_base(runtime_dir: str | os.PathLike | None = None) -> Path:
     """
     if runtime_dir:
         return check_directory_setting(runtime_dir, "runtime directory").absolute()
-    env = os.environ.get("LTX_MGPU_RUNTIME_DIR")
-    if env:
-        return check_directory_setting(env, "$LTX_MGPU_RUNTIME_DIR").absolute()
+    base = settings.RUNTIME_DIR.get()
+    if base is not None:
+        return base.absolute()
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
         return Path(xdg) / "ltx_mgpu"

@@ -21,19 +21,19 @@ import threading
 import time
 from typing import Any, Protocol
 
-from ltx_mgpu import wire
-from ltx_mgpu.pool.runtime import peer_credentials
+from ltx_mgpu import settings, wire
 from ltx_mgpu.wire import arena
 from ltx_mgpu.wire.arena import Budget
 from ltx_mgpu.wire.frames import ConnectionClosed, Limits, ProtocolError
 from ltx_mgpu.wire.messages import SchemaError
+from ltx_mgpu.wire.rendezvous import peer_credentials
 from ltx_mgpu.wire.sender import ArenaSender
 
 # The server's logger, so that connection records keep the name they had before this module was split off.
 log = logging.getLogger("ltx_mgpu.pool.server")
 
-#: Seconds a new connection has, in all, to authenticate (``$LTX_MGPU_HELLO_TIMEOUT``).
-HELLO_TIMEOUT = float(os.environ.get("LTX_MGPU_HELLO_TIMEOUT", "10"))
+#: Seconds a new connection has, in all, to authenticate (:data:`ltx_mgpu.settings.HELLO_TIMEOUT`).
+HELLO_TIMEOUT = settings.HELLO_TIMEOUT.get()
 
 
 class ConnectionOwner(Protocol):

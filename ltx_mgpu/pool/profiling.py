@@ -1,43 +1,28 @@
-"""Opt-in profiling of the pool's jobs (``$LTX_MGPU_PROFILE_JOBS``), kept out of the worker loop."""
+"""Opt-in profiling of the pool's jobs (:data:`ltx_mgpu.settings.PROFILE_JOBS`), kept out of the worker loop."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-#: ``$LTX_MGPU_PROFILE_JOBS=N``: profile the pool's first N jobs on every rank (torch.profiler,
-#: CPU + CUDA activity) and write each as a Chrome trace, ``profile-<job type>-<job id>-rank<r>.json``
-#: in the runtime directory (beside ``pool.log``; open in Perfetto or chrome://tracing): where a
-#: request's time goes inside the pool, host gaps included. 0 or unset: off. Read when the pool
-#: starts (checked by the launcher first, so a bad value is one clear error).
-ENV = "LTX_MGPU_PROFILE_JOBS"
+from ltx_mgpu import settings
 
-
-def profile_jobs_from_env(env: "os._Environ[str] | dict[str, str] | None" = None) -> int:
-    """The number of jobs :data:`ENV` asks to profile (0 when unset or empty).
-
-    Raises:
-        ValueError: the value is not a whole number >= 0 (the message names the variable).
-    """
-    raw = (os.environ if env is None else env).get(ENV, "").strip()
-    try:
-        n = int(raw or 0)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"${ENV}={raw!r}: give the number of jobs to profile, a whole number (0 or unset: off)")
-    return n
+# What :data:`ltx_mgpu.settings.PROFILE_JOBS` = N does: profile the pool's first N jobs on every
+# rank (torch.profiler, CPU + CUDA activity) and write each as a Chrome trace,
+# ``profile-<job type>-<job id>-rank<r>.json`` in the runtime directory (beside ``pool.log``; open
+# in Perfetto or chrome://tracing): where a request's time goes inside the pool, host gaps
+# included. Read when the pool starts (checked by the launcher first, so a bad value is one clear
+# error).
 
 
 class JobProfiler:
     """Counts the jobs it profiled; every rank runs every job, so all ranks profile the same ones."""
 
     def __init__(self, limit: int | None = None):
-        self.limit = profile_jobs_from_env() if limit is None else int(limit)
+        self.limit = settings.PROFILE_JOBS.get() if limit is None else int(limit)
         self.done = 0
 
     @contextlib.contextmanager

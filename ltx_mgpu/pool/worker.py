@@ -40,16 +40,16 @@ import torch
 import torch.distributed as dist
 
 import ltx_mgpu
-from ltx_mgpu import wire
+from ltx_mgpu import settings, wire
 from ltx_mgpu.choices import LIFETIMES
-from ltx_mgpu.pool import runtime
 from ltx_mgpu.pool.engines import BadInput, JobCancelled, JobContext, ModelStore, resolve_engine
 from ltx_mgpu.pool.profiling import JobProfiler
 from ltx_mgpu.pool.server import Job, Server
+from ltx_mgpu.wire import rendezvous
 
-TICK_SECONDS = float(os.environ.get("LTX_MGPU_TICK_SECONDS", "1.0"))
+TICK_SECONDS = settings.TICK_SECONDS.get()
 WATCH_SECONDS = 1.0
-COLLECTIVE_TIMEOUT = float(os.environ.get("LTX_MGPU_COLLECTIVE_TIMEOUT", "3600"))
+COLLECTIVE_TIMEOUT = settings.COLLECTIVE_TIMEOUT.get()
 _TICK, _JOB, _SHUTDOWN = 0, 1, 2
 _OK, _BAD_INPUT, _CANCELLED = 0, 1, 2
 _OUTCOME = {_OK: "ok", _BAD_INPUT: "bad_input", _CANCELLED: "cancelled"}
@@ -70,7 +70,7 @@ class Rank:
     models: ModelStore = field(default_factory=ModelStore)
     profiler: JobProfiler = field(default_factory=JobProfiler)
     peers: list = field(default_factory=list)  # [{"rank", "pid", "create_time"}] of every rank
-    info: runtime.PoolInfo | None = None
+    info: rendezvous.PoolInfo | None = None
 
     @property
     def record_path(self) -> Path:
@@ -94,7 +94,7 @@ class Rank:
         return rec
 
     def write_record(self) -> None:
-        runtime.write_private(self.record_path, json.dumps(self.record()).encode())
+        rendezvous.write_private(self.record_path, json.dumps(self.record()).encode())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,7 +130,7 @@ def setup(args: argparse.Namespace) -> Rank:
     dist.all_reduce(probe, group=state.data)
     if int(probe.item()) != world:
         raise RuntimeError(f"start-up all-reduce on the data group gave {probe.item()}, expected {world}")
-    state.info = runtime.PoolInfo.read(state.dir)
+    state.info = rendezvous.PoolInfo.read(state.dir)
     state.write_record()
     return state
 
@@ -244,7 +244,7 @@ def _watchdog(state: Rank, server: Server | None) -> None:
             if server is not None:
                 _die_rank0(state, server, "torchrun exited; the pool cannot continue")
             os._exit(1)
-        if server is not None and owner and owner[0] and not runtime.same_process(*owner):
+        if server is not None and owner and owner[0] and not rendezvous.same_process(*owner):
             server.request_stop(f"owner process {owner[0]} exited")
 
 
@@ -255,7 +255,7 @@ def _peer_report(state: Rank) -> str:
     for peer in state.peers[1:]:
         with contextlib.suppress(OSError):
             lines.append((state.dir / f"rank{peer['rank']}.error").read_text().strip())
-        if not runtime.same_process(peer["pid"], peer["create_time"]):
+        if not rendezvous.same_process(peer["pid"], peer["create_time"]):
             lines.append(f"rank {peer['rank']} (pid {peer['pid']}) is gone (killed, crashed or out of memory?)")
     return "\n".join(lines)
 
@@ -273,12 +273,12 @@ def _die_rank0(state: Rank | None, server: Server | None, why: str) -> None:
     print(f"[rank 0] fatal: {why}", file=sys.stderr, flush=True)
     if state is not None:
         peers = _peer_report(state)
-        message = why + (f"\n{peers}" if peers else "") + f"\n(see {state.dir / runtime.LOG_NAME})"
+        message = why + (f"\n{peers}" if peers else "") + f"\n(see {state.dir / rendezvous.LOG_NAME})"
         with contextlib.suppress(BaseException):
             if server is not None:
                 server.fail_all(message)
         with contextlib.suppress(BaseException):
-            runtime.remove_pool_files(state.dir, state.info.instance if state.info else None)
+            rendezvous.remove_pool_files(state.dir, state.info.instance if state.info else None)
     sys.stderr.flush()
     os._exit(1)
 
@@ -310,7 +310,7 @@ def _watch_signals(holder: dict) -> None:
 def _die_other(state: Rank, exc: BaseException) -> None:
     text = f"rank {state.rank} failed: {type(exc).__name__}: {exc}"
     with contextlib.suppress(BaseException):
-        runtime.write_private(state.dir / f"rank{state.rank}.error", text.encode())
+        rendezvous.write_private(state.dir / f"rank{state.rank}.error", text.encode())
     traceback.print_exception(exc, file=sys.stderr)
     sys.stderr.flush()
     os._exit(1)
@@ -336,7 +336,7 @@ def describe(state: Rank) -> dict:
 
 
 def _status_records(state: Rank) -> list:
-    records = {r["rank"]: r for r in runtime.rank_records(state.dir)}
+    records = {r["rank"]: r for r in rendezvous.rank_records(state.dir)}
     records[0] = state.record()
     return [records[r] for r in sorted(records)]
 
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     holder["state"] = state
-    server = Server(state.dir / runtime.SOCKET_NAME, runtime.read_token(state.dir), lambda: describe(state),
+    server = Server(state.dir / rendezvous.SOCKET_NAME, rendezvous.read_token(state.dir), lambda: describe(state),
                     lambda: _status_records(state))
     try:
         server.start()
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exception(e, file=sys.stderr)
         _die_rank0(state, server, f"rank 0 failed: {type(e).__name__}: {e}")
     server.close()
-    runtime.remove_pool_files(state.dir, state.info.instance if state.info else None)
+    rendezvous.remove_pool_files(state.dir, state.info.instance if state.info else None)
     dist.destroy_process_group()
     print("[rank 0] ltx_mgpu pool stopped", flush=True)
     return 0

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ltx_mgpu import settings
 from ltx_mgpu.files import safetensors_header
 from ltx_mgpu.identity import memoized_digest, tensors_digest
 
@@ -249,7 +250,7 @@ def _features_fn(device: torch.device, version: str):
     layer's hidden states rival the 188160-wide projection GEMM). On other devices, or when
     ``LTX_MGPU_NO_COMPILE=1``, the eager function."""
     fn = functools.partial(_build_features, version=version)
-    if device.type == "cuda" and os.environ.get("LTX_MGPU_NO_COMPILE") != "1":
+    if device.type == "cuda" and not settings.NO_COMPILE.get():
         return torch.compile(fn, dynamic=True)
     return fn
 

@@ -70,6 +70,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ltx_mgpu import settings
+
 __all__ = ["FEATURE", "FEATURE_OWN", "FLAG_SHM", "FLAG_SHM_FD", "FLAG_SHM_DROP", "HEADER_BYTES", "MIN_BYTES",
            "MAX_BYTES", "IDLE_SECONDS", "OWN_MIN_BYTES", "available", "arena_size", "fits", "Budget",
            "ShmError", "Take", "Arena", "new_arena", "SEALS", "send_with_fds", "recvmsg_into"]
@@ -80,10 +82,10 @@ FEATURE_OWN = "shm_own"
 #: comes with this frame / unmap the arena.
 FLAG_SHM, FLAG_SHM_FD, FLAG_SHM_DROP = 0x1, 0x2, 0x4
 HEADER_BYTES = 64
-MIN_BYTES = int(os.environ.get("LTX_MGPU_SHM_MIN_BYTES", 1 << 20))
-MAX_BYTES = int(os.environ.get("LTX_MGPU_SHM_MAX_BYTES", 2 << 30))
-IDLE_SECONDS = float(os.environ.get("LTX_MGPU_SHM_IDLE_SECONDS", 60.0))
-OWN_MIN_BYTES = int(os.environ.get("LTX_MGPU_SHM_OWN_MIN_BYTES", 4 << 20))
+MIN_BYTES = settings.SHM_MIN_BYTES.get()
+MAX_BYTES = settings.SHM_MAX_BYTES.get()
+IDLE_SECONDS = settings.SHM_IDLE_SECONDS.get()
+OWN_MIN_BYTES = settings.SHM_OWN_MIN_BYTES.get()
 _ROUND = 1 << 20
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 #: ``take(header) -> receive | None``: the per-tensor ``receive(name, view) -> tensor`` for a
@@ -99,7 +101,7 @@ class ShmError(ValueError):
 def available() -> bool:
     """Whether this process can use the feature: Linux ``memfd_create`` with sealing, SCM_RIGHTS,
     and ``LTX_MGPU_SHM`` not ``0``."""
-    return (os.environ.get("LTX_MGPU_SHM", "1") not in ("0", "off", "false") and hasattr(os, "memfd_create")
+    return (settings.SHM.get() and hasattr(os, "memfd_create")
             and bool(SEALS) and hasattr(socket, "SCM_RIGHTS") and hasattr(mmap, "MAP_SHARED"))
 
 

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ltx_mgpu import settings
 from ltx_mgpu.wire.arena import FLAG_SHM, FLAG_SHM_DROP, FLAG_SHM_FD, ShmError, recvmsg_into, send_with_fds
 from ltx_mgpu.wire.payload import Payload, PayloadError, parse_payload
 
@@ -47,7 +48,7 @@ PROTOCOL_VERSION = 1
 _PREFIX = struct.Struct("!4sHHIQ")
 PREFIX_SIZE = _PREFIX.size  # 20 bytes
 MAX_HEADER_BYTES = 1 << 20
-DEFAULT_MAX_PAYLOAD_BYTES = 8 << 30
+DEFAULT_MAX_PAYLOAD_BYTES = settings.MAX_PAYLOAD_BYTES.default
 #: Before a connection has authenticated, frames are tiny and carry no tensors.
 PREAUTH_LIMITS_HEADER = 64 << 10
 #: Payloads of at least this many bytes are received into lazily allocated memory.
@@ -76,7 +77,7 @@ class Limits:
 
     max_header_bytes: int = MAX_HEADER_BYTES
     max_payload_bytes: int = field(
-        default_factory=lambda: int(os.environ.get("LTX_MGPU_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)))
+        default_factory=lambda: settings.MAX_PAYLOAD_BYTES.get())
 
 
 PREAUTH_LIMITS = Limits(max_header_bytes=PREAUTH_LIMITS_HEADER, max_payload_bytes=0)

@@ -17,15 +17,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ltx_mgpu import settings
 from ltx_mgpu.choices import WEIGHTS
-from ltx_mgpu.files import check_directory_setting
 from ltx_mgpu.identity import home_dir, memoized_by_stats
 from ltx_mgpu.text.config import TOKEN_BUDGET, TextEncoderConfig
 from ltx_mgpu.text.features import projection_identity
@@ -107,9 +106,9 @@ def default_cache_dir() -> Path:
     ``<ComfyUI user directory>/ltx_mgpu/embeddings``; else ``home_dir() / "embeddings"``
     (:func:`ltx_mgpu.identity.home_dir`).
     """
-    env = os.environ.get("LTX_MGPU_CACHE_DIR")
-    if env:
-        return check_directory_setting(env, "$LTX_MGPU_CACHE_DIR")
+    configured = settings.CACHE_DIR.get()
+    if configured is not None:
+        return configured
     folder_paths = sys.modules.get("folder_paths")
     get_user_directory = getattr(folder_paths, "get_user_directory", None)
     if callable(get_user_directory):

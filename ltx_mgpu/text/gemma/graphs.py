@@ -36,12 +36,12 @@ batch size; the cache key does not include it. ``LTX_MGPU_CUDA_GRAPHS=0`` turns 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ltx_mgpu import settings
 from ltx_mgpu.text.gemma.forward import TowerOutput
 from ltx_mgpu.text.tower import layers_device
 
@@ -56,21 +56,19 @@ BUCKET = 64
 #: The most tokens (rows x width) a graphed batch has. At 1x1024 tokens the eager 12B forward
 #: is bound by the host (above); at 8x1024 the GPU is busy throughout and a graph saves nothing.
 MAX_TOKENS = 1024
-#: Environment variable: ``0`` turns CUDA graphs off in every :class:`PromptEncoder`.
-ENV = "LTX_MGPU_CUDA_GRAPHS"
+#: The environment variable whose ``0`` turns CUDA graphs off in every :class:`PromptEncoder`.
+ENV = settings.CUDA_GRAPHS.name
 
 
 def graphs_enabled() -> bool:
-    """Whether :data:`ENV` leaves CUDA graphs on: ``0``/``false``/``off``/``no`` turn them off,
-    ``1``/``true``/``on``/``yes`` or unset leave them on; another value leaves them on with a
-    warning naming the accepted values."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value not in ("", "1", "true", "on", "yes"):
-        log.warning("$%s=%r is not understood: CUDA graphs stay on (use 0 to turn them off, 1 for on)",
-                    ENV, os.environ.get(ENV))
-    return True
+    """Whether :data:`ltx_mgpu.settings.CUDA_GRAPHS` leaves CUDA graphs on (unset: on). A value
+    it cannot read leaves them on with a warning naming the accepted values: an encode that is
+    already running is not failed over a switch."""
+    try:
+        return bool(settings.CUDA_GRAPHS.get())
+    except ValueError as e:
+        log.warning("%s: CUDA graphs stay on", e)
+        return True
 
 
 def ineligible(tower: "GemmaTextTower", capture: bool = True) -> str | None:
