@@ -71,10 +71,10 @@ from benchmarks.timing import peak_bytes as _peak  # noqa: E402
 from benchmarks.timing import sync as _sync  # noqa: E402
 from benchmarks.timing import time_interleaved, warm_gpu, write_json  # noqa: E402
 from benchmarks.timing import time_ms as _time  # noqa: E402
-from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
+from ltx_mgpu.text.encoder.prompt import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma.sources import gemma3_text_config  # noqa: E402
-from ltx_mgpu.text.tower import GemmaTextTower  # noqa: E402
+from ltx_mgpu.text.gemma.tower import GemmaTextTower  # noqa: E402
 
 #: variant name -> (FastDequant method, scope, prefetch), None for bitsandbytes' Linear4bit; the
 #: ``lut`` methods are ``benchmarks/nf4_lut.py``'s byte LUT, plugged in as FastDequant's ``fill``.
@@ -147,8 +147,8 @@ def main(argv=None) -> int:
 
     from benchmarks.nf4_lut import lut_fill
     from ltx_mgpu.assets import tiny_gemma_dir
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
     from ltx_mgpu.text.gemma.forward import use_causal_skip
-    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
     from ltx_mgpu.text.nf4.artifact import artifact_bytes, read_manifest
     from ltx_mgpu.text.nf4.dequant import FastDequant
     from ltx_mgpu.text.nf4.load import load_nf4

@@ -113,7 +113,7 @@ def _max_diff(a, b) -> float:
 def bench_weights(weights: str, args, gemma: Path, projection: Path, device: torch.device, client,
                   prompt_sets: dict[int, list[str]], results: dict) -> None:
     from ltx_mgpu.client.text import embeddings_from_result, encode_prompts, ensure_text_encoder, pool_key, upcast
-    from ltx_mgpu.text.spec import LocalTextEncoder
+    from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
     row = results["weights"][weights] = {}
     spec = LocalTextEncoder(TextEncoderConfig(str(gemma), str(projection), weights=weights, dtype="bfloat16"),

@@ -20,7 +20,7 @@ Run on one GPU (the issue's numbers come from one H200)::
    ``(N - 1) / N x bytes / link``) and Ulysses' all-to-alls (per block q, k, v and the output of
    video self-attention, k and v of video->audio attention: ``(N - 1) / N x bytes / link``),
    communication not overlapped with compute (an upper bound), and which configurations fit
-   24 GB (the fit check's arithmetic, ``ltx_mgpu.denoise.sharding.WeightPlan``). The constants
+   24 GB (the fit check's arithmetic, ``ltx_mgpu.denoise.parallel.fsdp.WeightPlan``). The constants
    and their sources are in :data:`CARDS` and :data:`PCIE4_X16`. With ``--on-paper-from`` the
    table is recomputed from a saved result without a GPU, and ``--fp8-from`` (``bench_fp8``'s
    result) adds the rows of a sharded **fp8 file** (every block linear e4m3: one byte held and
@@ -56,7 +56,7 @@ from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, inspect_checkpoint  # noqa: E402
 from ltx_mgpu.denoise.fp8 import fp8_weight  # noqa: E402
-from ltx_mgpu.denoise.sharding import HEADROOM, weight_plan  # noqa: E402
+from ltx_mgpu.denoise.parallel.fsdp import HEADROOM, weight_plan  # noqa: E402
 
 #: Dense bf16 tensor-core rates (FP32 accumulate), TFLOP/s, memory, GiB, and memory bandwidth, GB/s.
 #: Sources: NVIDIA H200 Tensor Core GPU datasheet (989 dense, "1,979 with sparsity"; 4.8 TB/s); NVIDIA

@@ -12,7 +12,7 @@ device and materialised on the GPU directly in bf16 (37.8 GB), then filled from 
 generator in parameter-name order (deterministic; matrices N(0, 1/fan_in), biases N(0, 0.02^2),
 norm gains 1, AdaLN tables N(0, 1/dim)). Inputs per size: a ComfyUI LATENT ``[1, 128, F, H, W]``
 (default 16x16x24 = 6,144 and 16x32x48 = 24,576 video tokens) with a ``[1, 8, 126, 16]`` audio
-latent (126 tokens: 121 frames at 24 fps), tokenised by ``ltx_mgpu.denoise.latents`` (float32
+latent (126 tokens: 121 frames at 24 fps), tokenised by ``ltx_mgpu.denoise.comfyui.latents`` (float32
 positions, as our sampler passes them), and 1,024 text tokens of processed 2.0 context
 (``[1, 1024, 3840]`` per modality).
 
@@ -30,7 +30,7 @@ median of ``--runs`` (``--runs-large`` at the largest size) after ``--warmup``:
 * ``plain-b2``: ``LTXModel.forward`` at batch 2 (the CFG forward's size);
 * ``sampler-step-cfg``: one step of our sampler's loop with cfg 3: the batched cond+uncond
   forward (batch 2) through ``sp-ws1`` + guidance + the Euler update, in float32 state — exactly
-  ``ltx_mgpu.denoise.sampler.sample``'s loop body;
+  ``ltx_mgpu.denoise.comfyui.sampler.sample``'s loop body;
 * ``sample-call-1step``: a whole ``sample()`` call with one CFG step (adds the per-call set-up:
   ComfyUI noise drawn on the CPU, tokenisation, host-to-device copies, the final unpatchify).
 
@@ -61,10 +61,10 @@ from ltx_core.model.transformer import LTXModelConfigurator, Modality  # noqa: E
 
 from benchmarks.timing import time_ms, write_json  # noqa: E402
 from ltx_mgpu.assets.geometry import tiny_transformer_config  # noqa: E402
-from ltx_mgpu.denoise.latents import latent_to_tokens
+from ltx_mgpu.denoise.comfyui.latents import latent_to_tokens
+from ltx_mgpu.denoise.comfyui.sampler import _predict, _Stream, sample  # noqa: E402
 from ltx_mgpu.denoise.model import LTXDenoiser  # noqa: E402
-from ltx_mgpu.denoise.sampler import _predict, _Stream, sample  # noqa: E402
-from ltx_mgpu.denoise.sequence_parallel import (  # noqa: E402
+from ltx_mgpu.denoise.parallel.ulysses import (  # noqa: E402
     SequenceParallelTransformer,
     _ShardState,
     install_attention_wrappers,
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
 
         step_streams = streams()
 
-        def sampler_step():  # ltx_mgpu.denoise.sampler.sample's loop body, one step
+        def sampler_step():  # ltx_mgpu.denoise.comfyui.sampler.sample's loop body, one step
             den = _predict(step_streams, sig[0], CFG, dtype, sp_ws1)
             for k, s in step_streams.items():
                 s.x = s.x + (s.x - den[k]) / sig[0] * (sig[1] - sig[0])

@@ -75,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, a: argparse.Namespace, out_dir:
     """One rank: build, wrap, time every size; rank 0 writes its timings and velocities."""
     from safetensors.torch import save_file
 
-    from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
+    from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
 
     cuda = a.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

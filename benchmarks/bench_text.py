@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import peak_bytes, time_interleaved, warm_gpu, write_json  # noqa: E402
-from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
+from ltx_mgpu.text.encoder.prompt import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma.forward import (
     compile_text_tower,
@@ -48,7 +48,7 @@ from ltx_mgpu.text.gemma.forward import (
     use_causal_skip,  # noqa: E402
 )
 from ltx_mgpu.text.gemma.sources import gemma3_text_config  # noqa: E402
-from ltx_mgpu.text.tower import GemmaTextTower  # noqa: E402
+from ltx_mgpu.text.gemma.tower import GemmaTextTower  # noqa: E402
 
 #: Gemma 3 12B's text dimensions (google/gemma-3-12b-it config.json; the defaults of
 #: ``gemma3_text_config``), shared by the text, NF4, pool and profile benchmarks.

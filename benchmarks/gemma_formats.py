@@ -77,8 +77,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gemma_formats_270m_cpu.json"))
     args = parser.parse_args()
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
     from ltx_mgpu.text.gemma.forward import encode_hidden_states
-    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
     from ltx_mgpu.text.gemma.tokenizer import tokenize
 
     torch.set_num_threads(2)

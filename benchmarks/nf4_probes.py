@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.nf4_lut import dequantize_nf4_lut
 from benchmarks.timing import time_ms as _time
-from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.encoder.prompt import PromptEncoder
 from ltx_mgpu.text.nf4.dequant import dequantize_nf4
 
 #: not a FastDequant setting: the artifact loaded by ``load_gemma_text_tower`` with its defaults

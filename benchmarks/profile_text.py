@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
 from benchmarks.timing import time_ms  # noqa: E402
-from ltx_mgpu.text.encoder import PromptEncoder  # noqa: E402
+from ltx_mgpu.text.encoder.prompt import PromptEncoder  # noqa: E402
 from ltx_mgpu.text.features import Projection  # noqa: E402
 from ltx_mgpu.text.gemma.forward import (
     compile_text_tower,
@@ -32,7 +32,7 @@ from ltx_mgpu.text.gemma.forward import (
     use_causal_skip,  # noqa: E402
 )
 from ltx_mgpu.text.gemma.sources import gemma3_text_config  # noqa: E402
-from ltx_mgpu.text.tower import GemmaTextTower  # noqa: E402
+from ltx_mgpu.text.gemma.tower import GemmaTextTower  # noqa: E402
 
 DEV = torch.device("cuda")
 

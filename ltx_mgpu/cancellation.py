@@ -1,7 +1,7 @@
 """One family for work that stopped because it was asked to (Stop in ComfyUI, Ctrl-C, a cancel
 request): :class:`Cancelled`.
 
-Every layer raises its own subclass (``ltx_mgpu.denoise.sampler.SamplingCancelled``, the pool's
+Every layer raises its own subclass (``ltx_mgpu.denoise.comfyui.sampler.SamplingCancelled``, the pool's
 ``ltx_mgpu.pool.engines.JobCancelled``, the client's ``ltx_mgpu.client.errors.JobCancelledError``,
 the CLI's ``ltx_mgpu.cli.pipeline.GenerateCancelled``); ``except Cancelled`` catches any of them.
 The base derives from ``BaseException`` only, like ``asyncio.CancelledError``, so that the pool's

@@ -24,16 +24,16 @@ TEXT_DTYPES = ("bfloat16", "float32", "float16")
 #: tensor cores (Ada, Hopper or newer), everything else bf16 (``ltx_mgpu.denoise.fp8``).
 TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 #: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
-#: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.sharding``).
+#: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.parallel.fsdp``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")
 #: How a model call is split over the pool's ranks: ``ulysses`` (the video tokens over all ranks),
 #: ``cfg_ulysses`` (the cond and uncond halves of the batch on two halves of the pool, each
 #: Ulysses over its ranks) or ``auto`` (``cfg_ulysses`` whenever the batch and the world size are
-#: even: ``ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer.cfg_parallel``).
+#: even: ``ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer.cfg_parallel``).
 SP_LAYOUTS = ("auto", "ulysses", "cfg_ulysses")
 #: How long a started pool lives: until the process that started it exits, or until stopped.
 LIFETIMES = ("with-owner", "detached")
-#: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.sampler``).
+#: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.comfyui.sampler``).
 SAMPLERS = ("euler",)
 #: How the MODEL path feeds LTX-2's audio-video cross-attention AdaLNs: ``"scaled"`` (sigma x 1000,
 #: as ltx-core and ComfyUI after Comfy-Org/ComfyUI#14097) or ``"raw"`` (the sigma, as ComfyUI up

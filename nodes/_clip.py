@@ -53,7 +53,7 @@ needs no connector weights in the text encoder (the denoiser has them), and it i
 tensor. ComfyUI's sampler runs the same connectors on it (``LTXAV.extra_conds`` ->
 ``preprocess_text_embeds``, ``comfy/model_base.py`` and ``comfy/ldm/lightricks/av_model.py``),
 as our SP Sampler does; both samplers also take the processed form
-(``ltx_mgpu.denoise.conditioning`` passes it through).
+(``ltx_mgpu.denoise.comfyui.conditioning`` passes it through).
 
 Anything else ComfyUI's CLIP has (``patcher``, ``load_model``, ``get_sd``, ``generate``...) is
 an :class:`UnsupportedClipFeature` (an ``AttributeError``) naming what to use instead, so

@@ -87,7 +87,7 @@ def checkpoints(tiny_ltx_20, tiny_ltx_23):
 def gemma(tiny_gemma_dir, tiny_gemma_comfy_file):
     """The tiny Gemma's snapshot dir, its ComfyUI single file and the snapshot-loaded tower
     (test_gemma*)."""
-    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 
     return {"snapshot": tiny_gemma_dir, "comfy": tiny_gemma_comfy_file, "tower": load_gemma_text_tower(tiny_gemma_dir)}
 
@@ -111,7 +111,7 @@ def nf4_tower(artifact):
 @pytest.fixture(scope="module")
 def bf16_tower(tiny_gemma_dir):
     """The tiny Gemma loaded in bf16 from its snapshot."""
-    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 
     return load_gemma_text_tower(tiny_gemma_dir)
 

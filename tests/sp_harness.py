@@ -187,8 +187,8 @@ def run_ranks(world: int, cases: list[dict], out_dir: Path, timeout: float = RAN
 
 def _watch_shards(model, total: int) -> dict:
     """``{"total_bytes", "held_bytes", "gathered"}`` of a sharded ``model``: ``gathered`` fills
-    with how many blocks are whole as each block starts (``ltx_mgpu.denoise.sharding``)."""
-    from ltx_mgpu.denoise.sharding import gathered_blocks, held_bytes
+    with how many blocks are whole as each block starts (``ltx_mgpu.denoise.parallel.fsdp``)."""
+    from ltx_mgpu.denoise.parallel.fsdp import gathered_blocks, held_bytes
 
     gathered: list[int] = []
     for block in model.transformer_blocks:
@@ -222,8 +222,8 @@ def _rank_main(spec_path: str, rank: int) -> None:
 
     from ltx_mgpu.denoise.fp8 import compile_blocks
     from ltx_mgpu.denoise.model import load_ltx_model
-    from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
-    from ltx_mgpu.denoise.sharding import held_bytes, shard_transformer
+    from ltx_mgpu.denoise.parallel.fsdp import held_bytes, shard_transformer
+    from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -246,7 +246,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
             models[key] = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))
             if case.get("fp8_compute"):
                 fp8_compute(models[key])
-            if sharded:  # FSDP2 over the same ranks (ltx_mgpu.denoise.sharding)
+            if sharded:  # FSDP2 over the same ranks (ltx_mgpu.denoise.parallel.fsdp)
                 total = held_bytes(models[key])
                 shard_transformer(models[key], dist.group.WORLD, torch.device("cpu"))
                 shards[key] = _watch_shards(models[key], total)

@@ -211,8 +211,8 @@ def test_a_projection_for_another_gemma_says_which_gemma_it_was_made_for(tmp_pat
 
 
 def test_load_projection_and_check_pairing_name_the_projections_gemma(tiny_ltx_23):
+    from ltx_mgpu.text.encoder.placement import GemmaShape, ProjectionShape, check_pairing
     from ltx_mgpu.text.features import ProjectionFormatError, load_projection, projection_gemma
-    from ltx_mgpu.text.placement import GemmaShape, ProjectionShape, check_pairing
 
     with pytest.raises(ProjectionFormatError, match=r"belongs to the embedded tiny Gemma 3 \(7 hidden states of "
                                                     r"width 64\), not to this Gemma with 19 hidden states"):

@@ -26,7 +26,7 @@ import pytest
 import torch
 from nodes_support import PACK, cpu_pool, node
 
-from ltx_mgpu.text.spec import LocalTextEncoder
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
 pytestmark = pytest.mark.slow
 

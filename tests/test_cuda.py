@@ -12,10 +12,10 @@ from pool_support import cleanup, short_dir
 
 from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
 from ltx_mgpu.text.config import TextEncoderConfig
-from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.prompt import PromptEncoder
 from ltx_mgpu.text.features import load_projection
 from ltx_mgpu.text.gemma.forward import HostEmbedding, run_tower
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.tokenizer import tokenize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
@@ -147,7 +147,7 @@ def test_loader_default_triton_layer_dequant_equals_bitsandbytes_layer_dequant()
 def test_a_compiled_spec_on_cuda_encodes_as_the_eager_one_to_bf16_rounding():
     """TextEncoderConfig(compile=True) on a GPU in bf16 (Inductor's Triton kernels): the embeddings of
     two batch lengths equal the eager ones within bf16 tolerance."""
-    from ltx_mgpu.text.spec import LocalTextEncoder
+    from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
     gemma, ckpt = tiny_gemma_dir(), tiny_ltx_checkpoint("2.3")
     eager = LocalTextEncoder(TextEncoderConfig(gemma, ckpt), "cuda").build()
@@ -255,7 +255,7 @@ def test_the_model_path_on_a_gpu_pool_equals_the_call_in_process():
     from ltx_mgpu.client.denoise import remote_load_transformer
     from ltx_mgpu.client.model import PoolModel
     from ltx_mgpu.client.pool_client import PoolClient
-    from ltx_mgpu.denoise.forward import comfy_forward, processed_context
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward, processed_context
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = tiny_ltx_checkpoint("2.3")
@@ -289,8 +289,8 @@ def test_guides_reference_audio_and_sharded_weights_on_a_gpu_pool_equal_the_call
     from ltx_mgpu.client.denoise import remote_load_transformer
     from ltx_mgpu.client.model import PoolModel
     from ltx_mgpu.client.pool_client import PoolClient
-    from ltx_mgpu.denoise.extra_conds import extra_conds, grid_mask
-    from ltx_mgpu.denoise.forward import comfy_forward, processed_context
+    from ltx_mgpu.denoise.comfyui.extra_conds import extra_conds, grid_mask
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward, processed_context
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = tiny_ltx_checkpoint("2.3")
@@ -367,7 +367,7 @@ def test_fp8_compute_runs_every_block_linear_as_an_e4m3_gemm_within_its_rounding
     e4m3's rounding of the bf16 model's (same weights), and one compiled graph serves all blocks."""
     import torch._dynamo.utils as dynamo_utils
 
-    from ltx_mgpu.denoise.forward import comfy_forward
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward
     from ltx_mgpu.denoise.fp8 import Float8Linear
     from ltx_mgpu.denoise.model import load_ltx_model
 
@@ -398,7 +398,7 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
     from ltx_mgpu.client.denoise import remote_load_transformer
     from ltx_mgpu.client.model import PoolModel
     from ltx_mgpu.client.pool_client import PoolClient
-    from ltx_mgpu.denoise.forward import comfy_forward
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = _fp8_sized_checkpoint(tmp_path)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, infer_transformer_config, inspect_checkpoint
-from ltx_mgpu.denoise.conditioning import run_connector
+from ltx_mgpu.denoise.comfyui.conditioning import run_connector, text_contexts
 from ltx_mgpu.denoise.model import export_transformer_only, load_ltx_model
 
 F32 = torch.float32
@@ -35,7 +35,7 @@ def _outputs(model, version: str, seed: int = 3):
     """Connector contexts and one transformer forward (velocities) on fixed inputs."""
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randn(1, 9, WIDTH[version], generator=g)
-    vctx, actx = model.preprocess_text_embeds(ctx, True)
+    vctx, actx = text_contexts(model, ctx, True)
     vshape, ashape = VideoLatentShape(1, 128, 2, 3, 4), AudioLatentShape(1, 8, 5, 16)
     vpos = VideoLatentTools(VideoLatentPatchifier(1), vshape, fps=25.0).create_initial_state("cpu", F32).positions
     apos = AudioLatentTools(AudioPatchifier(1), ashape).create_initial_state("cpu", F32).positions

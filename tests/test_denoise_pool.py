@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample
 from ltx_mgpu.client.errors import BadInputError, JobCancelledError
 from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.denoise.comfyui.sampler import sample
 from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.sampler import sample
 from ltx_mgpu.nested import NestedTensorLike
 from ltx_mgpu.wire.codec import (
     conditioning_from_request,

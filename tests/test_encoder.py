@@ -16,11 +16,11 @@ from ltx_mgpu.text.cache.keys import cache_key_parts
 from ltx_mgpu.text.cache.store import EmbeddingCache
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.embedding_files import load_embeddings
-from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
+from ltx_mgpu.text.encoder.prompt import PromptEncoder
 from ltx_mgpu.text.features import load_projection
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.tokenizer import PromptTooLongError
-from ltx_mgpu.text.spec import LocalTextEncoder, encode_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,10 +170,10 @@ def test_projection_gemma_mismatch_is_a_clear_error(tower, tmp_path):
 def test_cache_round_trip_keeps_rows_apart_and_never_loads_gemma_when_cached(tiny_gemma_dir, tiny_ltx_23, tmp_path):
     cache = EmbeddingCache(tmp_path / "cache")
     spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
-    first, report = encode_prompts(spec, PROMPTS[:3], batch_size=3, cache=cache)
+    first, report = spec.encode(PROMPTS[:3], batch_size=3, cache=cache)
     assert report.misses == 3 and spec.loaded
     fresh = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
-    second, report2 = encode_prompts(fresh, PROMPTS[:3], batch_size=3, cache=cache)
+    second, report2 = fresh.encode(PROMPTS[:3], batch_size=3, cache=cache)
     assert report2.hits == 3 and report2.encoded == 0
     assert not fresh.loaded, "a fully cached prompt set must not construct Gemma"
     for a, b in zip(first, second):
@@ -285,7 +285,7 @@ def test_a_compiler_that_fails_here_is_reported_when_the_encoder_loads(tiny_gemm
     """build() compiles right away, so a torch.compile that cannot work on this machine (no C++
     compiler, a broken Triton: here a backend that raises) is a one-line ValueError naming the
     fix, not a traceback in the first encode."""
-    import ltx_mgpu.text.encoder as encoder_module  # where compile_prompt_encoder looks it up
+    import ltx_mgpu.text.encoder.prompt as encoder_module  # where compile_prompt_encoder looks it up
 
     real = encoder_module.compile_text_tower
 
@@ -330,7 +330,7 @@ def test_an_encode_after_token_counts_reuses_its_tokens_and_gives_the_same_rows(
     """token_counts keeps its tokenization for the encode that follows (the pool's): sub-batches
     take their rows from it, trimmed to their own longest prompt, and the embeddings equal those
     of an encode that tokenizes each sub-batch itself, bit for bit."""
-    import ltx_mgpu.text.encoder as tokenizer  # where PromptEncoder looks tokenize up
+    import ltx_mgpu.text.encoder.prompt as tokenizer  # where PromptEncoder looks tokenize up
 
     prompts = PROMPTS[:5]
     encoder._pretokenized = None

@@ -8,7 +8,8 @@ import torch
 
 from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
 from ltx_mgpu.assets.gemma270m import gemma_270m_available, gemma_270m_dir
-from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.prompt import PromptEncoder
 from ltx_mgpu.text.features import load_projection
 from ltx_mgpu.text.gemma.forward import (
     ATTENTION,
@@ -18,9 +19,8 @@ from ltx_mgpu.text.gemma.forward import (
     register_attention,
     run_tower,
 )
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.tokenizer import tokenize
-from ltx_mgpu.text.tower import GemmaTextTower
+from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
 PROMPTS = ["a cat", "A red fox running through fresh snow at dawn, cinematic, slow motion, 35 mm film.", "x",
            "two words"]

@@ -16,8 +16,8 @@ from gemma_support import PROMPTS, assert_identical, hidden
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.assets.gemma import TINY_GEMMA_HIDDEN, TINY_GEMMA_HIDDEN_STATES
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.forward import compile_text_tower, encode_hidden_states
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.sources import GemmaFormatError, detect_gemma_format
 from ltx_mgpu.text.gemma.tokenizer import tokenize
 

@@ -20,8 +20,8 @@ def gemma_270m(tmp_path_factory):
 
 
 def test_real_gemma_270m_loads_through_snapshot_path(gemma_270m):
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
     from ltx_mgpu.text.gemma.forward import encode_hidden_states
-    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
     from ltx_mgpu.text.gemma.tokenizer import tokenize
 
     tower = load_gemma_text_tower(gemma_270m, dtype=torch.bfloat16)
@@ -54,8 +54,8 @@ def test_real_gemma_270m_in_comfyuis_fp4_mixed_layout_loads_in_bf16_and_nf4(gemm
     from safetensors.torch import load_file, save_file
 
     from ltx_mgpu.assets.quant_plans import quantize_text_tensors
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
     from ltx_mgpu.text.gemma.forward import encode_hidden_states
-    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
     from ltx_mgpu.text.gemma.tokenizer import tokenize
 
     config = json.loads((gemma_270m / "config.json").read_text())

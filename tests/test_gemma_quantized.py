@@ -32,13 +32,13 @@ from ltx_mgpu.quantized.encode import quantize_layer
 from ltx_mgpu.quantized.layers import LayerQuant
 from ltx_mgpu.text.cache.keys import cache_key_parts
 from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.placement import read_gemma_shape
 from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.sources import GemmaFormatError, detect_gemma_format, gemma_identity
 from ltx_mgpu.text.nf4.artifact import read_manifest
 from ltx_mgpu.text.nf4.model import nf4_linears
 from ltx_mgpu.text.nf4.quantize import quantize_nf4, quantize_tensor
-from ltx_mgpu.text.placement import read_gemma_shape
 
 #: Mean per-token cosine to the bf16 model, worst hidden state, tiny random model (bf16 compute).
 #: Measured on the seed-0 tiny Gemma with gemma_support.PROMPTS: nvfp4 0.915, fp4_mixed 0.972,

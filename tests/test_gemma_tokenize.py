@@ -11,8 +11,8 @@ import torch
 from gemma_support import LONG
 
 from ltx_mgpu.assets.gemma import BOS_ID, EOS_ID, PAD_ID
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.forward import encode_hidden_states
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.tokenizer import PromptTooLongError, tokenize
 
 # --------------------------------------------------------------------------- tokenize / encode

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.assets.gemma import build_tiny_gemma_comfy_file
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.sources import GemmaFormatError, GemmaWeightsError, gemma3_text_config, gemma_identity
 from ltx_mgpu.text.gemma.tokenizer import tokenize
 

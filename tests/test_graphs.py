@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
-from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.prompt import PromptEncoder
 from ltx_mgpu.text.features import load_projection
 from ltx_mgpu.text.gemma import graphs
 from ltx_mgpu.text.gemma.forward import copy_sharing_weights, run_tower
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.tokenizer import tokenize
-from ltx_mgpu.text.tower import GemmaTextTower
+from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
 # the tiny Gemma's sliding window is 16 tokens: every prompt here fits in it
 PROMPTS = ["a cat", "a red fox", "x", "two words"]
@@ -137,7 +137,8 @@ def test_which_towers_are_graphed(tower, monkeypatch, caplog):
     monkeypatch.setenv(graphs.ENV, "bogus")
     with caplog.at_level("WARNING", logger="ltx_mgpu.text.gemma.graphs"):
         assert graphs.graphs_enabled() is True
-    assert "$LTX_MGPU_CUDA_GRAPHS='bogus': give one of 1, on, true, yes, 0, off, false, no: CUDA graphs stay on" in caplog.text
+    assert ("$LTX_MGPU_CUDA_GRAPHS='bogus': give one of 1, on, true, yes, 0, off, false, no: CUDA graphs stay on"
+            in caplog.text)
 
 
 def test_the_graphed_forward_runs_causal_kernels_without_a_mask_even_while_capturing(tower, monkeypatch):

@@ -9,7 +9,7 @@ from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifi
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 
-from ltx_mgpu.denoise.latents import (
+from ltx_mgpu.denoise.comfyui.latents import (
     DEFAULT_FRAME_RATE,
     LatentFormatError,
     frame_rate_from_conditioning,

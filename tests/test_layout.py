@@ -192,6 +192,37 @@ def test_there_is_no_import_cycle_at_any_depth():
     assert not found, f"import cycles (imports inside functions count): {found}"
 
 
+def package_of(module: str) -> str:
+    """The package (folder) a module belongs to: ``a.b.c`` -> ``a.b``; a package's ``__init__``
+    is the package itself. Entry points (``__main__``) are nodes of their own: they start the
+    program and belong to no layer."""
+    if module.endswith(".__main__") or MODULES[module].name == "__init__.py":
+        return module
+    return module.rpartition(".")[0] or module
+
+
+def package_edges(edges: list[Edge]) -> list[Edge]:
+    """``edges`` between packages (folders): a package importing its own subpackage counts, and
+    so does the reverse, so a parent and a child that import each other are a loop."""
+    out = []
+    for e in edges:
+        a, b = package_of(e.importer), package_of(e.target)
+        if a != b:
+            out.append(Edge(a, b, e.line, e.in_function, (), e.comment))
+    return out
+
+
+def test_there_is_no_import_cycle_between_packages():
+    """Packages are layers: if ``text.gemma`` imports ``text.nf4``, nothing in ``text.nf4`` may
+    import ``text.gemma`` (and a package's own modules may not import a subpackage that imports
+    them back)."""
+    found = cycles(package_edges(EDGES))
+    detail = [f"{e.importer}:{e.line} -> {e.target}" for e in EDGES
+              if any(package_of(e.importer) in c and package_of(e.target) in c and
+                     package_of(e.importer) != package_of(e.target) for c in found)]
+    assert not found, f"package loops: {found}\n" + "\n".join(detail)
+
+
 def test_the_cycle_finder_sees_cycles_through_function_level_imports():
     """A cycle closed by an import inside a function (the way four cycles used to hide) is found."""
     edges = [Edge("a", "b", 1, False, (), False), Edge("b", "c", 1, False, (), False),

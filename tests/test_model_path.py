@@ -28,7 +28,7 @@ from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remo
 from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.client.model import PatchFormatError, PoolModel, wire_patches
 from ltx_mgpu.client.pool_client import PoolClient
-from ltx_mgpu.denoise.forward import av_timestep_convention, comfy_forward, processed_context
+from ltx_mgpu.denoise.comfyui.forward import av_timestep_convention, comfy_forward, processed_context
 from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.nested import NestedTensorLike
 
@@ -324,7 +324,7 @@ def _guided(batch=2, seed=5, strengths=(0.7, 1.0), drop=True):
 
 
 def _local_conds(conds: dict):
-    from ltx_mgpu.denoise.extra_conds import extra_conds, grid_mask
+    from ltx_mgpu.denoise.comfyui.extra_conds import extra_conds, grid_mask
 
     mask = conds.get("denoise_mask")
     keep = grid_mask(mask) if mask is not None and conds.get("keyframe_idxs") is not None else None

@@ -15,10 +15,10 @@ from text_pool_support import PROMPTS, check, encode
 from ltx_mgpu.cli.main import main
 from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample
 from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.denoise.comfyui.sampler import sample
 from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.sampler import sample
 from ltx_mgpu.text.config import TextEncoderConfig
-from ltx_mgpu.text.spec import LocalTextEncoder
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2,

@@ -14,7 +14,7 @@ import torch
 from nf4_support import PROMPTS, hidden
 from safetensors.torch import load_file, save_file
 
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.sources import NF4_MANIFEST, GemmaFormatError, detect_gemma_format, gemma_identity
 from ltx_mgpu.text.gemma.tokenizer import tokenize
 from ltx_mgpu.text.nf4.artifact import PROJECTIONS, NF4ArtifactError, artifact_bytes, read_manifest

@@ -20,8 +20,8 @@ import pytest
 import torch
 from nf4_support import hidden
 
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.forward import encode_hidden_states
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.tokenizer import tokenize
 from ltx_mgpu.text.nf4.model import nf4_linears
 from ltx_mgpu.text.nf4.quantize import save_nf4

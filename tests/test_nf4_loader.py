@@ -12,7 +12,7 @@ from nf4_support import LONG
 
 from ltx_mgpu.text.cache.keys import cache_key_parts, weights_mode
 from ltx_mgpu.text.config import TextEncoderConfig
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.sources import GemmaFormatError
 from ltx_mgpu.text.nf4.load import load_nf4
 from ltx_mgpu.text.nf4.quantize import quantize_nf4, save_nf4
@@ -45,7 +45,7 @@ def test_dispatch_and_bad_arguments(tiny_gemma_dir, artifact, tmp_path):
 def test_cache_never_mixes_nf4_and_bf16(tiny_gemma_dir, artifact, tiny_ltx_23, tmp_path):
     from ltx_mgpu.text.cache.keys import cache_key
     from ltx_mgpu.text.cache.store import EmbeddingCache
-    from ltx_mgpu.text.spec import LocalTextEncoder, encode_prompts
+    from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
     specs = {
         "bf16": LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, weights="bf16")),
@@ -62,10 +62,10 @@ def test_cache_never_mixes_nf4_and_bf16(tiny_gemma_dir, artifact, tiny_ltx_23, t
     prompts = ["the cat", LONG]
     got = {}
     for name in ("bf16", "nf4", "artifact"):
-        got[name], report = encode_prompts(specs[name], prompts, cache=cache)
+        got[name], report = specs[name].encode(prompts, cache=cache)
         assert (report.hits, report.encoded) == (0, 2), name  # never served another mode's entry
         assert specs[name].build().tower.weights == weights_mode(specs[name].config)
-    again, report = encode_prompts(LocalTextEncoder(TextEncoderConfig(artifact, tiny_ltx_23)), prompts, cache=cache)
+    again, report = LocalTextEncoder(TextEncoderConfig(artifact, tiny_ltx_23)).encode(prompts, cache=cache)
     assert report.hits == 2 and all(torch.equal(a.tensor, b.tensor) for a, b in zip(again, got["artifact"]))
     for a, b, c in zip(got["nf4"], got["artifact"], got["bf16"]):
         assert torch.equal(a.tensor, b.tensor)  # same NF4 bytes -> same embedding
@@ -90,7 +90,7 @@ def test_cli_quantize_then_encode(tiny_gemma_dir, tiny_ltx_23, tmp_path, capsys)
     assert main(["encode", "--gemma", str(out), "--projection", str(tiny_ltx_23), "--prompt", "the cat",
                  "--out", str(emb), "--no-cache"]) == 0
     ref = load_gemma_text_tower(tiny_gemma_dir, weights="nf4")
-    from ltx_mgpu.text.encoder import PromptEncoder
+    from ltx_mgpu.text.encoder.prompt import PromptEncoder
     from ltx_mgpu.text.features import load_projection
 
     enc = PromptEncoder(ref, load_projection(tiny_ltx_23, dtype=torch.float32, num_layers=ref.num_hidden_states))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from nodes_support import av_latent, bridge, cpu_pool, node, routes
 
-from ltx_mgpu.text.spec import LocalTextEncoder
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
 PROMPTS = ("a red fox running through snow at dawn", "blurry, low quality")
 pytestmark = pytest.mark.slow

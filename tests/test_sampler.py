@@ -22,10 +22,10 @@ from ltx_core.model.transformer import Modality
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 
-from ltx_mgpu.denoise.conditioning import ConditioningError, text_contexts
-from ltx_mgpu.denoise.extra_conds import ExtraCondsError
+from ltx_mgpu.denoise.comfyui.conditioning import ConditioningError, text_contexts
+from ltx_mgpu.denoise.comfyui.extra_conds import ExtraCondsError
+from ltx_mgpu.denoise.comfyui.sampler import SamplingCancelled, comfy_noise, ltx2_sigmas, sample
 from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.sampler import SamplingCancelled, comfy_noise, ltx2_sigmas, sample
 from ltx_mgpu.nested import NestedTensorLike
 
 F32 = torch.float32
@@ -224,7 +224,7 @@ def test_progress_every_step_and_cancel_at_a_step_boundary(model23):
 
 def test_processed_20_form_is_passed_through(model20):
     processed = torch.randn(1, 1024, 128, generator=torch.Generator().manual_seed(9))  # 2 x caption_channels
-    v, a = model20.preprocess_text_embeds(processed, False)
+    v, a = text_contexts(model20, processed, False)
     assert torch.equal(v, processed[..., :64]) and torch.equal(a, processed[..., 64:])
     latent = {"samples": torch.randn(1, 128, 2, 3, 4, generator=torch.Generator().manual_seed(5))}
     out = sample(model20, [[processed, {"pooled_output": None}]], None, latent, sigmas=SIGMAS)
@@ -370,9 +370,9 @@ def test_sampler_applies_guides_and_reference_audio_as_the_model_call_does(model
     reference audio: ``x1 = x0 + (x0 - denoised) / sigma * dt`` with the velocity of
     :func:`comfy_forward` given the same conditions (the MODEL path's call, which equals ComfyUI's
     own model: tests/test_comfyui_model.py)."""
-    from ltx_mgpu.denoise.extra_conds import extra_conds, grid_mask
-    from ltx_mgpu.denoise.forward import comfy_forward, processed_context
-    from ltx_mgpu.denoise.sampler import comfy_noise
+    from ltx_mgpu.denoise.comfyui.extra_conds import extra_conds, grid_mask
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward, processed_context
+    from ltx_mgpu.denoise.comfyui.sampler import comfy_noise
 
     g = torch.Generator().manual_seed(7)
     v, a = torch.randn(1, 128, 3, 3, 5, generator=g), torch.randn(1, 8, 7, 16, generator=g)

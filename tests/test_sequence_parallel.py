@@ -14,7 +14,12 @@ import torch
 from safetensors.torch import load_file
 from sp_harness import AUDIO_HEADS, VIDEO_HEADS, build_tiny_model, reference, run_case, run_ranks
 
-from ltx_mgpu.denoise.sequence_parallel import (
+from ltx_mgpu.denoise.parallel.split import (
+    SequenceParallelConfigError,
+    check_sequence_parallel_config,
+    valid_world_sizes,
+)
+from ltx_mgpu.denoise.parallel.ulysses import (
     SequenceParallelTransformer,
     UlyssesSelfAttention,
     UlyssesVideoToAudioAttention,
@@ -22,7 +27,6 @@ from ltx_mgpu.denoise.sequence_parallel import (
     install_attention_wrappers,
     remove_attention_wrappers,
 )
-from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, check_sequence_parallel_config, valid_world_sizes
 
 TOL = 1e-5
 

@@ -1,4 +1,4 @@
-"""The transformer's weights sharded across the ranks (FSDP2, ``ltx_mgpu.denoise.sharding``)
+"""The transformer's weights sharded across the ranks (FSDP2, ``ltx_mgpu.denoise.parallel.fsdp``)
 together with Ulysses sequence parallelism, on real gloo ranks:
 
 * a deep tiny model (8 blocks, random weights) sharded over 2 and 4 ranks equals world size 1
@@ -24,9 +24,9 @@ from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remo
 from ltx_mgpu.client.model import PoolModel
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.denoise.checkpoint import CONNECTORS
-from ltx_mgpu.denoise.forward import processed_context
+from ltx_mgpu.denoise.comfyui.forward import processed_context
 from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.sharding import HEADROOM, fit_error, weight_plan
+from ltx_mgpu.denoise.parallel.fsdp import HEADROOM, fit_error, weight_plan
 from ltx_mgpu.nested import NestedTensorLike
 
 pytestmark = pytest.mark.slow

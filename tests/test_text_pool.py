@@ -22,8 +22,7 @@ from ltx_mgpu.client.text import encode_prompts, pool_key
 from ltx_mgpu.text.cache.store import EmbeddingCache
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.embedding_files import load_embeddings
-from ltx_mgpu.text.spec import LocalTextEncoder
-from ltx_mgpu.text.spec import encode_prompts as encode_in_process
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
 pytestmark = pytest.mark.slow
 REPO = launch.repo_root()
@@ -93,7 +92,7 @@ def test_nf4_works_with_every_placement(pool2, tiny_gemma_dir, checkpoints, plac
 def test_fully_cached_request_makes_no_pool_call(tiny_gemma_dir, tiny_ltx_23, tmp_path):
     cache = EmbeddingCache(tmp_path / "cache")
     spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
-    cached, _ = encode_in_process(spec, PROMPTS[:3], cache=cache)
+    cached, _ = spec.encode(PROMPTS[:3], cache=cache)
     nowhere = short_dir()
     try:  # no pool runs there and this client may not start one: any request raises PoolError
         client = PoolClient(resolve_spec("cpu", 2, "with-owner", nowhere), start=False)
@@ -111,7 +110,7 @@ def test_fully_cached_request_makes_no_pool_call(tiny_gemma_dir, tiny_ltx_23, tm
 def test_only_the_misses_go_to_the_pool(pool2, tiny_gemma_dir, tiny_ltx_23, tmp_path):
     cache = EmbeddingCache(tmp_path / "cache")
     spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
-    encode_in_process(spec, PROMPTS[:1], cache=cache)
+    spec.encode(PROMPTS[:1], cache=cache)
     encoder = dataclasses.replace(spec.config, placement="single")
     got, report = encode_prompts(pool2, encoder, PROMPTS[:3], cache=cache, batch_size=2)
     assert (report.hits, report.encoded) == (1, 2)

@@ -18,9 +18,9 @@ from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.pool.engines import BadInput
 from ltx_mgpu.pool.text_jobs import parse_load_request
-from ltx_mgpu.text import placement as tp
-from ltx_mgpu.text import sharding
 from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.encoder import device_map as device_maps
+from ltx_mgpu.text.encoder import placement as tp
 
 pytestmark = pytest.mark.slow
 
@@ -122,24 +122,24 @@ def test_accelerate_split_gives_every_device_layers_and_balances_bytes(tiny_gemm
     # Gemma 3 12B-shaped sizes: a 2 GB embedding, 48 layers of 0.45 GB (bf16) or 0.12 GB (NF4)
     for layer in (450, 120):
         for n in (2, 4, 8):
-            counts = sharding.plan_layer_split([layer] * 48, head_bytes=2000, tail_bytes=0, budgets=[1] * n)
+            counts = device_maps.plan_layer_split([layer] * 48, head_bytes=2000, tail_bytes=0, budgets=[1] * n)
             loads = [c * layer + (2000 if d == 0 else 0) for d, c in enumerate(counts)]
             assert sum(counts) == 48 and min(counts) >= 1, counts
             assert max(loads) <= (48 * layer + 2000) / n + 2000, (layer, n, counts)  # within one embedding of even
-    assert sharding.plan_layer_split([1] * 6, 0, 0, [1, 2]) == [2, 4]  # in proportion to the budgets
+    assert device_maps.plan_layer_split([1] * 6, 0, 0, [1, 2]) == [2, 4]  # in proportion to the budgets
 
-    from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 
     model = load_gemma_text_tower(tiny_gemma_dir, dtype=torch.float32).model
     devices = [f"cuda:{i}" for i in range(4)]
-    device_map = sharding.gemma_device_map(model, devices)
-    layers = sharding.describe_device_map(device_map)
+    device_map = device_maps.gemma_device_map(model, devices)
+    layers = device_maps.describe_device_map(device_map)
     assert sorted(layers) == devices and all(layers[d] for d in devices)
     assert device_map["embed_tokens"] == "cuda:0" and device_map["norm"] == "cuda:3"
     with pytest.raises(ValueError, match="over its max_memory"):
-        sharding.gemma_device_map(model, devices[:2], max_memory={0: 1000, 1: 1000})
+        device_maps.gemma_device_map(model, devices[:2], max_memory={0: 1000, 1: 1000})
     with pytest.raises(ValueError, match="cannot give each of 8 device"):
-        sharding.gemma_device_map(model, [f"cuda:{i}" for i in range(8)])
+        device_maps.gemma_device_map(model, [f"cuda:{i}" for i in range(8)])
 
 
 def test_contiguous_split_puts_the_remainder_on_the_first_ranks():

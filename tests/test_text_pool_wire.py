@@ -13,7 +13,7 @@ from text_pool_support import PROMPTS, encode, reference
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.text import embeddings_from_result, encode_prompts, pool_key, upcast
 from ltx_mgpu.text.config import TextEncoderConfig
-from ltx_mgpu.text.spec import LocalTextEncoder
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
 pytestmark = pytest.mark.slow
 

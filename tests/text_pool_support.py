@@ -9,7 +9,7 @@ import torch
 
 from ltx_mgpu.client.text import embeddings_from_result, pool_key
 from ltx_mgpu.text.config import TextEncoderConfig
-from ltx_mgpu.text.spec import LocalTextEncoder
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
 PROMPTS = [
     "a red fox running through snow at dawn",

@@ -191,7 +191,7 @@ def cache_rows(runs: int = 5) -> list[Row]:
     from ltx_mgpu.text.cache.keys import cache_key_parts
     from ltx_mgpu.text.cache.store import EmbeddingCache
     from ltx_mgpu.text.config import TextEncoderConfig
-    from ltx_mgpu.text.spec import LocalTextEncoder
+    from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
     models = resolve_models(GenerateRequest(prompt=PROMPT))
     config = TextEncoderConfig(gemma=models.gemma(), projection=models.projection)

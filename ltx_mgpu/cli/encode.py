@@ -60,45 +60,11 @@ def _expected_misses(cache, config, prompts: list[str]) -> int:
 
 
 def _encode_here(args: argparse.Namespace, config, prompts: list[str], cache, progress):
-    """The in-process encode, cache first, reporting ``load_text_encoder`` (0/1 when Gemma starts
-    loading, 1/1 when it is ready) and ``encode`` (prompts done of those to encode, one tick per
-    batch of ``--batch-size``) to ``progress``; ``(embeddings, report)`` as
-    :func:`ltx_mgpu.text.spec.encode_prompts` returns them."""
-    import time
+    """The in-process encode (:meth:`ltx_mgpu.text.encoder.local.LocalTextEncoder.encode`), its
+    ``load_text_encoder`` and ``encode`` phases reported to ``progress``."""
+    from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
-    from ltx_mgpu.text.cache.keys import cache_key_parts
-    from ltx_mgpu.text.cache.store import CacheReport, encode_cached
-    from ltx_mgpu.text.spec import LocalTextEncoder, check_not_truncated
-
-    spec = LocalTextEncoder(config, args.device)
-    parts = cache_key_parts(config)
-    todo = [_expected_misses(cache, config, prompts)]
-    done = [0]
-
-    def encode_batch(batch: list[str]):
-        if not spec.loaded:
-            progress("load_text_encoder", 0, 1)
-            spec.build()
-            progress("load_text_encoder", 1, 1)
-            progress("encode", 0, todo[0])
-        out = spec.build().encode(batch, len(batch))
-        done[0] += len(batch)
-        todo[0] = max(todo[0], done[0])
-        progress("encode", done[0], todo[0])
-        return out
-
-    def encode_all(batch: list[str]):
-        return [e for i in range(0, len(batch), args.batch_size) for e in encode_batch(batch[i:i + args.batch_size])]
-
-    if cache is None:
-        t0 = time.perf_counter()
-        embeddings = encode_all(prompts)
-        return embeddings, CacheReport(hits=0, misses=len(prompts), encoded=len(prompts),
-                                       seconds=time.perf_counter() - t0)
-    embeddings, report = encode_cached(cache, prompts, parts, encode_all, args.batch_size)
-    if not config.truncate:
-        check_not_truncated(embeddings, config.token_budget)
-    return embeddings, report
+    return LocalTextEncoder(config, args.device).encode(prompts, args.batch_size, cache, progress)
 
 
 def _encode(args: argparse.Namespace, config, prompts: list[str], cache, progress):

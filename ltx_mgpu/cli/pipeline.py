@@ -173,7 +173,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     from ltx_mgpu.client.pool_client import PoolClient
     from ltx_mgpu.client.text import encode_prompts
     from ltx_mgpu.denoise.checkpoint import inspect_checkpoint
-    from ltx_mgpu.denoise.sp_config import check_token_budget
+    from ltx_mgpu.denoise.parallel.split import check_token_budget
     from ltx_mgpu.text.cache.keys import default_cache_dir
     from ltx_mgpu.text.cache.store import EmbeddingCache
     from ltx_mgpu.text.config import TextEncoderConfig

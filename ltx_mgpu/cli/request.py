@@ -211,7 +211,7 @@ def world_size_for(req: GenerateRequest, info) -> tuple[int, bool]:
     import torch
 
     from ltx_mgpu.denoise.model import check_world_size, meta_transformer
-    from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, valid_world_sizes
+    from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError, valid_world_sizes
 
     gpus_seen = 0 if req.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     if req.gpu_ids is not None:

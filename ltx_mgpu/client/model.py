@@ -178,7 +178,7 @@ def wire_conds(conds: Mapping[str, Any]) -> tuple[dict, dict]:
     video ``denoise_mask`` only with keyframes, as sample 0's minimum over channels (all that
     ComfyUI's grid mask reads: a token leaves the call where any channel is negative); the guide
     entries as ``guides`` (their pixel masks as ``guide.<i>.pixel_mask``). The pool checks the
-    values (``ltx_mgpu.denoise.extra_conds``).
+    values (``ltx_mgpu.denoise.comfyui.extra_conds``).
 
     Raises:
         BadInputError: a keyword outside ``FORWARD_KWARGS`` (a node upstream added conditioning

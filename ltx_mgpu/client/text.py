@@ -34,9 +34,9 @@ from ltx_mgpu.client.spec import resolve_spec
 from ltx_mgpu.text.cache.keys import CacheKeyParts, cache_key_parts
 from ltx_mgpu.text.cache.store import CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.config import TextEncoderConfig
+from ltx_mgpu.text.encoder.local import check_not_truncated
 from ltx_mgpu.text.features import PromptEmbedding
 from ltx_mgpu.text.gemma.sources import detect_gemma_format
-from ltx_mgpu.text.spec import check_not_truncated
 from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS
 
 __all__ = ["WHOLE_PROMPT_TOKENS", "check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool",

@@ -421,7 +421,7 @@ class StateDictLoader:
 
     ``rows`` (renamed key -> ``slice`` of dim 0) makes ``load`` read only those rows of a weight
     from the file (its scale rows and LoRA up-matrix rows with it): a rank's shard of a sharded
-    transformer (``ltx_mgpu.denoise.sharding``).
+    transformer (``ltx_mgpu.denoise.parallel.fsdp``).
 
     ``keep_e4m3`` (renamed keys): those weights, when stored as float8 e4m3 and given no LoRA, are
     returned as stored (e4m3, not upcast), their float32 scale (``[rows]`` or one value; None

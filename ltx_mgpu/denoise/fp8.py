@@ -8,7 +8,7 @@ computes one of two ways (:class:`Fp8Config`):
 * ``compute="upcast"``: the weight is upcast to the input's dtype for every call
   (``(weight_fp8.float() * scale).to(dtype)``, exactly the cast the loader makes for a replicated
   model) and ``F.linear`` runs in that dtype. This is fp8 *storage*: half the bytes of bf16 held
-  and, for sharded weights (:mod:`ltx_mgpu.denoise.sharding`), gathered: FSDP2 all-gathers the
+  and, for sharded weights (:mod:`ltx_mgpu.denoise.parallel.fsdp`), gathered: FSDP2 all-gathers the
   fp8 parameter as it is held, and the upcast runs after the gather.
 * ``compute="fp8"``: an e4m3 x e4m3 GEMM on the tensor cores (``torch._scaled_mm``, PyTorch's
   cuBLASLt / CUTLASS FP8 GEMM) with a dynamic activation scale, the output in the compute dtype.
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ltx_mgpu.choices import check_choice
-from ltx_mgpu.denoise.sharding import local_rows, local_tensor
+from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
 
 __all__ = ["E4M3_MAX", "FP8_COMPUTES", "FP8_SCALINGS", "MIN_FEATURES", "Float8Linear", "Fp8Config", "compile_blocks",
            "fp8_linear_names", "fp8_support_error", "fp8_weight", "rounding_noise", "quantize_rows", "swap_linears"]

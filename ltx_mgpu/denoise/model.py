@@ -7,8 +7,8 @@ The transformer is built by ltx-core's ``SingleGPUModelBuilder`` + ``LTXModelCon
 memory-mapped :class:`~ltx_mgpu.denoise.checkpoint.StateDictLoader`. The connectors are
 ltx-core ``Embeddings1DConnector`` modules built with ComfyUI's ``LTXAVModel`` settings
 (double-precision RoPE, max position 4096, theta 1e4, split RoPE unless the config says
-otherwise) so that ``LTXDenoiser.preprocess_text_embeds`` matches ComfyUI's
-``preprocess_text_embeds``.
+otherwise) so that :func:`ltx_mgpu.denoise.comfyui.conditioning.text_contexts` on them matches
+ComfyUI's ``preprocess_text_embeds``.
 
 The checkpoint names are re-exported here (``from ltx_mgpu.denoise.model import
 inspect_checkpoint`` keeps working).
@@ -45,7 +45,6 @@ from ltx_mgpu.denoise.checkpoint import (
     inspect_checkpoint,
     load_loras,
 )
-from ltx_mgpu.denoise.conditioning import text_contexts
 from ltx_mgpu.denoise.fp8 import (
     Float8Linear,
     Fp8Config,
@@ -54,9 +53,9 @@ from ltx_mgpu.denoise.fp8 import (
     fp8_support_error,
     swap_linears,
 )
-from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
-from ltx_mgpu.denoise.sharding import local_rows, local_tensor, shard_transformer
-from ltx_mgpu.denoise.sp_config import check_sequence_parallel_config
+from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor, shard_transformer
+from ltx_mgpu.denoise.parallel.split import check_sequence_parallel_config
+from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
 from ltx_mgpu.files import write_atomically
 
 __all__ = [
@@ -90,7 +89,7 @@ class LTXDenoiser:
         dtype, device: of every weight; max_tokens: the video-token budget for SP.
         source: the checkpoint path; loras: the LoRAs fused in.
         weights: ``"replicated"`` (every rank holds the whole transformer) or ``"sharded"``
-            (each rank a 1/W shard of every weight, :mod:`ltx_mgpu.denoise.sharding`).
+            (each rank a 1/W shard of every weight, :mod:`ltx_mgpu.denoise.parallel.fsdp`).
         fp8: how the block linears are held (:mod:`ltx_mgpu.denoise.fp8`): None (in ``dtype``),
             ``"upcast"`` (e4m3 as stored, upcast per call) or ``"fp8"`` (e4m3 GEMMs).
     """
@@ -122,10 +121,6 @@ class LTXDenoiser:
         path plus the ``max_tokens`` check), split as ``layout`` says (``ltx_mgpu.choices.
         SP_LAYOUTS``). Every rank of ``group`` must call it."""
         return SequenceParallelTransformer(self.transformer, group, self.max_tokens, layout=layout)
-
-    def preprocess_text_embeds(self, context: torch.Tensor, unprocessed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """ComfyUI's ``preprocess_text_embeds``: see :func:`ltx_mgpu.denoise.conditioning.text_contexts`."""
-        return text_contexts(self, context, unprocessed)
 
 
 def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device) -> Embeddings1DConnector:
@@ -178,7 +173,7 @@ def load_ltx_model(
         attention_type: override ``config["transformer"]["attention_type"]`` (ltx-core's
             ``AttentionFunction`` value: "default", "pytorch", ...).
         weights: ``"replicated"`` (a whole transformer here) or ``"sharded"``: this rank's shard
-            of every transformer weight over ``group`` (:mod:`ltx_mgpu.denoise.sharding`; every
+            of every transformer weight over ``group`` (:mod:`ltx_mgpu.denoise.parallel.fsdp`; every
             rank of ``group`` must load it together), read row-wise from the file. The
             connectors are whole either way.
         group: the process group of the shards (``"sharded"`` only; None: the default group).

@@ -15,7 +15,7 @@ rounds stochastically for fp8). :func:`merge` is that, on the model's device.
 the old or the new set touches is re-read from the memory-mapped checkpoint (with the LoRAs
 fused at load, :class:`~ltx_mgpu.denoise.checkpoint.StateDictLoader`) and merged again, a
 few weights at a time, so no backup copy of the model is kept and removing a patch restores
-the loaded weights exactly. A sharded transformer (:mod:`ltx_mgpu.denoise.sharding`) merges
+the loaded weights exactly. A sharded transformer (:mod:`ltx_mgpu.denoise.parallel.fsdp`) merges
 the same way on each rank's rows: its shard of the original, of the LoRA up-matrix and of a
 diff.
 
@@ -39,7 +39,7 @@ import torch
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, CheckpointInfo, StateDictLoader, inspect_checkpoint, load_loras
 from ltx_mgpu.denoise.fp8 import Float8Linear
 from ltx_mgpu.denoise.model import transformer_key
-from ltx_mgpu.denoise.sharding import local_rows, local_tensor
+from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
 
 __all__ = ["COMFY_PREFIX", "PATCH_KINDS", "PatchError", "WeightPatch", "apply_patches", "merge", "resolve_key"]
 

@@ -3,14 +3,14 @@
 ``load_transformer`` validates the request identically on every rank before anything heavy
 (the checkpoint's header and config, the head split for this pool's world size, the LoRA
 files), then every rank loads a full replica (memory-mapped reads, LoRAs fused; DESIGN §5),
-wraps it once in :class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer`
+wraps it once in :class:`~ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer`
 over the data group and keeps it resident under a name. Loading the same files with the same
 options again keeps the resident model (``reused``).
 
 ``sample`` rebuilds the ComfyUI LATENT / CONDITIONING / SIGMAS from the request
 (:mod:`ltx_mgpu.wire.codec`). The worker already hands every rank identical copies of the
 request tensors (the job spec broadcast over the control group), so no rank re-broadcasts
-them. Every rank then runs :func:`ltx_mgpu.denoise.sampler.sample` with the same inputs and
+them. Every rank then runs :func:`ltx_mgpu.denoise.comfyui.sampler.sample` with the same inputs and
 seed; the SP transformer exchanges activations over the data group. A progress event is sent
 per step, cancel is decided at every step boundary by rank 0 (``ctx.check_cancel``), and rank
 0 returns the denoised latent parts.
@@ -48,13 +48,13 @@ from ltx_mgpu.denoise.checkpoint import (
     check_loras,
     inspect_checkpoint,
 )
+from ltx_mgpu.denoise.comfyui.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.fp8 import fp8_support_error, fp8_weight
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
+from ltx_mgpu.denoise.parallel.fsdp import fit_error, held_bytes, weight_plan
+from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError, check_token_budget, valid_world_sizes
+from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
 from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
-from ltx_mgpu.denoise.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
-from ltx_mgpu.denoise.sequence_parallel import SequenceParallelTransformer
-from ltx_mgpu.denoise.sharding import fit_error, held_bytes, weight_plan
-from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError, check_token_budget, valid_world_sizes
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.wire import codec
@@ -210,7 +210,7 @@ def _model_bytes(m: LTXDenoiser) -> int:
 
 
 def _weight_plan(info, dtype_name: str, weights: str, world: int):
-    """The :class:`~ltx_mgpu.denoise.sharding.WeightPlan` of loading ``info`` so: the block
+    """The :class:`~ltx_mgpu.denoise.parallel.fsdp.WeightPlan` of loading ``info`` so: the block
     linears at one byte when they are held as e4m3 (``dtype`` fp8: all of them; a sharded fp8
     file: those it stores so; ``ltx_mgpu.denoise.model.load_ltx_model``)."""
     fp8 = ((lambda k: fp8_weight(k, info.shapes[k])) if dtype_name == "fp8" else
@@ -238,7 +238,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     Params: ``checkpoint`` (path), ``dtype`` ("bf16" | "fp16" | "fp32" | "fp8": e4m3 block
     GEMMs on FP8 GPUs, the rest bf16, ``ltx_mgpu.denoise.fp8``; default bf16),
     ``weights`` ("replicated": a whole copy per rank, default; "sharded": a 1/W shard per rank,
-    ``ltx_mgpu.denoise.sharding``), ``layout`` ("auto", default: CFG-parallel x Ulysses for an even
+    ``ltx_mgpu.denoise.parallel.fsdp``), ``layout`` ("auto", default: CFG-parallel x Ulysses for an even
     batch on an even pool, else Ulysses; "ulysses"; "cfg_ulysses": ``ltx_mgpu.choices.SP_LAYOUTS``),
     ``loras`` ([{"path", "strength"}]), ``max_tokens`` (video tokens per ``sample``, default
     32768), ``attention_type`` (ltx-core backend or null), ``name`` (default "ltx").
@@ -258,7 +258,7 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         tensor cores (CPU, or a GPU older than Ada), a ``name`` held by a
         non-transformer model, an ``attention_type`` this rank cannot run, or a load that
         failed on any rank (out of memory, LoRA values that are not finite, ...); on GPUs, weights
-        that do not fit a rank's free memory (:func:`~ltx_mgpu.denoise.sharding.fit_error`: how
+        that do not fit a rank's free memory (:func:`~ltx_mgpu.denoise.parallel.fsdp.fit_error`: how
         much the other choice would need), before anything is read.
     """
     name = params.get("name", codec.DEFAULT_MODEL)

@@ -6,13 +6,13 @@ A transformer loaded by ``load_transformer`` (:mod:`ltx_mgpu.pool.denoise_jobs`)
   ``preprocess_text_embeds``, called once per conditioning when sampling starts); returns the
   processed context ``[B, L, Dv + Da]`` in the model dtype.
 * ``forward``: one call of the transformer as ComfyUI's ``LTXAVModel.forward`` makes it
-  (:func:`ltx_mgpu.denoise.forward.comfy_forward`), sequence-parallel over every rank through
-  the same :class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer` and the same
+  (:func:`ltx_mgpu.denoise.comfyui.forward.comfy_forward`), sequence-parallel over every rank through
+  the same :class:`~ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer` and the same
   transformer call as the SP Sampler. Tensors: ``x.0`` video latent ``[B, 128, F, H, W]``,
   ``x.1`` audio latent ``[B, 8, N, 16]`` (optional), ``t.0`` / ``t.1`` their timesteps (``[B]``
   or per token), ``context`` (only when new), and the call's keyframe guides, guide attention,
   reference audio and text mask (``wire.messages.FORWARD_TENSORS``, params ``kwargs`` /
-  ``guides``; applied by :mod:`ltx_mgpu.denoise.extra_conds`). The text context
+  ``guides``; applied by :mod:`ltx_mgpu.denoise.comfyui.extra_conds`). The text context
   is kept per model under the client's ``context_id`` (:data:`CONTEXT_SLOTS`, oldest dropped), so
   a sampling run sends it once, not per step. Returns ``out.0`` / ``out.1``, the velocities in
   the model dtype (into the client's shared memory when offered: ``JobContext.result_buffers``).
@@ -37,12 +37,12 @@ import math
 
 import torch
 
-from ltx_mgpu.denoise.conditioning import ConditioningError
-from ltx_mgpu.denoise.extra_conds import ExtraConds, ExtraCondsError, extra_conds, grid_mask
-from ltx_mgpu.denoise.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
-from ltx_mgpu.denoise.latents import LatentFormatError
+from ltx_mgpu.denoise.comfyui.conditioning import ConditioningError
+from ltx_mgpu.denoise.comfyui.extra_conds import ExtraConds, ExtraCondsError, extra_conds, grid_mask
+from ltx_mgpu.denoise.comfyui.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
+from ltx_mgpu.denoise.comfyui.latents import LatentFormatError
+from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError
 from ltx_mgpu.denoise.patches import PATCH_KINDS, WeightPatch
-from ltx_mgpu.denoise.sp_config import SequenceParallelConfigError
 from ltx_mgpu.pool.denoise_jobs import ResidentTransformer, resident_transformer, set_weight_patches
 from ltx_mgpu.pool.engines import BadInput, JobContext, register_engine
 from ltx_mgpu.wire import codec
@@ -100,7 +100,7 @@ def text_contexts_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
 
 def _extra_conds(kwargs: list, guides: list, tensors: dict) -> ExtraConds:
     """The call's keyframe guides, guide attention, reference audio and text mask, checked
-    (:func:`ltx_mgpu.denoise.extra_conds.extra_conds`; ``wire_conds`` of the client encodes them)."""
+    (:func:`ltx_mgpu.denoise.comfyui.extra_conds.extra_conds`; ``wire_conds`` of the client encodes them)."""
     if ("guide_attention_entries" in kwargs) != bool(guides):
         raise BadInput("the forward names guide_attention_entries and sends no guides, or the reverse")
     for name in ("keyframe_idxs", "ref_audio"):

@@ -1,7 +1,7 @@
-"""The pool's text-encoding jobs: ``load_text_encoder`` and ``encode`` (placements: ``ltx_mgpu.text.placement``).
+"""The pool's text-encoding jobs: ``load_text_encoder`` and ``encode`` (``ltx_mgpu.text.encoder.placement``).
 
 Both run on every rank (SPMD, ``ltx_mgpu.pool.engines``). The placement logic and the
-embedding broadcast live in ``ltx_mgpu.text.placement`` (which knows nothing of the pool); this
+embedding broadcast live in ``ltx_mgpu.text.encoder.placement`` (which knows nothing of the pool); this
 module validates requests, keeps the encoder resident and turns failures into ``bad_input``.
 
 Errors: every parameter, path, format and the projection/Gemma pairing is checked from file
@@ -32,11 +32,11 @@ from accelerate.utils import convert_file_size_to_int
 
 from ltx_mgpu import wire
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
-from ltx_mgpu.text import placement as tp
 from ltx_mgpu.text.config import COMPILE_NF4, MAX_KEY, TextEncoderConfig
-from ltx_mgpu.text.encoder import PromptEncoder
+from ltx_mgpu.text.encoder import placement as tp
+from ltx_mgpu.text.encoder.device_map import describe_device_map
+from ltx_mgpu.text.encoder.prompt import PromptEncoder
 from ltx_mgpu.text.gemma.tokenizer import check_prompts
-from ltx_mgpu.text.sharding import describe_device_map
 
 TEXT_ENCODER = "text_encoder"
 EMBEDDINGS = "text_embeddings"
@@ -264,7 +264,7 @@ class _HandOverRows:
 @register_engine("encode")
 def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Encode prompts with the resident text encoder; afterwards every rank holds every prompt's
-    embedding (``ltx_mgpu.text.placement.replicate_embeddings``).
+    embedding (``ltx_mgpu.text.encoder.placement.replicate_embeddings``).
 
     Params: ``prompts`` (list of str), ``batch_size`` (prompts per Gemma forward, default 8),
     ``expect`` (the key the client loaded: a mismatch is bad input, so a client never gets

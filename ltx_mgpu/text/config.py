@@ -1,6 +1,6 @@
 """What to encode prompts with, once: :class:`TextEncoderConfig`, the one config of a text encoder.
 
-The same frozen value describes an in-process encoder (:class:`ltx_mgpu.text.spec.LocalTextEncoder`),
+The same frozen value describes an in-process encoder (:class:`ltx_mgpu.text.encoder.local.LocalTextEncoder`),
 a text encoder resident in the pool (the ``load_text_encoder`` request is its :meth:`to_params`;
 the pool rebuilds it with :meth:`from_params`) and the ComfyUI node's choice. Its checks run
 once, when it is built, with the same messages on every side. What it implies that only the

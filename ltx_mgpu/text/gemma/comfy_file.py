@@ -1,6 +1,6 @@
 """A ComfyUI single-file Gemma 3 opened for reading: :func:`open_comfy_file`.
 
-Both the bf16 loader (``ltx_mgpu.text.gemma.loading``) and the NF4 source reader
+Both the bf16 loader (``ltx_mgpu.text.encoder.loading``) and the NF4 source reader
 (``ltx_mgpu.text.nf4.source``) read a ComfyUI file through :class:`ComfyGemmaFile`: its text-tower
 tensors under ``Gemma3TextModel``'s names (``model.`` stripped; vision tower and projector are
 never read), their dense shapes, the embedded tokenizer, and each tensor's dense value. A plain

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ltx_mgpu.text.tower import GemmaTextTower, layers_device
+from ltx_mgpu.text.gemma.tower import GemmaTextTower, layers_device
 
 log = logging.getLogger(__name__)
 

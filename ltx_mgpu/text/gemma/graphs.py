@@ -43,10 +43,10 @@ import torch
 
 from ltx_mgpu import settings
 from ltx_mgpu.text.gemma.forward import TowerOutput
-from ltx_mgpu.text.tower import layers_device
+from ltx_mgpu.text.gemma.tower import layers_device
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ltx_mgpu.text.tower import GemmaTextTower
+    from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 * :data:`TEXT_KEY`: the text tower's own key names (decoder layers, embedding, final norm).
 
 A ComfyUI file's names are ``model.`` + the text tower's; its quantized layers and their scales
-are ``ltx_mgpu.text.gemma.comfy_file``'s. The bf16 loader (:mod:`ltx_mgpu.text.gemma.loading`)
+are ``ltx_mgpu.text.gemma.comfy_file``'s. The bf16 loader (:mod:`ltx_mgpu.text.encoder.loading`)
 and the NF4 source reader (:mod:`ltx_mgpu.text.nf4.source`) read snapshots through these.
 """
 

@@ -20,7 +20,7 @@ import torch
 from ltx_mgpu.text.gemma.sources import GemmaFormatError, TokenizerFiles, comfy_tokenizer_files, no_tokenizer_error
 
 if TYPE_CHECKING:
-    from ltx_mgpu.text.tower import GemmaTextTower
+    from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
 __all__ = ["PromptTooLongError", "prompt_too_long", "GEMMA_TOKENIZER_KWARGS", "tokenizer_from_spm", "load_tokenizer",
            "check_prompts", "tokenize"]

@@ -29,6 +29,7 @@ import torch
 from ltx_mgpu.text.gemma.forward import encode_hidden_states
 from ltx_mgpu.text.gemma.sources import GemmaWeightsError, find_tokenizer_files, gemma_source_files
 from ltx_mgpu.text.gemma.tokenizer import check_tokenizer, load_tokenizer, tokenize
+from ltx_mgpu.text.gemma.tower import GemmaTextTower
 from ltx_mgpu.text.nf4.artifact import (
     QUANT_SETTINGS,
     NF4ArtifactError,
@@ -39,7 +40,6 @@ from ltx_mgpu.text.nf4.artifact import (
 from ltx_mgpu.text.nf4.model import fill, skeleton
 from ltx_mgpu.text.nf4.quantize import check_source, save_nf4, source_groups
 from ltx_mgpu.text.nf4.source import open_source
-from ltx_mgpu.text.tower import GemmaTextTower
 
 __all__ = ["PROBE_PROMPT", "NonFiniteHiddenStatesError", "check_finite_hidden_states", "load_nf4",
            "load_nf4_on_the_fly"]

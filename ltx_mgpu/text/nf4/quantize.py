@@ -27,10 +27,10 @@ from typing import Iterator
 import torch
 
 from ltx_mgpu.text.gemma.sources import GemmaWeightsError, find_tokenizer_files, gemma_identity
+from ltx_mgpu.text.gemma.tower import GemmaTextTower
 from ltx_mgpu.text.nf4.artifact import QUANT_SETTINGS, read_manifest, write_artifact
 from ltx_mgpu.text.nf4.model import NF4, skeleton
 from ltx_mgpu.text.nf4.source import GemmaSource, iter_source, open_source
-from ltx_mgpu.text.tower import GemmaTextTower
 
 __all__ = ["quantize_nf4", "quantize_nf4_model", "save_nf4", "quantize_tensor", "source_groups", "check_source"]
 

@@ -2,7 +2,7 @@
 
 Both source formats of ``ltx_mgpu.text.gemma.sources`` are read with safetensors' ``safe_open``
 one tensor at a time (the file is reopened per tensor, so at most one tensor of the source is
-mapped or held in host memory), under the key handling of ``ltx_mgpu.text.gemma.loading``: the
+mapped or held in host memory), under the key handling of ``ltx_mgpu.text.encoder.loading``: the
 multimodal / text-only prefixes of an HF snapshot are stripped (vision tower, projector and
 ``lm_head`` are not text-tower keys and are never read); a ComfyUI file is read through
 ``ltx_mgpu.text.gemma.comfy_file``: its quantized layers (nvfp4 ``fp4_mixed``, fp8, int8) are

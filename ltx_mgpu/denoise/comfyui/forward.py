@@ -1,6 +1,6 @@
 """One call of the LTX-2 transformer on ComfyUI's tensors: what ComfyUI's ``LTXAVModel.forward``
 takes and returns, computed by ltx-core's ``LTXModel`` (sequence-parallel through
-:class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer`, the velocity model the
+:class:`~ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer`, the velocity model the
 SP Sampler uses too).
 
 ComfyUI's ``BaseModel._apply_model`` calls its diffusion model as ``forward(x, timestep,
@@ -17,8 +17,8 @@ context, attention_mask=None, frame_rate=25, transformer_options={}, keyframe_id
 * ``frame_rate``: frames per second of the video positions.
 
 The other keyword arguments (keyframe guides, guide attention, reference audio, the text
-``attention_mask``) arrive as an :class:`~ltx_mgpu.denoise.extra_conds.ExtraConds` and are
-applied as ComfyUI's model applies them (:mod:`ltx_mgpu.denoise.extra_conds`); the denoise
+``attention_mask``) arrive as an :class:`~ltx_mgpu.denoise.comfyui.extra_conds.ExtraConds` and are
+applied as ComfyUI's model applies them (:mod:`ltx_mgpu.denoise.comfyui.extra_conds`); the denoise
 masks are in the per-token timesteps already (``LTXAV.process_timestep``). It returns the
 velocities in ``x``'s layout (``[video, audio]`` or the video tensor), in the model dtype.
 
@@ -28,8 +28,8 @@ the raw sigma. :func:`av_timestep_convention` sets which one a call follows, by 
 ``MultiModalTransformerArgsPreprocessor._prepare_cross_attention_timestep`` on the model's two
 preprocessors for the call (ltx-core's code is not changed).
 
-:func:`~ltx_mgpu.denoise.transformer_call.transformer_call` is the one place both samplers call
-the transformer: the SP Sampler's steps (:mod:`ltx_mgpu.denoise.sampler`) and the MODEL's
+:func:`~ltx_mgpu.denoise.comfyui.transformer_call.transformer_call` is the one place both samplers call
+the transformer: the SP Sampler's steps (:mod:`ltx_mgpu.denoise.comfyui.sampler`) and the MODEL's
 forward (:func:`comfy_forward`).
 """
 
@@ -43,10 +43,10 @@ from typing import Any, Literal
 import torch
 
 from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS
-from ltx_mgpu.denoise.conditioning import text_contexts
-from ltx_mgpu.denoise.extra_conds import ExtraConds, apply_extra_conds, restore_outputs
-from ltx_mgpu.denoise.latents import AUDIO_PATCHIFIER, latent_to_tokens, tokens_to_latent
-from ltx_mgpu.denoise.transformer_call import ModalityInput, transformer_call
+from ltx_mgpu.denoise.comfyui.conditioning import text_contexts
+from ltx_mgpu.denoise.comfyui.extra_conds import ExtraConds, apply_extra_conds, restore_outputs
+from ltx_mgpu.denoise.comfyui.latents import AUDIO_PATCHIFIER, latent_to_tokens, tokens_to_latent
+from ltx_mgpu.denoise.comfyui.transformer_call import ModalityInput, transformer_call
 from ltx_mgpu.nested import NestedTensorLike
 
 __all__ = ["ForwardError", "av_timestep_convention", "comfy_forward", "processed_context"]
@@ -63,7 +63,7 @@ def processed_context(model, context: torch.Tensor, unprocessed: bool) -> torch.
     audio, ``model.context_widths``), in the model dtype on its device.
 
     Raises:
-        ConditioningError: as :func:`ltx_mgpu.denoise.conditioning.text_contexts`.
+        ConditioningError: as :func:`ltx_mgpu.denoise.comfyui.conditioning.text_contexts`.
     """
     video, audio = text_contexts(model, context, unprocessed)
     return torch.cat([video, audio], dim=-1)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from ltx_core.types import AudioLatentShape
 
-from ltx_mgpu.denoise.transformer_call import ModalityInput
+from ltx_mgpu.denoise.comfyui.transformer_call import ModalityInput
 
 __all__ = ["CallLayout", "ExtraConds", "ExtraCondsError", "GuideEntry", "apply_extra_conds", "concat_extra_conds",
            "extra_conds", "grid_mask", "restore_outputs"]

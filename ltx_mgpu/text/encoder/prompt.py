@@ -7,9 +7,8 @@ one-by-one results agree: padding is on the left, pad keys are masked, and the f
 extractor's statistics use valid tokens only.
 
 :func:`compile_prompt_encoder` makes one whose tower's layers run through ``torch.compile``.
-What to encode with (:class:`~ltx_mgpu.text.config.TextEncoderConfig`, built in-process by
-:class:`~ltx_mgpu.text.spec.LocalTextEncoder`) and encoding through the cache
-(:func:`encode_prompts`) are in :mod:`ltx_mgpu.text.spec`.
+What to encode with is a :class:`~ltx_mgpu.text.config.TextEncoderConfig`; encoding with one in
+this process, through the cache, is :class:`~ltx_mgpu.text.encoder.local.LocalTextEncoder`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from ltx_mgpu.text.features import Projection, PromptEmbedding
 from ltx_mgpu.text.gemma import graphs
 from ltx_mgpu.text.gemma.forward import compile_text_tower, run_tower
 from ltx_mgpu.text.gemma.tokenizer import check_prompts, tokenize
-from ltx_mgpu.text.tower import GemmaTextTower
+from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class PromptEncoder:
     """Gemma 3 text tower + LTX-2 projection -> per-prompt embeddings.
 
     Args:
-        tower: the loaded Gemma 3 text tower (:func:`ltx_mgpu.text.gemma.loading.load_gemma_text_tower`).
+        tower: the loaded Gemma 3 text tower (:func:`ltx_mgpu.text.encoder.loading.load_gemma_text_tower`).
         projection: the checkpoint's text projection (:func:`load_projection`), on the
             tower's device. Its ``num_layers`` must equal the tower's hidden-state count.
         token_budget: tokens per prompt including BOS (1024 for LTX-2).

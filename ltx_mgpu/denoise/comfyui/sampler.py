@@ -22,7 +22,7 @@ It reproduces, for ComfyUI LATENT / CONDITIONING / SIGMAS inputs, what ComfyUI c
 4. ``x / (1 - sigma_last)`` (CONST ``inverse_noise_scaling``; exact for the usual 0).
 
 The velocity model is any callable with ``LTXModel.forward``'s signature, so
-:class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer` plugs in; every rank
+:class:`~ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer` plugs in; every rank
 then runs this whole function in lockstep with identical inputs (SPMD).
 
 Known differences from ComfyUI: the noise mask is applied per token (ComfyUI applies the
@@ -50,16 +50,21 @@ from ltx_core.components.schedulers import LTX2Scheduler
 
 from ltx_mgpu.cancellation import Cancelled
 from ltx_mgpu.choices import SAMPLERS
-from ltx_mgpu.denoise.conditioning import ConditioningError, parse_conditioning, sampling_frame_rate
-from ltx_mgpu.denoise.extra_conds import (
+from ltx_mgpu.denoise.comfyui.conditioning import (
+    ConditioningError,
+    parse_conditioning,
+    sampling_frame_rate,
+    text_contexts,
+)
+from ltx_mgpu.denoise.comfyui.extra_conds import (
     ExtraConds,
     apply_extra_conds,
     concat_extra_conds,
     extra_conds,
     restore_outputs,
 )
-from ltx_mgpu.denoise.latents import AUDIO_PATCHIFIER, latent_to_tokens, repeat_to_batch, tokens_to_latent
-from ltx_mgpu.denoise.transformer_call import ModalityInput, transformer_call
+from ltx_mgpu.denoise.comfyui.latents import AUDIO_PATCHIFIER, latent_to_tokens, repeat_to_batch, tokens_to_latent
+from ltx_mgpu.denoise.comfyui.transformer_call import ModalityInput, transformer_call
 from ltx_mgpu.nested import is_nested
 
 LOG = logging.getLogger("ltx_mgpu")
@@ -347,7 +352,7 @@ def sample(
         _said.add("ref_audio")
         LOG.info("ltx_mgpu: the SP Sampler conditions on the reference audio in context; LTXVReferenceAudio's "
                  "identity guidance (its MODEL output) needs ComfyUI's sampler on the Model Loader's comfy_model")
-    ctxs = [model.preprocess_text_embeds(p.tensor, p.unprocessed) for p in prompts]
+    ctxs = [text_contexts(model, p.tensor, p.unprocessed) for p in prompts]
     has_mask = latent.get("noise_mask") is not None
     streams = {}
     for _i, (k, m) in enumerate(mods.items()):

@@ -1,26 +1,27 @@
-"""Encoding in this process: :class:`LocalTextEncoder` (a config, loaded on one device on first
-use) and :func:`encode_prompts`, the cache-aware entry point of the CLI's in-process encode: a
-fully cached prompt set never constructs Gemma. Encoding in the pool is
-:mod:`ltx_mgpu.client.text`'s; both take the same :class:`~ltx_mgpu.text.config.TextEncoderConfig`.
+"""Encoding in this process: :class:`LocalTextEncoder`, a config loaded on one device on first
+use, whose :meth:`~LocalTextEncoder.encode` goes through the cache (a fully cached prompt set
+never constructs Gemma). Encoding in the pool is :func:`ltx_mgpu.client.text.encode_prompts`;
+both take the same :class:`~ltx_mgpu.text.config.TextEncoderConfig` and check the prompts the
+same way, once, where they come in (:func:`~ltx_mgpu.text.gemma.tokenizer.check_prompts`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ltx_mgpu.text.cache.keys import cache_key_parts, weights_mode
 from ltx_mgpu.text.cache.store import CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.config import COMPILE_NF4, TextEncoderConfig
-from ltx_mgpu.text.encoder import PromptEncoder, compile_prompt_encoder, parse_dtype
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.prompt import PromptEncoder, compile_prompt_encoder, parse_dtype
 from ltx_mgpu.text.features import PromptEmbedding, load_projection
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
-from ltx_mgpu.text.gemma.tokenizer import prompt_too_long
+from ltx_mgpu.text.gemma.tokenizer import check_prompts, prompt_too_long
 
-__all__ = ["LocalTextEncoder", "encode_prompts", "check_not_truncated"]
+__all__ = ["LocalTextEncoder", "check_not_truncated"]
 
 log = logging.getLogger(__name__)
 
@@ -74,25 +75,55 @@ class LocalTextEncoder:
         """Whether :meth:`build` has loaded the encoder."""
         return self._encoder is not None
 
+    def encode(self, prompts: Sequence[str], batch_size: int = 8, cache: EmbeddingCache | None = None,
+               on_progress: Callable[[str, int, int], Any] | None = None
+               ) -> tuple[list[PromptEmbedding], CacheReport]:
+        """Encode ``prompts`` through ``cache`` (None: no cache): hits are read, misses encoded in
+        sub-batches of ``batch_size`` and stored after each; Gemma is loaded only when a prompt
+        misses.
 
-def encode_prompts(spec: LocalTextEncoder, prompts: Sequence[str], batch_size: int = 8,
-                   cache: EmbeddingCache | None = None) -> tuple[list[PromptEmbedding], CacheReport]:
-    """Encode through the cache: hits are read, misses encoded (Gemma is loaded only if
-    there is at least one miss) and stored.
+        ``on_progress(phase, step, total)`` gets ``load_text_encoder`` (0/1 when Gemma starts
+        loading, 1/1 when it is ready) and ``encode`` (prompts done of those to encode, once per
+        sub-batch), the phases a pool's encode reports.
 
-    Returns:
-        ``(embeddings in prompt order, CacheReport)``.
-    """
-    if cache is None:
-        t0 = time.perf_counter()
-        embeddings = spec.build().encode(prompts, batch_size)
-        return embeddings, CacheReport(hits=0, misses=len(prompts), encoded=len(prompts),
-                                       seconds=time.perf_counter() - t0)
-    out = encode_cached(cache, list(prompts), cache_key_parts(spec.config),
-                        lambda missing: spec.build().encode(missing, batch_size), batch_size)
-    if not spec.config.truncate:
-        check_not_truncated(out[0], spec.config.token_budget)
-    return out
+        Returns:
+            ``(embeddings in prompt order, CacheReport)``.
+        Raises:
+            ValueError: prompts :func:`~ltx_mgpu.text.gemma.tokenizer.check_prompts` refuses, a
+                ``batch_size`` below 1; ``PromptTooLongError`` when the config does not truncate
+                and a prompt (or a cached entry of an earlier, truncating run) is over the budget.
+            Whatever :meth:`build` raises.
+        """
+        check_prompts(prompts)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        report = on_progress or (lambda phase, step, total: None)
+        done = [0, 0]  # prompts encoded, prompts to encode
+
+        def encode_misses(missing: list[str]) -> list[PromptEmbedding]:
+            if not self.loaded:
+                report("load_text_encoder", 0, 1)
+                self.build()
+                report("load_text_encoder", 1, 1)
+            done[1] = max(done[1], done[0] + len(missing))
+            report("encode", done[0], done[1])
+            out = []
+            for i in range(0, len(missing), batch_size):
+                batch = missing[i:i + batch_size]
+                out += self.build().encode(batch, len(batch))
+                done[0] += len(batch)
+                report("encode", done[0], done[1])
+            return out
+
+        if cache is None:
+            t0 = time.perf_counter()
+            embeddings = encode_misses(list(prompts))
+            return embeddings, CacheReport(hits=0, misses=len(prompts), encoded=len(prompts),
+                                           seconds=time.perf_counter() - t0)
+        out = encode_cached(cache, list(prompts), cache_key_parts(self.config), encode_misses, batch_size)
+        if not self.config.truncate:
+            check_not_truncated(out[0], self.config.token_budget)
+        return out
 
 
 def check_not_truncated(embeddings: Sequence[PromptEmbedding], token_budget: int) -> None:

@@ -12,7 +12,7 @@ and ``comfy_extras/nodes_lt.py``):
   ``attention_mask``;
 * keyframe guides (``keyframe_idxs``, ``guide_attention_entries``: ``LTXVAddGuide``) and
   reference audio (``ref_audio``: ``LTXVReferenceAudio``), kept in ``extras`` for the sampler
-  (:mod:`ltx_mgpu.denoise.extra_conds` checks and applies them).
+  (:mod:`ltx_mgpu.denoise.comfyui.extra_conds` checks and applies them).
 
 Anything else a core LTX node adds that we do not implement and any other unknown key is
 rejected with a :class:`ConditioningError` naming it — never silently ignored, since ignoring it
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ltx_mgpu.denoise.latents import DEFAULT_FRAME_RATE, FLOAT_DTYPES, frame_rate_from_conditioning
+from ltx_mgpu.denoise.comfyui.latents import DEFAULT_FRAME_RATE, FLOAT_DTYPES, frame_rate_from_conditioning
 
 __all__ = [
     "EXTRA_KEYS",
@@ -56,7 +56,7 @@ UNSUPPORTED_KEYS = {
     "gligen": "GLIGEN",
     "hooks": "hook keyframes / LoRA hooks",
 }
-#: The model conditions a conditioning may carry (applied by ``ltx_mgpu.denoise.extra_conds``).
+#: The model conditions a conditioning may carry (applied by ``ltx_mgpu.denoise.comfyui.extra_conds``).
 EXTRA_KEYS = ("keyframe_idxs", "guide_attention_entries", "ref_audio")
 _KNOWN = {"pooled_output", "unprocessed_ltxav_embeds", "frame_rate", "attention_mask", *EXTRA_KEYS}
 

@@ -1,6 +1,6 @@
 """What sequence parallelism can serve, checked before any GPU work and identically on every
 rank: the world size must divide the attention heads Ulysses splits, and the video latent must
-fit the token budget (``ltx_mgpu.denoise.sequence_parallel`` runs the split)."""
+fit the token budget (``ltx_mgpu.denoise.parallel.ulysses`` runs the split)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The loaded Gemma 3 text tower: :class:`GemmaTextTower`, the type every text module takes.
 
-Loading one is :func:`ltx_mgpu.text.gemma.loading.load_gemma_text_tower`'s (bf16 sources) and
+Loading one is :func:`ltx_mgpu.text.encoder.loading.load_gemma_text_tower`'s (bf16 sources) and
 :mod:`ltx_mgpu.text.nf4.load`'s (NF4); running it is :mod:`ltx_mgpu.text.gemma.forward`'s.
 """
 

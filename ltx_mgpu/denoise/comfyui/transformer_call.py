@@ -1,11 +1,11 @@
 """The one transformer call both samplers make: the SP Sampler's steps
-(:mod:`ltx_mgpu.denoise.sampler`) and the MODEL's forward (:mod:`ltx_mgpu.denoise.forward`),
+(:mod:`ltx_mgpu.denoise.comfyui.sampler`) and the MODEL's forward (:mod:`ltx_mgpu.denoise.comfyui.forward`),
 so the two cannot drift.
 
 A call is one :class:`ModalityInput` per modality present, turned into ltx-core 1.0.0
 ``Modality`` objects (``ltx_core/model/transformer/modality.py``) and given to the velocity
 model (``LTXModel.forward``'s contract, or the
-:class:`~ltx_mgpu.denoise.sequence_parallel.SequenceParallelTransformer` around it).
+:class:`~ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer` around it).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Where Gemma runs in a multi-process job, and how every rank ends up holding every embedding.
 
 Placements, orthogonal to the weights mode (``bf16`` / ``nf4``, passed through to
-:func:`ltx_mgpu.text.gemma.loading.load_gemma_text_tower`):
+:func:`ltx_mgpu.text.encoder.loading.load_gemma_text_tower`):
 
 * ``single``: rank 0 holds Gemma and encodes every prompt.
 * ``accelerate``: rank 0 holds Gemma with its decoder layers spread over the given devices
   (Accelerate ``dispatch_model`` hooks move activations between them; execution is sequential,
-  so this buys memory, not speed). The split is explicit (``ltx_mgpu.text.sharding``), not
-  ``device_map="balanced"``, which leaves GPUs unused for Gemma 3 12B (``ltx_mgpu.text.sharding``
+  so this buys memory, not speed). The split is explicit (``ltx_mgpu.text.encoder.device_map``), not
+  ``device_map="balanced"``, which leaves GPUs unused for Gemma 3 12B (``ltx_mgpu.text.encoder.device_map``
   says why): every device gets at least one decoder layer and the bytes are spread in
   proportion to a per-device budget (even by default). With one device (a CPU pool) the whole
   tower sits on it, still behind the same hooks.
@@ -42,7 +42,10 @@ from safetensors import safe_open
 from ltx_mgpu.choices import PLACEMENTS, check_choice
 from ltx_mgpu.text.cache.keys import weights_mode
 from ltx_mgpu.text.config import COMPILE_ACCELERATE, TextEncoderConfig
-from ltx_mgpu.text.encoder import PromptEncoder, parse_dtype
+from ltx_mgpu.text.encoder.device_map import dispatch_text_tower
+from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+from ltx_mgpu.text.encoder.local import LocalTextEncoder
+from ltx_mgpu.text.encoder.prompt import PromptEncoder, parse_dtype
 from ltx_mgpu.text.features import (
     ProjectionFormatError,
     PromptEmbedding,
@@ -51,11 +54,8 @@ from ltx_mgpu.text.features import (
     projection_gemma,
 )
 from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
-from ltx_mgpu.text.gemma.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.sources import detect_gemma_format, gemma_source_files
 from ltx_mgpu.text.nf4.artifact import read_manifest
-from ltx_mgpu.text.sharding import dispatch_text_tower
-from ltx_mgpu.text.spec import LocalTextEncoder
 
 __all__ = [
     "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing",

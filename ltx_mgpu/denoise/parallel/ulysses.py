@@ -55,7 +55,7 @@ from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.model import LTXModel
 
 from ltx_mgpu.choices import SP_LAYOUTS
-from ltx_mgpu.denoise.sp_config import (
+from ltx_mgpu.denoise.parallel.split import (
     SequenceParallelConfigError,
     check_sequence_parallel_config,
     check_token_budget,

@@ -34,10 +34,10 @@ from ltx_mgpu.text.gemma.sources import (
     no_tokenizer_error,
 )
 from ltx_mgpu.text.gemma.tokenizer import check_tokenizer, comfy_file_tokenizer, load_tokenizer
+from ltx_mgpu.text.gemma.tower import GemmaTextTower
 from ltx_mgpu.text.nf4 import kernel as nf4_kernel
 from ltx_mgpu.text.nf4.dequant import FastDequant
 from ltx_mgpu.text.nf4.load import load_nf4, load_nf4_on_the_fly
-from ltx_mgpu.text.tower import GemmaTextTower
 
 __all__ = ["load_gemma_text_tower"]
 
