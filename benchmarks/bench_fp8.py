@@ -56,7 +56,8 @@ from benchmarks.bench_sp import (  # noqa: E402
     transformer_config,
 )
 from benchmarks.timing import time_ms, warm_gpu, write_json  # noqa: E402
-from ltx_mgpu.denoise.fp8 import Float8Linear, Fp8Config, compile_blocks, fp8_support_error, swap_linears  # noqa: E402
+from ltx_mgpu.denoise.fp8 import Float8Linear, compile_blocks, fp8_support_error, swap_linears  # noqa: E402
+from ltx_mgpu.denoise.plan import Fp8Config  # noqa: E402
 
 VARIANTS = {
     "fp8-naive": (Fp8Config("fp8", "row", bias_epilogue=False), False),

@@ -28,6 +28,7 @@ from benchmarks.timing import write_json  # noqa: E402
 from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
+from ltx_mgpu.denoise.plan import TransformerPlan
 
 
 def main(argv=None) -> int:
@@ -52,8 +53,9 @@ def main(argv=None) -> int:
                                 lifetime="with-owner", startup_timeout=300)
     try:
         for layout in ("ulysses", "cfg_ulysses"):
-            loaded = remote_load_transformer(client, checkpoint, dtype="bf16" if a.device == "cuda" else "fp32",
-                                             max_tokens=1 << 17, layout=layout, name=layout, timeout=1800)
+            plan = TransformerPlan(checkpoint, dtype="bf16" if a.device == "cuda" else "fp32", max_tokens=1 << 17,
+                                   layout=layout)
+            loaded = remote_load_transformer(client, plan, name=layout, timeout=1800)
             width = sum(loaded["context_widths"])
             pm = PoolModel(lambda: client, lambda: None, layout, key=loaded["key"])
             for text in a.shapes.split(","):

@@ -63,6 +63,7 @@ from benchmarks.timing import write_json  # noqa: E402
 from ltx_mgpu.client.denoise import remote_load_transformer  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
+from ltx_mgpu.denoise.plan import TransformerPlan
 
 #: ComfyUI's key prefix of the diffusion model's weights (``ModelPatcher.patches`` keys).
 COMFY_PREFIX = "diffusion_model."
@@ -149,8 +150,8 @@ def main(argv=None) -> int:
                                 lifetime="with-owner", startup_timeout=300)
     try:
         t0 = time.perf_counter()
-        loaded = remote_load_transformer(client, checkpoint, dtype={"cuda": "bf16", "cpu": "fp32"}[a.device],
-                                         max_tokens=1 << 17)
+        loaded = remote_load_transformer(client, TransformerPlan(checkpoint, dtype={"cuda": "bf16",
+                                                                 "cpu": "fp32"}[a.device], max_tokens=1 << 17))
         results["load_s"] = time.perf_counter() - t0
         print(f"base load: {results['load_s']:.1f} s ({loaded['bytes'] / 2**30:.1f} GiB per rank)", flush=True)
         model = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded.get("key"))

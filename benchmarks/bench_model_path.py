@@ -55,6 +55,7 @@ from benchmarks.timing import sync, wall_ms, write_json  # noqa: E402
 from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample  # noqa: E402
 from ltx_mgpu.client.model import PoolModel  # noqa: E402
 from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike  # noqa: E402
 
 #: safetensors' dtype names (the format's header, https://github.com/huggingface/safetensors).
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         name = {"cuda": "bf16", "cpu": "fp32"}[a.device]
-        loaded = remote_load_transformer(client, checkpoint, dtype=name, max_tokens=1 << 17)
+        loaded = remote_load_transformer(client, TransformerPlan(checkpoint, dtype=name, max_tokens=1 << 17))
         results["load_s"] = time.perf_counter() - t0
         results["pool_bytes"] = loaded["bytes"]
         print(f"loaded in {results['load_s']:.1f} s ({loaded['bytes'] / 2**30:.1f} GiB per rank)", flush=True)

@@ -57,6 +57,7 @@ from ltx_mgpu.client.pool_client import PoolClient  # noqa: E402
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, inspect_checkpoint  # noqa: E402
 from ltx_mgpu.denoise.fp8 import fp8_weight  # noqa: E402
 from ltx_mgpu.denoise.parallel.fsdp import HEADROOM, weight_plan  # noqa: E402
+from ltx_mgpu.denoise.plan import TransformerPlan
 
 #: Dense bf16 tensor-core rates (FP32 accumulate), TFLOP/s, memory, GiB, and memory bandwidth, GB/s.
 #: Sources: NVIDIA H200 Tensor Core GPU datasheet (989 dense, "1,979 with sparsity"; 4.8 TB/s); NVIDIA
@@ -197,8 +198,9 @@ def main(argv=None) -> int:
     try:
         for weights in ("replicated", "sharded"):
             t0 = time.perf_counter()
-            loaded = remote_load_transformer(client, checkpoint, dtype="bf16" if a.device == "cuda" else "fp32",
-                                             max_tokens=1 << 17, weights=weights, name=weights, timeout=1800)
+            plan = TransformerPlan(checkpoint, dtype="bf16" if a.device == "cuda" else "fp32", max_tokens=1 << 17,
+                                   weights=weights)
+            loaded = remote_load_transformer(client, plan, name=weights, timeout=1800)
             results[f"{weights}_load_s"] = time.perf_counter() - t0
             results[f"{weights}_bytes_per_rank"] = loaded["bytes"]
             results[f"{weights}_pool_memory"] = [r.get("memory") for r in client.status().get("ranks", [])]

@@ -70,6 +70,7 @@ from ltx_mgpu.denoise.parallel.ulysses import (  # noqa: E402
     install_attention_wrappers,
     remove_attention_wrappers,
 )
+from ltx_mgpu.denoise.plan import TransformerPlan  # noqa: E402
 from ltx_mgpu.nested import NestedTensorLike  # noqa: E402
 
 #: LTX-2 19B (LTX-2.0 layout) transformer geometry.
@@ -228,7 +229,8 @@ def main(argv=None) -> int:
     max_tokens = max(f * h * w for f, h, w in shapes)
     sp_ws1 = SequenceParallelTransformer(model, None, max_tokens)
     forced_state = _ShardState(group, 1, 0)
-    denoiser = LTXDenoiser(model, None, None, config, "2.0", dtype, device, max_tokens)
+    plan = TransformerPlan("random-weights", dtype="bf16" if dtype == torch.bfloat16 else "fp32", max_tokens=max_tokens)
+    denoiser = LTXDenoiser(model, None, None, config, "2.0", dtype, device, plan)
     rows = []
     for shape in shapes:
         tokens = shape[0] * shape[1] * shape[2]

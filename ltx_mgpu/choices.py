@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_WEIGHTS", "SP_LAYOUTS",
-           "LIFETIMES", "SAMPLERS", "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
+__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_COMPUTE_DTYPES",
+           "TRANSFORMER_WEIGHTS", "TRANSFORMER_STORAGE", "FP8_COMPUTES", "FP8_SCALINGS",
+           "SP_LAYOUTS", "ATTENTION_TYPES", "LIFETIMES", "SAMPLERS", "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
 
 #: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
 WEIGHTS = ("bf16", "nf4")
@@ -23,14 +24,26 @@ TEXT_DTYPES = ("bfloat16", "float32", "float16")
 #: The LTX-2 transformer's compute dtype; ``fp8``: the blocks' large linears as e4m3 GEMMs on FP8
 #: tensor cores (Ada, Hopper or newer), everything else bf16 (``ltx_mgpu.denoise.fp8``).
 TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+#: The compute dtype (torch's name) of each :data:`TRANSFORMER_DTYPES` choice: what the weights
+#: are held in (but the e4m3 ones) and what ComfyUI is told the model computes in.
+TRANSFORMER_COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
 #: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
 #: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.parallel.fsdp``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")
+#: How a checkpoint stores the transformer blocks' linears: as its dense dtype, or as float8 e4m3
+#: (an fp8 file; read from its header).
+TRANSFORMER_STORAGE = ("dense", "e4m3")
+#: How an fp8 layer computes (``ltx_mgpu.denoise.fp8``): an upcast weight, or an e4m3 GEMM.
+FP8_COMPUTES = ("upcast", "fp8")
+#: The scale granularity of an e4m3 GEMM: a scale per token and per output channel, or one per tensor.
+FP8_SCALINGS = ("row", "tensor")
 #: How a model call is split over the pool's ranks: ``ulysses`` (the video tokens over all ranks),
 #: ``cfg_ulysses`` (the cond and uncond halves of the batch on two halves of the pool, each
 #: Ulysses over its ranks) or ``auto`` (``cfg_ulysses`` whenever the batch and the world size are
 #: even: ``ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer.cfg_parallel``).
 SP_LAYOUTS = ("auto", "ulysses", "cfg_ulysses")
+#: ltx-core 1.0.0's attention backends (``AttentionFunction``'s values).
+ATTENTION_TYPES = ("default", "pytorch", "xformers", "flash_attention_3")
 #: How long a started pool lives: until the process that started it exits, or until stopped.
 LIFETIMES = ("with-owner", "detached")
 #: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.comfyui.sampler``).

@@ -35,8 +35,6 @@ from . import _comfy
 __all__ = ["PoolDiffusionModel", "av_timestep_convention", "checkpoint_vae", "pool_model_patcher"]
 
 LOG = logging.getLogger("ltx_mgpu")
-#: The dtype ComfyUI sees for each transformer dtype choice (fp8 compute keeps bf16 activations).
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -218,22 +216,23 @@ def checkpoint_vae(checkpoint: str):
     return sd_mod.VAE(sd=config.process_vae_state_dict(vae), metadata=metadata)
 
 
-def pool_model_patcher(pool_model, checkpoint: str, dtype: str):
+def pool_model_patcher(pool_model, checkpoint: str, compute_dtype: str):
     """A ComfyUI ``ModelPatcher`` for ``checkpoint`` whose transformer is ``pool_model`` (module doc).
 
     Args:
         pool_model: the :class:`ltx_mgpu.client.model.PoolModel` of the transformer loaded from
             ``checkpoint``; its ``av_timestep`` is set to the installed ComfyUI's convention.
         checkpoint: the monolith or transformer-only ``.safetensors`` path.
-        dtype: ``"bf16"`` / ``"fp16"`` / ``"fp32"`` / ``"fp8"`` (bf16 activations): the pool's compute
-            dtype, reported to ComfyUI as the model's (ComfyUI casts the latent to it before each call, as for its own).
+        compute_dtype: the pool's compute dtype by torch's name (``TransformerPlan.compute_dtype``:
+            ``"bfloat16"`` for dtype bf16 and fp8), reported to ComfyUI as the model's (ComfyUI casts
+            the latent to it before each call, as for its own).
     Raises:
         RuntimeError: ComfyUI is not loaded. ValueError: not an LTX-2 audio-video checkpoint.
     """
     patcher_mod, mm, ops = _need("comfy.model_patcher"), _need("comfy.model_management"), _need("comfy.ops")
     avm = _need("comfy.ldm.lightricks.av_model")
     sd, _, prefix, config = _config(checkpoint)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = getattr(torch, compute_dtype)
     config.set_inference_dtype(torch_dtype, None)
     unet_config = {k: v for k, v in config.unet_config.items() if k != "disable_unet_model_creation"}
     with torch.device("meta"):  # ComfyUI's own module, only for its key names, shapes and patchifiers

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ltx_mgpu.choices import SAMPLERS, SP_LAYOUTS, TRANSFORMER_WEIGHTS, check_choice
+from ltx_mgpu.choices import SAMPLERS, SP_LAYOUTS, TRANSFORMER_WEIGHTS
 from ltx_mgpu.choices import TRANSFORMER_DTYPES as DTYPES
+from ltx_mgpu.denoise.plan import TransformerPlan
 
 from . import _comfy, _model
 from ._runtime import CATEGORY, MODEL, POOL, JobWatch, PoolHandle
@@ -79,23 +80,17 @@ def parse_loras(text: str) -> list[tuple[str, float]]:
 
 @dataclass(frozen=True)
 class ModelHandle:
-    """The ``LTXMGPU_MODEL`` value: the pool and the ``load_transformer`` arguments (the
-    sampler re-sends them, so a model freed or a pool restarted since is loaded again)."""
+    """The ``LTXMGPU_MODEL`` value: the pool and the transformer's plan (the sampler re-sends
+    it, so a model freed or a pool restarted since is loaded again)."""
 
     pool: PoolHandle
-    checkpoint: str
-    dtype: str = "bf16"
-    loras: tuple[tuple[str, float], ...] = ()
-    max_tokens: int = 32768
-    weights: str = "replicated"
-    layout: str = "auto"
+    plan: TransformerPlan
 
     def ensure_loaded(self, session, watch: JobWatch | None = None) -> dict:
         """Load (or keep, when unchanged) the transformer on every rank; the load result."""
         from ltx_mgpu.client.denoise import remote_load_transformer
 
-        return remote_load_transformer(session, self.checkpoint, dtype=self.dtype, loras=list(self.loras),
-                                       max_tokens=self.max_tokens, weights=self.weights, layout=self.layout,
+        return remote_load_transformer(session, self.plan,
                                        should_cancel=watch.should_cancel if watch is not None else None)
 
     def comfy_model(self, loaded: dict):
@@ -108,12 +103,12 @@ class ModelHandle:
 
         pool_model = PoolModel(lambda: self.pool.client, lambda: self.ensure_loaded(self.pool.client),
                                name=loaded["model"], key=loaded.get("key"))
-        return _model.pool_model_patcher(pool_model, self.checkpoint, self.dtype)
+        return _model.pool_model_patcher(pool_model, self.plan.checkpoint, self.plan.compute_dtype)
 
     def comfy_vae(self):
         """The checkpoint's video VAE as ComfyUI's ``VAE`` (its ``vae.`` tensors only), or None
         without ComfyUI or for a file without one."""
-        return _model.checkpoint_vae(self.checkpoint) if _comfy.comfy_module("comfy.sd") is not None else None
+        return _model.checkpoint_vae(self.plan.checkpoint) if _comfy.comfy_module("comfy.sd") is not None else None
 
 
 class LTXMGPUModelLoader:
@@ -175,9 +170,9 @@ class LTXMGPUModelLoader:
 
     def load(self, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
              weights: str = "replicated", layout: str = "auto", unique_id: str | None = None):
-        handle = ModelHandle(pool, resolve_checkpoint(ckpt_name), dtype, tuple(parse_loras(loras)), int(max_tokens),
-                             check_choice(weights, TRANSFORMER_WEIGHTS, "weights"),
-                             check_choice(layout, SP_LAYOUTS, "layout"))
+        plan = TransformerPlan(resolve_checkpoint(ckpt_name), dtype=dtype, weights=weights, layout=layout,
+                               loras=parse_loras(loras), max_tokens=int(max_tokens))
+        handle = ModelHandle(pool, plan)
         with JobWatch(unique_id) as watch:
             loaded = handle.ensure_loaded(pool.session(), watch)
             watch.done()

@@ -143,7 +143,8 @@ def fp8_compute(model) -> None:
     """Make the block linears of a tiny model e4m3 GEMM layers (``ltx_mgpu.denoise.fp8``; CPU
     torch runs ``_scaled_mm``): every one whose sizes are multiples of 16 (the tiny model is below
     the production minimum size)."""
-    from ltx_mgpu.denoise.fp8 import Fp8Config, fp8_linear_names, swap_linears
+    from ltx_mgpu.denoise.fp8 import fp8_linear_names, swap_linears
+    from ltx_mgpu.denoise.plan import Fp8Config
 
     names = [n for n in fp8_linear_names(model, compute=False)
              if all(d % 16 == 0 for d in model.get_submodule(n).weight.shape)]
@@ -224,6 +225,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
     from ltx_mgpu.denoise.model import load_ltx_model
     from ltx_mgpu.denoise.parallel.fsdp import held_bytes, shard_transformer
     from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
+    from ltx_mgpu.denoise.plan import TransformerPlan
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -238,9 +240,9 @@ def _rank_main(spec_path: str, rank: int) -> None:
         key = json.dumps([case.get("video_only", False), case.get("model", {}), sharded, case.get("checkpoint"),
                           case.get("fp8_compute", False)], sort_keys=True)
         if key not in models and case.get("checkpoint"):  # a file, loaded as the pool loads it
-            total = held_bytes(load_ltx_model(case["checkpoint"], dtype=torch.float32).transformer)
-            models[key] = load_ltx_model(case["checkpoint"], dtype=torch.float32, group=dist.group.WORLD,
-                                         weights="sharded" if sharded else "replicated").transformer
+            total = held_bytes(load_ltx_model(TransformerPlan(case["checkpoint"], dtype="fp32")).transformer)
+            plan = TransformerPlan(case["checkpoint"], dtype="fp32", weights="sharded" if sharded else "replicated")
+            models[key] = load_ltx_model(plan, group=dist.group.WORLD).transformer
             shards[key] = _watch_shards(models[key], total)
         if key not in models:
             models[key] = build_tiny_model(video_only=case.get("video_only", False), **case.get("model", {}))

@@ -11,6 +11,7 @@ import torch
 from pool_support import cleanup, short_dir
 
 from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.prompt import PromptEncoder
@@ -259,7 +260,7 @@ def test_the_model_path_on_a_gpu_pool_equals_the_call_in_process():
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = tiny_ltx_checkpoint("2.3")
-    local = load_ltx_model(ckpt, device="cuda", dtype=torch.float32)
+    local = load_ltx_model(TransformerPlan(ckpt, dtype="fp32"), "cuda")
     g = torch.Generator().manual_seed(3)
     x = [torch.randn(2, 128, 3, 3, 5, generator=g).cuda(), torch.randn(2, 8, 7, 16, generator=g).cuda()]
     t = (torch.full((2,), 0.7, device="cuda"), torch.full((2,), 0.7, device="cuda"))
@@ -270,7 +271,7 @@ def test_the_model_path_on_a_gpu_pool_equals_the_call_in_process():
     base = short_dir()
     client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
     try:
-        loaded = remote_load_transformer(client, str(ckpt), dtype="fp32", timeout=300)
+        loaded = remote_load_transformer(client, TransformerPlan(str(ckpt), dtype="fp32"), timeout=300)
         pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
         got_ctx = pm.text_contexts(text, True)
         got = pm.forward(x, t, got_ctx)
@@ -294,7 +295,7 @@ def test_guides_reference_audio_and_sharded_weights_on_a_gpu_pool_equal_the_call
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = tiny_ltx_checkpoint("2.3")
-    local = load_ltx_model(ckpt, device="cuda", dtype=torch.float32)
+    local = load_ltx_model(TransformerPlan(ckpt, dtype="fp32"), "cuda")
     g = torch.Generator().manual_seed(5)
     x = [torch.randn(2, 128, 4, 3, 5, generator=g).cuda(), torch.randn(2, 8, 7, 16, generator=g).cuda()]
     mask = torch.ones(2, 1, 4, 3, 5)
@@ -321,8 +322,8 @@ def test_guides_reference_audio_and_sharded_weights_on_a_gpu_pool_equal_the_call
     try:
         got = {}
         for weights in ("replicated", "sharded"):
-            loaded = remote_load_transformer(client, str(ckpt), dtype="fp32", weights=weights, name=weights,
-                                             timeout=300)
+            loaded = remote_load_transformer(client, TransformerPlan(str(ckpt), dtype="fp32", weights=weights),
+                                             name=weights, timeout=300)
             pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
             got[weights] = pm.forward(x, t, ctx, conds=kwargs)
     finally:
@@ -372,10 +373,10 @@ def test_fp8_compute_runs_every_block_linear_as_an_e4m3_gemm_within_its_rounding
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = _fp8_sized_checkpoint(tmp_path)
-    bf16 = load_ltx_model(ckpt, device="cuda", dtype=torch.bfloat16)
-    fp8 = load_ltx_model(ckpt, device="cuda", dtype=torch.bfloat16, fp8_compute=True)
+    bf16 = load_ltx_model(TransformerPlan(ckpt), "cuda")
+    fp8 = load_ltx_model(TransformerPlan(ckpt, dtype="fp8"), "cuda")
     layers = [m for m in fp8.transformer.modules() if isinstance(m, Float8Linear)]
-    assert fp8.fp8 == "fp8" and len(layers) == sum(1 for n, m in bf16.transformer.named_modules()
+    assert fp8.linears == "fp8" and len(layers) == sum(1 for n, m in bf16.transformer.named_modules()
                                                     if n.startswith("transformer_blocks.")
                                                     and isinstance(m, torch.nn.Linear) and min(m.weight.shape) >= 256)
     x, t, ctx = _fp8_inputs()
@@ -402,7 +403,7 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = _fp8_sized_checkpoint(tmp_path)
-    local = load_ltx_model(ckpt, device="cuda", dtype=torch.bfloat16, fp8_compute=True)
+    local = load_ltx_model(TransformerPlan(ckpt, dtype="fp8"), "cuda")
     x, t, ctx = _fp8_inputs()
     with torch.no_grad():
         want = comfy_forward(local, local.transformer, x, t, ctx)
@@ -418,8 +419,9 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
     try:
         got = {}
         for weights in ("replicated", "sharded"):
-            loaded = remote_load_transformer(client, ckpt, dtype="fp8", weights=weights, name=weights, timeout=300)
-            assert loaded["fp8"] == "fp8" and loaded["dtype"] == "fp8"
+            loaded = remote_load_transformer(client, TransformerPlan(ckpt, dtype="fp8", weights=weights),
+                                             name=weights, timeout=300)
+            assert loaded["plan"]["linears"] == "fp8" and loaded["plan"]["dtype"] == "fp8"
             pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
             plain = pm.forward(x, t, ctx)
             patched = pm.forward(x, t, ctx, patches=patches)

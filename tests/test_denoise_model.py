@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, infer_transformer_config, inspect_checkpoint
 from ltx_mgpu.denoise.comfyui.conditioning import run_connector, text_contexts
 from ltx_mgpu.denoise.model import export_transformer_only, load_ltx_model
+from ltx_mgpu.denoise.plan import TransformerPlan
 
 F32 = torch.float32
 WIDTH = {"2.0": 64, "2.3": 48}  # unprocessed context width of the tiny checkpoints (2.3: 32 + 16)
@@ -54,7 +55,7 @@ def _assert_equal(a, b):
 
 @pytest.mark.parametrize("version", ["2.0", "2.3"])
 def test_layouts_give_identical_outputs(ckpt, version, tmp_path):
-    ref_model = load_ltx_model(ckpt[version], dtype=F32)
+    ref_model = load_ltx_model(TransformerPlan(ckpt[version], dtype="fp32"))
     assert ref_model.version == version
     ref = _outputs(ref_model, version)
     layouts = [("model.diffusion_model.", True), ("", True)]
@@ -70,7 +71,7 @@ def test_layouts_give_identical_outputs(ckpt, version, tmp_path):
             assert ("config" in (f.metadata() or {})) == keep
         info = inspect_checkpoint(path)
         assert (info.prefix, info.version, info.config_source) == (prefix, version, "metadata" if keep else "inferred")
-        _assert_equal(ref, _outputs(load_ltx_model(path, dtype=F32), version))
+        _assert_equal(ref, _outputs(load_ltx_model(TransformerPlan(path, dtype="fp32")), version))
 
 
 def test_inferred_config_matches_the_stored_one(ckpt):
@@ -86,11 +87,11 @@ def test_missing_config_that_shapes_cannot_determine_fails_clearly(ckpt, tmp_pat
     # model does not fit it, and without metadata there is nothing else to go by.
     path = export_transformer_only(ckpt["2.0"], tmp_path / "dit20_noconfig.safetensors", prefix="", keep_config=False)
     with pytest.raises(CheckpointError, match=r"no 'config' metadata.*video attention heads.*'config' metadata"):
-        load_ltx_model(path, dtype=F32)
+        load_ltx_model(TransformerPlan(path, dtype="fp32"))
     other = tmp_path / "not_ltx.safetensors"
     save_file({"model.diffusion_model.input_blocks.0.weight": torch.zeros(2, 2)}, str(other))
     with pytest.raises(CheckpointError, match="not an LTX-2 audio-video transformer"):
-        load_ltx_model(other, dtype=F32)
+        load_ltx_model(TransformerPlan(other, dtype="fp32"))
 
 
 def test_config_that_does_not_fit_the_weights_is_rejected(ckpt, tmp_path):
@@ -101,13 +102,13 @@ def test_config_that_does_not_fit_the_weights_is_rejected(ckpt, tmp_path):
         save_file({k: f.get_tensor(k) for k in f.keys()}, str(src),  # noqa: SIM118 - safe_open is not iterable
                   metadata={"config": json.dumps({"transformer": cfg})})
     with pytest.raises(CheckpointError, match="do not fit.*unexpected"):
-        load_ltx_model(src, dtype=F32)
+        load_ltx_model(TransformerPlan(src, dtype="fp32"))
 
 
 @pytest.mark.parametrize("mode", ["cast", "scaled"])
 def test_fp8_weights_load_upcast_and_close_to_bf16(ckpt, tmp_path, mode):
     path = export_transformer_only(ckpt["2.3"], tmp_path / f"dit_fp8_{mode}.safetensors", fp8=mode)
-    model = load_ltx_model(path, dtype=F32)
+    model = load_ltx_model(TransformerPlan(path, dtype="fp32"))
     key = "transformer_blocks.0.attn1.to_q.weight"
     with safe_open(str(ckpt["2.3"]), "pt") as f:
         w = f.get_tensor("model.diffusion_model." + key)
@@ -118,7 +119,7 @@ def test_fp8_weights_load_upcast_and_close_to_bf16(ckpt, tmp_path, mode):
         expect = (w / s).to(torch.float8_e4m3fn).float() * s
     assert model.transformer.state_dict()[key].dtype == F32
     torch.testing.assert_close(model.transformer.state_dict()[key], expect, rtol=1e-6, atol=0)
-    bf16 = _outputs(load_ltx_model(ckpt["2.3"], dtype=torch.bfloat16), "2.3")
+    bf16 = _outputs(load_ltx_model(TransformerPlan(ckpt["2.3"])), "2.3")
     got = _outputs(model, "2.3")
     for x, y in zip(got[2:], bf16[2:], strict=True):  # velocities; the connectors are not fp8
         assert (x - y).abs().max() <= 0.06 * y.abs().max()  # measured ~0.02-0.04
@@ -143,10 +144,11 @@ def test_weight_scale_and_comfy_quant_fp8_formats(ckpt, tmp_path):
         save_file(out, str(tmp_path / name), metadata=meta)
         return tmp_path / name
 
-    ref = _outputs(load_ltx_model(legacy, dtype=F32), "2.3")
-    _assert_equal(ref, _outputs(load_ltx_model(rewrite("quant.safetensors", "float8_e4m3fn"), dtype=F32), "2.3"))
+    ref = _outputs(load_ltx_model(TransformerPlan(legacy, dtype="fp32")), "2.3")
+    _assert_equal(ref, _outputs(load_ltx_model(TransformerPlan(rewrite("quant.safetensors", "float8_e4m3fn"),
+                                                               dtype="fp32")), "2.3"))
     with pytest.raises(CheckpointError, match="'nvfp4' quantisation"):
-        load_ltx_model(rewrite("nvfp4.safetensors", "nvfp4"), dtype=F32)
+        load_ltx_model(TransformerPlan(rewrite("nvfp4.safetensors", "nvfp4"), dtype="fp32"))
 
 
 def _write_lora(path, entries: dict, form: str = "A/B") -> None:
@@ -179,13 +181,14 @@ def _lora_entries(model, rank=2, seed=5):
 
 
 def test_lora_changes_output_strength_zero_does_not(ckpt, tmp_path):
-    base = load_ltx_model(ckpt["2.3"], dtype=F32)
+    base = load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32"))
     entries = _lora_entries(base)
     lora = tmp_path / "lora.safetensors"
     _write_lora(lora, entries)
     ref = _outputs(base, "2.3")
-    _assert_equal(ref, _outputs(load_ltx_model(ckpt["2.3"], dtype=F32, loras=[(str(lora), 0.0)]), "2.3"))
-    fused = load_ltx_model(ckpt["2.3"], dtype=F32, loras=[LoraSpec(str(lora), 0.7)])
+    _assert_equal(ref, _outputs(load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32", loras=[(str(lora), 0.0)])),
+                                                               "2.3"))
+    fused = load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32", loras=[LoraSpec(str(lora), 0.7)]))
     got = _outputs(fused, "2.3")
     assert not torch.allclose(got[0], ref[0]) and not torch.allclose(got[2], ref[2])  # connector and DiT changed
     a, b, _ = entries["transformer_blocks.0.attn1.to_q"]
@@ -195,13 +198,13 @@ def test_lora_changes_output_strength_zero_does_not(ckpt, tmp_path):
 
 
 def test_lora_kohya_naming_with_alpha_equals_scaled_peft_naming(ckpt, tmp_path):
-    base = load_ltx_model(ckpt["2.3"], dtype=F32)
+    base = load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32"))
     entries = _lora_entries(base, rank=4)
     peft, kohya = tmp_path / "peft.safetensors", tmp_path / "kohya.safetensors"
     _write_lora(peft, entries)
     _write_lora(kohya, {m: (a, b, 2.0) for m, (a, b, _) in entries.items()}, form="kohya")  # alpha/rank = 0.5
-    one = load_ltx_model(ckpt["2.3"], dtype=F32, loras=[(str(peft), 0.5)])
-    two = load_ltx_model(ckpt["2.3"], dtype=F32, loras=[(str(kohya), 1.0)])
+    one = load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32", loras=[(str(peft), 0.5)]))
+    two = load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32", loras=[(str(kohya), 1.0)]))
     _assert_equal(_outputs(one, "2.3"), _outputs(two, "2.3"))
 
 
@@ -210,16 +213,16 @@ def test_lora_with_foreign_keys_is_rejected(ckpt, tmp_path):
     save_file({"lora_unet_input_blocks_1_1_proj_in.lora_down.weight": torch.zeros(2, 4),
                "lora_unet_input_blocks_1_1_proj_in.lora_up.weight": torch.zeros(4, 2)}, str(bad))
     with pytest.raises(CheckpointError, match="match no weight of this LTX-2 transformer.*input_blocks"):
-        load_ltx_model(ckpt["2.3"], dtype=F32, loras=[(str(bad), 1.0)])
+        load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32", loras=[(str(bad), 1.0)]))
     with pytest.raises(CheckpointError, match="no LoRA file"):
-        load_ltx_model(ckpt["2.3"], dtype=F32, loras=[(str(tmp_path / "missing.safetensors"), 1.0)])
+        load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32", loras=[(str(tmp_path / "missing.safetensors"), 1.0)]))
 
 
 @pytest.mark.parametrize("tokens", [9, 1100])
 def test_connector_registers_follow_comfyui_layout(ckpt, tokens):
     """ComfyUI: ``cat(x, tile(registers)[T:L])`` with L = 128 * ceil(max(1024, T) / 128), RoPE
     over positions 0..L-1, the blocks without a mask, a final RMS norm."""
-    conn = load_ltx_model(ckpt["2.3"], dtype=F32).video_connector
+    conn = load_ltx_model(TransformerPlan(ckpt["2.3"], dtype="fp32")).video_connector
     x = torch.randn(1, tokens, conn.inner_dim, generator=torch.Generator().manual_seed(0))
     out = run_connector(conn, x)
     length = 128 * -(-max(1024, tokens) // 128)

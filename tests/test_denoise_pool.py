@@ -19,6 +19,7 @@ from ltx_mgpu.client.errors import BadInputError, JobCancelledError
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.denoise.comfyui.sampler import sample
 from ltx_mgpu.denoise.model import load_ltx_model
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
 from ltx_mgpu.wire.codec import (
     conditioning_from_request,
@@ -100,7 +101,7 @@ def _pool(base, nproc: int) -> PoolClient:
 def pool2(base, tiny_ltx_23):
     client = _pool(base, 2)
     try:
-        loaded = remote_load_transformer(client, str(tiny_ltx_23), dtype="fp32")
+        loaded = remote_load_transformer(client, TransformerPlan(str(tiny_ltx_23), dtype="fp32"))
         assert loaded["reused"] is False and loaded["world_size"] == 2 and loaded["version"] == "2.3"
         yield client
     finally:
@@ -109,7 +110,7 @@ def pool2(base, tiny_ltx_23):
 
 @pytest.fixture(scope="module")
 def model23(tiny_ltx_23):
-    return load_ltx_model(tiny_ltx_23, dtype=F32)
+    return load_ltx_model(TransformerPlan(tiny_ltx_23, dtype="fp32"))
 
 
 def _guides(f=2, h=3, w=5, seed=11):
@@ -177,20 +178,22 @@ def test_same_seed_same_output_different_seed_different(pool2):
 
 
 def test_loading_the_same_files_again_keeps_the_resident_model(pool2, tiny_ltx_23):
-    again = remote_load_transformer(pool2, str(tiny_ltx_23), dtype="fp32")
+    again = remote_load_transformer(pool2, TransformerPlan(str(tiny_ltx_23), dtype="fp32"))
     assert again["reused"] is True and again["valid_world_sizes"] == [1, 2, 4]
     rank0 = pool2.status()["ranks"][0]  # the other ranks' records refresh once a second
     assert rank0["models"]["ltx"]["kind"] == "ltx_transformer" and rank0["models"]["ltx"]["bytes"] == again["bytes"]
 
 
 def test_lora_changes_the_output_and_two_ranks_still_equal_world_size_one(pool2, tiny_ltx_23, lora):
-    loaded = remote_load_transformer(pool2, str(tiny_ltx_23), dtype="fp32", loras=[(lora, 1.0)], name="with_lora")
+    loaded = remote_load_transformer(pool2, TransformerPlan(str(tiny_ltx_23), dtype="fp32", loras=[(lora, 1.0)]),
+                                     name="with_lora")
     assert loaded["loras"] == [{"path": lora, "strength": 1.0}]
     pos, neg, latent = _cond(9, 1), _cond(5, 2), _av_latent()
     got = remote_sample(pool2, SampleRequest(pos, neg, latent, model="with_lora", sigmas=SIGMAS, cfg=2.0, seed=3),
                         timeout=120)
     plain = remote_sample(pool2, SampleRequest(pos, neg, latent, sigmas=SIGMAS, cfg=2.0, seed=3), timeout=120)
-    ref = sample(load_ltx_model(tiny_ltx_23, dtype=F32, loras=[(lora, 1.0)]), pos, neg, latent, sigmas=SIGMAS,
+    ref = sample(load_ltx_model(TransformerPlan(tiny_ltx_23, dtype="fp32", loras=[(lora, 1.0)])), pos, neg, latent,
+                                                sigmas=SIGMAS,
                  cfg=2.0, seed=3)
     assert _max_diff(got, ref) <= TOL
     assert all(_max_diff({"samples": x}, {"samples": y}) > 1e-3
@@ -201,7 +204,7 @@ def test_lora_changes_the_output_and_two_ranks_still_equal_world_size_one(pool2,
 def test_four_ranks_equal_world_size_one(base, tiny_ltx_23, model23):
     client = _pool(base, 4)
     try:
-        assert remote_load_transformer(client, str(tiny_ltx_23), dtype="fp32")["world_size"] == 4
+        assert remote_load_transformer(client, TransformerPlan(str(tiny_ltx_23), dtype="fp32"))["world_size"] == 4
         pos, neg, latent = _cond(9, 1), _cond(5, 2), _av_latent(masked=True)
         got = remote_sample(client, SampleRequest(pos, neg, latent, sigmas=SIGMAS, cfg=3.0, seed=9), timeout=120)
         ref = sample(model23, pos, neg, latent, sigmas=SIGMAS, cfg=3.0, seed=9)
@@ -218,7 +221,7 @@ def test_heads_not_divisible_by_three_ranks_is_bad_input_and_the_pool_keeps_serv
     try:
         for _ in range(2):  # the same message each time, and the pool stays up
             with pytest.raises(BadInputError) as e:
-                remote_load_transformer(client, str(tiny_ltx_23), dtype="fp32")
+                remote_load_transformer(client, TransformerPlan(str(tiny_ltx_23), dtype="fp32"))
             message = str(e.value)
             assert "4 video attention heads and 4 audio attention heads" in message
             assert "3 ranks do not divide them" in message and "rank (GPU) counts instead: 1, 2, 4" in message
@@ -229,7 +232,7 @@ def test_heads_not_divisible_by_three_ranks_is_bad_input_and_the_pool_keeps_serv
 
 
 def test_too_many_tokens_is_bad_input_and_a_fitting_latent_still_samples(pool2, tiny_ltx_23):
-    remote_load_transformer(pool2, str(tiny_ltx_23), dtype="fp32", max_tokens=44, name="small")
+    remote_load_transformer(pool2, TransformerPlan(str(tiny_ltx_23), dtype="fp32", max_tokens=44), name="small")
     with pytest.raises(BadInputError, match=r"45 tokens .*max_tokens=44.*Lower the resolution or the number of frames"):
         remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(), model="small", sigmas=SIGMAS), timeout=60)
     out = remote_sample(pool2, SampleRequest(_cond(9, 1), None, _av_latent(f=2, h=3, w=4), model="small",
@@ -249,9 +252,10 @@ def test_bad_requests_name_the_fix_and_the_pool_keeps_serving(pool2, tmp_path, t
     with pytest.raises(BadInputError, match="LTX-2 video latent is"):
         remote_sample(pool2, SampleRequest(_cond(9, 1), None, {"samples": torch.zeros(1, 128, 4, 4)}, sigmas=SIGMAS))
     with pytest.raises(BadInputError, match="no checkpoint at"):
-        remote_load_transformer(pool2, str(tmp_path / "missing.safetensors"), name="x")
+        remote_load_transformer(pool2, TransformerPlan(str(tmp_path / "missing.safetensors")), name="x")
     with pytest.raises(BadInputError, match="no LoRA file"):
-        remote_load_transformer(pool2, str(tiny_ltx_23), loras=[(str(tmp_path / "l.safetensors"), 1.0)], name="x")
+        remote_load_transformer(pool2, TransformerPlan(str(tiny_ltx_23), loras=[(str(tmp_path / "l.safetensors"),
+                                                       1.0)]), name="x")
     _serving(pool2, 2)
 
 

@@ -32,13 +32,13 @@ from ltx_mgpu.denoise.checkpoint import CheckpointError, StateDictLoader, inspec
 from ltx_mgpu.denoise.fp8 import (
     E4M3_MAX,
     Float8Linear,
-    Fp8Config,
     fp8_support_error,
     quantize_rows,
     rounding_noise,
     swap_linears,
 )
 from ltx_mgpu.denoise.model import export_transformer_only, load_ltx_model
+from ltx_mgpu.denoise.plan import Fp8Config, TransformerPlan
 
 REL = 1e-5
 DEEP = {"num_layers": 8}
@@ -137,7 +137,7 @@ def test_fp8_compute_is_refused_on_a_cpu_naming_the_fix(tmp_path):
     assert "FP8 tensor cores" in msg and "choose dtype 'bf16'" in msg
     _, fp8_file = _tiny_files(tmp_path)
     with pytest.raises(ValueError, match="choose dtype 'bf16'"):
-        load_ltx_model(fp8_file, "cpu", torch.bfloat16, fp8_compute=True)
+        load_ltx_model(TransformerPlan(fp8_file, dtype="fp8"), "cpu")
 
 
 def test_fp8_compute_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
@@ -173,7 +173,7 @@ def test_an_fp8_scale_of_the_wrong_size_is_refused_naming_the_fix(tmp_path):
     with safe_open(fp8_file, "pt") as f:
         save_file(sd, str(bad), metadata=f.metadata())
     with pytest.raises(CheckpointError, match=r"\(3,\) fp8 scale fits neither per-tensor nor per-row scaling; use"):
-        load_ltx_model(bad, dtype=torch.float32)
+        load_ltx_model(TransformerPlan(bad, dtype="fp32"))
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -188,7 +188,7 @@ def test_a_sharded_fp8_file_gathers_e4m3_and_equals_the_replicated_load(tmp_path
              dict(name="fp8_cfg_mask", **shape, batch=2, attention_mask=True, checkpoint=fp8_file, sharded=True),
              dict(name="f32_av", **shape, checkpoint=f32_file, sharded=True)]
     reports = run_ranks(world, cases, tmp_path)
-    replicated = load_ltx_model(fp8_file, dtype=torch.float32).transformer  # e4m3 upcast at load
+    replicated = load_ltx_model(TransformerPlan(fp8_file, dtype="fp32")).transformer  # e4m3 upcast at load
     for case in cases[:2]:
         with torch.no_grad():
             ref_v, ref_a = run_case(replicated, case)
@@ -248,12 +248,14 @@ def test_a_cpu_pool_refuses_dtype_fp8_and_merges_patches_into_e4m3_shards(base, 
     pool = _pool(base, 2)
     try:
         with pytest.raises(PoolError, match="FP8 tensor cores.*choose dtype 'bf16'"):
-            remote_load_transformer(pool, fp8_file, dtype="fp8", name="f", timeout=180)
-        rep = remote_load_transformer(pool, fp8_file, dtype="fp32", name="rep", timeout=180)
-        sh = remote_load_transformer(pool, fp8_file, dtype="fp32", name="sh", weights="sharded", timeout=180)
-        sh32 = remote_load_transformer(pool, str(tiny_ltx_23), dtype="fp32", name="sh32", weights="sharded",
-                                       timeout=180)
-        assert (rep["fp8"], sh["fp8"], sh32["fp8"]) == (None, "upcast", None)
+            remote_load_transformer(pool, TransformerPlan(fp8_file, dtype="fp8"), name="f", timeout=180)
+        rep = remote_load_transformer(pool, TransformerPlan(fp8_file, dtype="fp32"), name="rep", timeout=180)
+        sh = remote_load_transformer(pool, TransformerPlan(fp8_file, dtype="fp32", weights="sharded"),
+                                     name="sh", timeout=180)
+        sh32 = remote_load_transformer(pool, TransformerPlan(str(tiny_ltx_23), dtype="fp32", weights="sharded"),
+                                       name="sh32", timeout=180)
+        assert [r["plan"]["linears"] for r in (rep, sh, sh32)] == ["dense", "upcast", "dense"]
+        assert [r["plan"]["storage"] for r in (rep, sh, sh32)] == ["e4m3", "e4m3", "dense"]
         # each rank holds its rows of the e4m3 weights at 1 byte (+ a float32 scale per row) instead of 4
         linears = [inspect_checkpoint(fp8_file).shapes[k] for k in inspect_checkpoint(fp8_file).e4m3_keys]
         saved = (sum(o * i for o, i in linears) * 3 - sum(o for o, _ in linears) * 4) / 2

@@ -30,6 +30,7 @@ from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remo
 from ltx_mgpu.client.errors import BadInputError, JobCancelledError, PoolError, PoolFatalError
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.text import ensure_text_encoder, pool_key
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.wire.messages import MAX_BATCH, MAX_LORAS, MAX_PROMPTS, MAX_STEPS, MAX_TEXT_TOKENS
@@ -58,7 +59,7 @@ class Pool:
     def start(self) -> None:
         self.client = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=self.base, lifetime="with-owner",
                                          startup_timeout=120)
-        remote_load_transformer(self.client, self.ckpt, dtype="fp32", timeout=120)
+        remote_load_transformer(self.client, TransformerPlan(self.ckpt, dtype="fp32"), timeout=120)
         ensure_text_encoder(self.client, self.encoder, self.key, timeout=120)
         self.pids = pool_pids(self.client)
 
@@ -175,7 +176,7 @@ def _encodes_well(pool: Pool) -> None:
 
 
 def _loads_well(pool: Pool) -> None:
-    assert remote_load_transformer(pool.client, pool.ckpt, dtype="fp32", timeout=60)["reused"] is True
+    assert remote_load_transformer(pool.client, TransformerPlan(pool.ckpt, dtype="fp32"), timeout=60)["reused"] is True
 
 
 # --------------------------------------------------------------------------- text
@@ -312,13 +313,13 @@ def test_latent_sizes_are_bounded_before_any_work(pool):
 
 @pytest.mark.parametrize("attention", ["xformers", "flash_attention_3"])
 def test_an_attention_backend_the_pool_cannot_run_is_refused_at_load(pool, attention):
-    refused(lambda: remote_load_transformer(pool.client, pool.ckpt, dtype="fp32", attention_type=attention,
-                                            name="att", timeout=60),
+    plan = TransformerPlan(pool.ckpt, dtype="fp32", attention_type=attention)
+    refused(lambda: remote_load_transformer(pool.client, plan, name="att", timeout=60),
             rf"attention_type '{attention}' cannot run on cpu.*'pytorch'")
     pool.assert_held()
     assert "att" not in pool.client.status()["ranks"][0]["models"]
-    loaded = remote_load_transformer(pool.client, pool.ckpt, dtype="fp32", attention_type="pytorch", name="att",
-                                     timeout=60)
+    loaded = remote_load_transformer(pool.client, TransformerPlan(pool.ckpt, dtype="fp32", attention_type="pytorch"),
+                                     name="att", timeout=60)
     assert loaded["reused"] is False
     remote_sample(pool.client, SampleRequest(_cond(), None, _av_latent(), model="att", sigmas=SIGMAS), timeout=60)
     pool.client.request("unload", {"names": ["att"]}, timeout=30)
@@ -372,8 +373,8 @@ BAD_LORAS = {
 def test_a_bad_lora_is_bad_input_naming_the_file(pool, tmp_path, kind):
     make, match = BAD_LORAS[kind]
     path = make(tmp_path / f"{kind}.safetensors")
-    message = refused(lambda: remote_load_transformer(pool.client, pool.ckpt, dtype="fp32", loras=[(str(path), 1.0)],
-                                                      name="lora", timeout=60), match)
+    plan = TransformerPlan(pool.ckpt, dtype="fp32", loras=[(str(path), 1.0)])
+    message = refused(lambda: remote_load_transformer(pool.client, plan, name="lora", timeout=60), match)
     assert path.name in message
     pool.assert_held()
     assert "lora" not in pool.client.status()["ranks"][0]["models"]
@@ -393,8 +394,8 @@ def test_lora_lists_and_strengths_are_checked(pool, tmp_path):
     refused(lambda: hostile(pool, "load_transformer", params), r"load_transformer\.max_tokens must be in 1\.\.",
             fast=True)
     pool.assert_held()
-    loaded = remote_load_transformer(pool.client, pool.ckpt, dtype="fp32", loras=[(good, 0.5)], name="lora",
-                                     timeout=60)
+    loaded = remote_load_transformer(pool.client, TransformerPlan(pool.ckpt, dtype="fp32", loras=[(good, 0.5)]),
+                                     name="lora", timeout=60)
     assert loaded["loras"] == [{"path": good, "strength": 0.5}]
     pool.client.request("unload", {"names": ["lora"]}, timeout=30)
     _loads_well(pool)

@@ -39,7 +39,7 @@ HEAVY = {
 #: Modules the ComfyUI nodes may import from the engine: the client, the wire, and the
 #: dependency-free leaves the node definitions need (choices, the text encoder's config).
 NODE_ROOMS = ("ltx_mgpu.client", "ltx_mgpu.wire", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.settings",
-              "ltx_mgpu.text.config")
+              "ltx_mgpu.text.config", "ltx_mgpu.denoise.plan")
 #: Top-level names of ComfyUI's own modules (the engine never imports them).
 COMFY_MODULES = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "server", "execution",
                  "latent_preview", "node_helpers"}

@@ -30,6 +30,7 @@ from ltx_mgpu.client.model import PatchFormatError, PoolModel, wire_patches
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.denoise.comfyui.forward import av_timestep_convention, comfy_forward, processed_context
 from ltx_mgpu.denoise.model import load_ltx_model
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
 
 pytestmark = pytest.mark.slow
@@ -92,8 +93,11 @@ def pool(base, tiny_ltx_23):
 
 
 def _model(pool, checkpoint, name="ltx", loras=(), av="scaled") -> PoolModel:
-    load = lambda: remote_load_transformer(pool, str(checkpoint), dtype="fp32", name=name,  # noqa: E731
-                                           loras=list(loras), timeout=120)
+    plan = TransformerPlan(str(checkpoint), dtype="fp32", loras=list(loras))
+
+    def load():
+        return remote_load_transformer(pool, plan, name=name, timeout=120)
+
     loaded = load()
     return PoolModel(lambda: pool, load, name=name, av_timestep=av, key=loaded["key"])
 
@@ -105,7 +109,7 @@ def model(pool, tiny_ltx_23):
 
 @pytest.fixture(scope="module")
 def local(tiny_ltx_23):
-    return load_ltx_model(tiny_ltx_23, dtype=F32)
+    return load_ltx_model(TransformerPlan(tiny_ltx_23, dtype="fp32"))
 
 
 def _text(seed: int, tokens: int = 9) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remo
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.denoise.comfyui.sampler import sample
 from ltx_mgpu.denoise.model import load_ltx_model
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
@@ -79,11 +80,12 @@ def _sp_inputs():
 
 
 def test_sequence_parallel_sampling_on_two_gpus_equals_the_in_process_sampler(gpu_pool, tiny_ltx_23):
-    loaded = remote_load_transformer(gpu_pool, str(tiny_ltx_23), dtype="fp32")
+    loaded = remote_load_transformer(gpu_pool, TransformerPlan(str(tiny_ltx_23), dtype="fp32"))
     assert loaded["world_size"] == 2
     cond, neg, latent = _sp_inputs()
     got = remote_sample(gpu_pool, SampleRequest(cond, neg, latent, cfg=3.0, seed=5, steps=3), timeout=300)
-    ref = sample(load_ltx_model(tiny_ltx_23, dtype=torch.float32), cond, neg, latent, cfg=3.0, seed=5, steps=3)
+    ref = sample(load_ltx_model(TransformerPlan(tiny_ltx_23, dtype="fp32")), cond, neg, latent, cfg=3.0, seed=5,
+                                                steps=3)
     for x, y, start in zip(got["samples"].tensors, ref["samples"].tensors, latent["samples"].tensors):
         assert x.shape == y.shape
         assert (x - y).abs().max().item() <= 1e-4  # GPU vs CPU float32

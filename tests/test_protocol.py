@@ -183,7 +183,7 @@ def test_requests_validate_envelope_and_params():
     ("selftest", {"steps": 1.5}, "selftest.steps must be int"),
     ("selftest", {"steps": 1, "colour": "red"}, "unknown field"),
     ("hello", {"token": 5}, "hello.token must be str"),
-    ("load_text_encoder", {"source": "x", "placement": "everywhere"}, "must be one of"),
+    ("load_text_encoder", {"source": "x", "placement": 3}, "load_text_encoder.placement must be str"),
     ("encode", {"prompts": ["a", 3]}, r"encode.prompts\[1\] must be str"),
     ("cancel", {}, "missing the required field 'job_id'"),
 ])

@@ -26,6 +26,7 @@ from ltx_mgpu.denoise.comfyui.conditioning import ConditioningError, text_contex
 from ltx_mgpu.denoise.comfyui.extra_conds import ExtraCondsError
 from ltx_mgpu.denoise.comfyui.sampler import SamplingCancelled, comfy_noise, ltx2_sigmas, sample
 from ltx_mgpu.denoise.model import load_ltx_model
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
 
 F32 = torch.float32
@@ -139,12 +140,12 @@ def _tensors(latent):
 
 @pytest.fixture(scope="module")
 def model23(tiny_ltx_23):
-    return load_ltx_model(tiny_ltx_23, dtype=F32)
+    return load_ltx_model(TransformerPlan(tiny_ltx_23, dtype="fp32"))
 
 
 @pytest.fixture(scope="module")
 def model20(tiny_ltx_20):
-    return load_ltx_model(tiny_ltx_20, dtype=F32)
+    return load_ltx_model(TransformerPlan(tiny_ltx_20, dtype="fp32"))
 
 
 # --------------------------------------------------------------------------- parity with ComfyUI
@@ -300,7 +301,7 @@ def _write_lora(path: Path) -> None:
 
 
 def _run_case(case: dict, ckpt: str, lora: str, velocity=None):
-    model = load_ltx_model(ckpt, dtype=F32, loras=[(lora, 1.0)] if case["lora"] else ())
+    model = load_ltx_model(TransformerPlan(ckpt, dtype="fp32", loras=[(lora, 1.0)] if case["lora"] else ()))
     latent = _av_latent(**case["latent"])
     if case.get("video_only"):
         latent = {"samples": latent["samples"].tensors[0]}

@@ -27,6 +27,7 @@ from ltx_mgpu.denoise.checkpoint import CONNECTORS
 from ltx_mgpu.denoise.comfyui.forward import processed_context
 from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.denoise.parallel.fsdp import HEADROOM, fit_error, weight_plan
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
 
 pytestmark = pytest.mark.slow
@@ -117,7 +118,7 @@ def _cond(seed):
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_a_sharded_load_equals_the_replicated_one_through_the_pool(base, tiny_ltx_23, tmp_path, ranks):
-    local = load_ltx_model(tiny_ltx_23, dtype=torch.float32)
+    local = load_ltx_model(TransformerPlan(tiny_ltx_23, dtype="fp32"))
     lora = _lora_file(tmp_path / "lora.safetensors", local)
     pool = _pool(base, ranks)
     try:
@@ -125,10 +126,11 @@ def test_a_sharded_load_equals_the_replicated_one_through_the_pool(base, tiny_lt
         for weights in ("replicated", "sharded"):
             for with_lora in (False, True):
                 name = f"{weights}-{int(with_lora)}"
-                loaded[name] = remote_load_transformer(pool, str(tiny_ltx_23), dtype="fp32", name=name,
-                                                       weights=weights, loras=[(lora, 0.7)] if with_lora else [],
-                                                       timeout=180)
-        assert loaded["sharded-0"]["weights"] == "sharded" and loaded["replicated-0"]["weights"] == "replicated"
+                plan = TransformerPlan(str(tiny_ltx_23), dtype="fp32", weights=weights,
+                                       loras=[(lora, 0.7)] if with_lora else [])
+                loaded[name] = remote_load_transformer(pool, plan, name=name, timeout=180)
+        assert loaded["sharded-0"]["plan"]["weights"] == "sharded"
+        assert loaded["replicated-0"]["plan"]["weights"] == "replicated"
         # the status shows what each rank holds: a shard ~1/N of the transformer (+ whole connectors)
         deadline = time.monotonic() + 30
         while True:  # each rank rewrites its status record after a job (and every second)
@@ -140,7 +142,7 @@ def test_a_sharded_load_equals_the_replicated_one_through_the_pool(base, tiny_lt
         assert len(ranks_info) == ranks
         for r in ranks_info:
             held, whole = r["models"]["sharded-0"]["bytes"], r["models"]["replicated-0"]["bytes"]
-            assert r["models"]["sharded-0"]["weights"] == "sharded"
+            assert r["models"]["sharded-0"]["plan"]["weights"] == "sharded"
             assert held < whole / ranks * 1.6, (held, whole)
 
         g = torch.Generator().manual_seed(3)
@@ -185,8 +187,9 @@ def test_a_sharded_bf16_load_holds_bf16_shards(base, tiny_ltx_23):
     """The shards are in the compute dtype, as a replicated load's weights (not float32)."""
     pool = _pool(base, 2)
     try:
-        rep = remote_load_transformer(pool, str(tiny_ltx_23), dtype="bf16", name="rep", timeout=180)
-        sh = remote_load_transformer(pool, str(tiny_ltx_23), dtype="bf16", name="sh", weights="sharded", timeout=180)
+        rep = remote_load_transformer(pool, TransformerPlan(str(tiny_ltx_23), dtype="bf16"), name="rep", timeout=180)
+        sh = remote_load_transformer(pool, TransformerPlan(str(tiny_ltx_23), dtype="bf16", weights="sharded"),
+                                     name="sh", timeout=180)
         assert sh["bytes"] < rep["bytes"] * 0.75, (sh["bytes"], rep["bytes"])
         g = torch.Generator().manual_seed(3)
         x = [torch.randn(1, 128, 3, 3, 5, generator=g).bfloat16(), torch.randn(1, 8, 7, 16, generator=g).bfloat16()]

@@ -26,7 +26,7 @@ export function rankBars(pool) {
     // "ltx · 9.6 GiB shard": a model's name, the weight bytes this rank holds, "shard" when sharded.
     const models = Object.entries(r.models || {}).map(([name, info]) => {
       const held = info && Number.isFinite(info.bytes) ? ` · ${formatBytes(info.bytes)}` : "";
-      return `${name}${held}${info && info.weights === "sharded" ? " shard" : ""}`;
+      return `${name}${held}${info && info.plan && info.plan.weights === "sharded" ? " shard" : ""}`;
     });
     return {
       label: `rank ${r.rank} · ${r.device}`,

@@ -174,6 +174,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     from ltx_mgpu.client.text import encode_prompts
     from ltx_mgpu.denoise.checkpoint import inspect_checkpoint
     from ltx_mgpu.denoise.parallel.split import check_token_budget
+    from ltx_mgpu.denoise.plan import TransformerPlan
     from ltx_mgpu.text.cache.keys import default_cache_dir
     from ltx_mgpu.text.cache.store import EmbeddingCache
     from ltx_mgpu.text.config import TextEncoderConfig
@@ -196,6 +197,8 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     models = resolve_models(req)
     info = inspect_checkpoint(models.checkpoint)  # the header only
     world, on_gpus = world_size_for(req, info)
+    plan = TransformerPlan(models.checkpoint, dtype=req.dtype or ("bf16" if on_gpus else "fp32"),
+                           weights=req.transformer_weights, layout=req.layout, max_tokens=req.max_tokens)
     vae = inspect_vae_source(models.vae)
     if not vae.has_video:
         raise ValueError(f"{models.vae} holds no LTX-2 video VAE (vae.decoder.* and a 'vae' config); pass --vae with "
@@ -208,7 +211,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     latent = empty_av_latent(req.frames, req.height, req.width, req.fps, geometry)
     video, audio = latent["samples"].tensors
     video_tokens = int(video.shape[2] * video.shape[3] * video.shape[4])
-    check_token_budget(video_tokens, req.max_tokens)
+    check_token_budget(video_tokens, plan.max_tokens)
     spec = pool_spec_for(req, world, on_gpus)
     if req.gpus is None and on_gpus and world < torch.cuda.device_count():
         notify(f"note: using {world} of {torch.cuda.device_count()} GPUs: the model's attention heads split over "
@@ -252,9 +255,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
         progress("load_transformer", 0, 1)
         if text_loaded and client.launched:  # our own pool: free Gemma's memory for the transformer
             client.request("unload", {"names": ["text_encoder", "text_embeddings"]}, timeout=120)
-        dtype = req.dtype or ("bf16" if on_gpus else "fp32")
-        remote_load_transformer(client, models.checkpoint, dtype=dtype, max_tokens=req.max_tokens,
-                                weights=req.transformer_weights, layout=req.layout, should_cancel=wanted)
+        remote_load_transformer(client, plan, should_cancel=wanted)
         progress("load_transformer", 1, 1)
         seconds["load"] = time.perf_counter() - t
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.wire.codec import (
     DEFAULT_MODEL,
     conditioning_to_request,
@@ -77,45 +78,27 @@ class SampleRequest:
 
 def remote_load_transformer(
     client,
-    checkpoint: str,
+    plan: TransformerPlan,
     *,
-    dtype: str = "bf16",
-    loras: Sequence[tuple[str, float]] = (),
-    max_tokens: int = 32768,
-    attention_type: str | None = None,
     name: str = DEFAULT_MODEL,
-    weights: str = "replicated",
-    layout: str = "auto",
     timeout: float | None = None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> dict:
-    """Load (or keep, when unchanged) an LTX-2 transformer on every rank of ``client``'s pool.
+    """Load (or keep, when unchanged) the LTX-2 transformer ``plan`` describes on every rank of
+    ``client``'s pool, resident as ``name`` (the name ``SampleRequest.model`` refers to).
 
     Args:
         client: a :class:`ltx_mgpu.client.pool_client.PoolClient`.
-        checkpoint: monolith or transformer-only ``.safetensors`` path (as the pool sees it).
-        dtype: one of :data:`ltx_mgpu.choices.TRANSFORMER_DTYPES`; loras: ``(path, strength)``
-            pairs (ComfyUI LoRA naming); max_tokens: the largest video token count ``sample``
-            takes; attention_type: ltx-core's backend (``"default"``, ``"pytorch"``, ...) or None.
-        name: the resident name ``SampleRequest.model`` refers to.
-        weights: one of :data:`ltx_mgpu.choices.TRANSFORMER_WEIGHTS`: a whole copy per rank, or a
-            1/N shard per rank gathered block by block (FSDP2).
-        layout: one of :data:`ltx_mgpu.choices.SP_LAYOUTS`: how a model call is split over the
-            ranks (``auto``: CFG-parallel x Ulysses for an even batch on an even pool).
+        plan: the :class:`~ltx_mgpu.denoise.plan.TransformerPlan` (paths as the pool sees them).
     Returns:
-        The job result: ``model``, ``reused``, ``version``, ``valid_world_sizes``, ``heads``,
-        ``bytes``, ... (see ``ltx_mgpu.pool.denoise_jobs.load_transformer``).
+        The job result: ``model``, ``reused``, ``version``, ``plan`` (as the pool resolved it),
+        ``valid_world_sizes``, ``heads``, ``bytes``, ... (``ltx_mgpu.pool.denoise_jobs.load_transformer``).
     Raises:
         ltx_mgpu.client.errors.BadInputError: a missing or unsupported file, heads the pool's
             GPU count does not divide (the message lists the counts that work), a bad LoRA.
         Other ``PoolError`` s as ``PoolClient.request``.
     """
-    params = {"checkpoint": str(checkpoint), "dtype": dtype, "max_tokens": int(max_tokens), "name": name,
-              **({"weights": weights} if weights != "replicated" else {}),
-              **({"layout": layout} if layout != "auto" else {}),
-              "loras": [{"path": str(p), "strength": float(s)} for p, s in loras]}
-    if attention_type is not None:
-        params["attention_type"] = attention_type
+    params = {**plan.to_params(), "name": name}
     return client.request("load_transformer", params, timeout=timeout, should_cancel=should_cancel)[0]
 
 

@@ -42,6 +42,7 @@ from ltx_core.loader.primitives import StateDict
 from ltx_core.loader.sd_ops import SDOps
 from safetensors import safe_open
 
+from ltx_mgpu.denoise.plan import LoraSpec
 from ltx_mgpu.files import safetensors_header
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "MONOLITH_PREFIX",
     "CheckpointError",
     "CheckpointInfo",
-    "LoraSpec",
     "StateDictLoader",
     "check_loras",
     "count_blocks",
@@ -88,14 +88,6 @@ ASSUMED_HEAD_DIMS = {"video": 128, "audio": 64, "connector": 128}
 
 class CheckpointError(ValueError):
     """A checkpoint or LoRA file that cannot be loaded as an LTX-2 denoiser; says what to fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraSpec:
-    """A LoRA file (ComfyUI naming) and its strength (0 = not applied)."""
-
-    path: str
-    strength: float = 1.0
 
 
 @dataclasses.dataclass

@@ -3,7 +3,8 @@
 :class:`Float8Linear` replaces a block's ``torch.nn.Linear`` (module swap on ltx-core's model,
 never a fork of its code) and holds the weight as float8 e4m3 with a float32 scale per output
 row (``weight ~= weight_fp8 * weight_scale[:, None]``), the bias in the compute dtype. It
-computes one of two ways (:class:`Fp8Config`):
+computes one of two ways (:class:`~ltx_mgpu.denoise.plan.Fp8Config`, which the transformer's
+plan gives: ``TransformerPlan.fp8``):
 
 * ``compute="upcast"``: the weight is upcast to the input's dtype for every call
   (``(weight_fp8.float() * scale).to(dtype)``, exactly the cast the loader makes for a replicated
@@ -39,52 +40,25 @@ run compiled.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import torch
 import torch.nn.functional as F
 
-from ltx_mgpu.choices import check_choice
 from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
+from ltx_mgpu.denoise.plan import Fp8Config
 
-__all__ = ["E4M3_MAX", "FP8_COMPUTES", "FP8_SCALINGS", "MIN_FEATURES", "Float8Linear", "Fp8Config", "compile_blocks",
+__all__ = ["E4M3_MAX", "MIN_FEATURES", "Float8Linear", "compile_blocks",
            "fp8_linear_names", "fp8_support_error", "fp8_weight", "rounding_noise", "quantize_rows", "swap_linears"]
 
 #: The largest finite e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``).
 E4M3_MAX = 448.0
 #: The smallest amax a scale is computed from (an all-zero row gets scale ``_TINY / 448``).
 _TINY = 1e-12
-#: How a :class:`Float8Linear` computes (module doc).
-FP8_COMPUTES = ("upcast", "fp8")
-#: Scale granularity of FP8 compute (module doc).
-FP8_SCALINGS = ("row", "tensor")
 #: Smallest in / out size of a swapped linear: smaller GEMMs gain nothing from FP8.
 MIN_FEATURES = 256
 #: Compiled graphs Dynamo keeps per code object under :func:`compile_blocks` (its default is 8).
 _RECOMPILE_LIMIT = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Config:
-    """How the transformer's :class:`Float8Linear` layers compute (validated here, once).
-
-    Attributes:
-        compute: ``"upcast"`` (fp8 storage, compute dtype GEMMs) or ``"fp8"`` (e4m3 GEMMs).
-        scaling: ``"row"`` or ``"tensor"`` (``"fp8"`` only; module doc).
-        bias_epilogue: add the bias in the GEMM's epilogue (``"fp8"`` only).
-        fast_accum: cuBLASLt's fast FP8 accumulation (``use_fast_accum``: partial sums kept in
-            the tensor core's accumulator precision between promotions; ``"fp8"`` only).
-    """
-
-    compute: str = "upcast"
-    scaling: str = "row"
-    bias_epilogue: bool = True
-    fast_accum: bool = True
-
-    def __post_init__(self):
-        check_choice(self.compute, FP8_COMPUTES, "fp8 compute")
-        check_choice(self.scaling, FP8_SCALINGS, "fp8 scaling")
 
 
 def fp8_support_error(device: torch.device) -> str | None:

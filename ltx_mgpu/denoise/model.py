@@ -9,9 +9,6 @@ ltx-core ``Embeddings1DConnector`` modules built with ComfyUI's ``LTXAVModel`` s
 (double-precision RoPE, max position 4096, theta 1e4, split RoPE unless the config says
 otherwise) so that :func:`ltx_mgpu.denoise.comfyui.conditioning.text_contexts` on them matches
 ComfyUI's ``preprocess_text_embeds``.
-
-The checkpoint names are re-exported here (``from ltx_mgpu.denoise.model import
-inspect_checkpoint`` keeps working).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,44 +28,36 @@ from ltx_core.text_encoders.gemma.embeddings_connector import Embeddings1DConnec
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
-from ltx_mgpu.choices import TRANSFORMER_WEIGHTS
 from ltx_mgpu.denoise.checkpoint import (
     CONNECTORS,
     MONOLITH_PREFIX,
     CheckpointError,
     CheckpointInfo,
-    LoraSpec,
     StateDictLoader,
     count_blocks,
-    infer_transformer_config,
     inspect_checkpoint,
     load_loras,
 )
 from ltx_mgpu.denoise.fp8 import (
-    Float8Linear,
-    Fp8Config,
     compile_blocks,
     fp8_linear_names,
     fp8_support_error,
+    fp8_weight,
     swap_linears,
 )
 from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor, shard_transformer
 from ltx_mgpu.denoise.parallel.split import check_sequence_parallel_config
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
+from ltx_mgpu.denoise.plan import Fp8Config, LoraSpec, TransformerPlan
 from ltx_mgpu.files import write_atomically
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointInfo",
     "LTXDenoiser",
-    "LoraSpec",
-    "StateDictLoader",
     "check_world_size",
     "export_transformer_only",
-    "infer_transformer_config",
-    "inspect_checkpoint",
     "load_ltx_model",
     "meta_transformer",
+    "stores_e4m3",
     "transformer_key",
     "transformer_sd_ops",
 ]
@@ -86,12 +74,10 @@ class LTXDenoiser:
         video_connector / audio_connector: ltx-core ``Embeddings1DConnector`` (None when the file
             has none: then only already-processed conditioning can be used).
         config: ``{"transformer": {...}}``; version: ``"2.0"`` / ``"2.3"``.
-        dtype, device: of every weight; max_tokens: the video-token budget for SP.
-        source: the checkpoint path; loras: the LoRAs fused in.
-        weights: ``"replicated"`` (every rank holds the whole transformer) or ``"sharded"``
-            (each rank a 1/W shard of every weight, :mod:`ltx_mgpu.denoise.parallel.fsdp`).
-        fp8: how the block linears are held (:mod:`ltx_mgpu.denoise.fp8`): None (in ``dtype``),
-            ``"upcast"`` (e4m3 as stored, upcast per call) or ``"fp8"`` (e4m3 GEMMs).
+        dtype, device: of every weight but the e4m3 ones (``plan.compute_dtype``).
+        plan: the :class:`~ltx_mgpu.denoise.plan.TransformerPlan` it was loaded by, its storage
+            resolved from the file; ``max_tokens``, ``source``, ``loras``, ``weights`` and
+            ``linears`` are its.
     """
 
     transformer: LTXModel
@@ -101,11 +87,34 @@ class LTXDenoiser:
     version: str
     dtype: torch.dtype
     device: torch.device
-    max_tokens: int = 32768
-    source: str = ""
-    loras: tuple[LoraSpec, ...] = ()
-    weights: str = "replicated"
-    fp8: str | None = None
+    plan: TransformerPlan
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest video token count one call may have."""
+        return self.plan.max_tokens
+
+    @property
+    def source(self) -> str:
+        """The checkpoint path."""
+        return self.plan.checkpoint
+
+    @property
+    def loras(self) -> tuple[LoraSpec, ...]:
+        """The LoRAs merged at load."""
+        return self.plan.loras
+
+    @property
+    def weights(self) -> str:
+        """``"replicated"`` (every rank holds the whole transformer) or ``"sharded"`` (each rank a
+        1/W shard of every weight, :mod:`ltx_mgpu.denoise.parallel.fsdp`)."""
+        return self.plan.weights
+
+    @property
+    def linears(self) -> str:
+        """How the block linears are held and run (``TransformerPlan.linears``: ``dense``,
+        ``upcast``: e4m3 as stored, upcast per call, or ``fp8``: e4m3 GEMMs)."""
+        return self.plan.linears
 
     @property
     def context_widths(self) -> tuple[int, int]:
@@ -116,11 +125,11 @@ class LTXDenoiser:
             return int(t["cross_attention_dim"]), int(t["audio_cross_attention_dim"])
         return int(t["caption_channels"]), int(t["caption_channels"])
 
-    def velocity_model(self, group=None, layout: str = "ulysses"):
+    def velocity_model(self, group=None):
         """The transformer behind ltx_mgpu's sequence-parallel wrapper (world size 1: plain
-        path plus the ``max_tokens`` check), split as ``layout`` says (``ltx_mgpu.choices.
-        SP_LAYOUTS``). Every rank of ``group`` must call it."""
-        return SequenceParallelTransformer(self.transformer, group, self.max_tokens, layout=layout)
+        path plus the ``max_tokens`` check), split as the plan's ``layout`` says. Every rank of
+        ``group`` must call it."""
+        return SequenceParallelTransformer(self.transformer, group, self.plan.max_tokens, layout=self.plan.layout)
 
 
 def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device) -> Embeddings1DConnector:
@@ -148,76 +157,59 @@ def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device)
     return conn.eval()
 
 
-def load_ltx_model(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-    loras: Sequence[LoraSpec | tuple[str, float]] = (),
-    max_tokens: int = 32768,
-    *,
-    attention_type: str | None = None,
-    weights: str = "replicated",
-    group=None,
-    fp8_compute: bool = False,
-) -> LTXDenoiser:
-    """Load an LTX-2 / 2.3 denoiser (transformer + connectors) with LoRAs fused.
+def stores_e4m3(info: CheckpointInfo) -> bool:
+    """Whether the checkpoint stores any of the blocks' linears as e4m3 (an fp8 file): the
+    ``storage`` a :class:`~ltx_mgpu.denoise.plan.TransformerPlan` of it resolves to."""
+    return any(fp8_weight(k, info.shapes[k], compute=False) for k in info.e4m3_keys)
+
+
+def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *, group=None,
+                   info: CheckpointInfo | None = None) -> LTXDenoiser:
+    """Load an LTX-2 / 2.3 denoiser (transformer + connectors) as ``plan`` says, LoRAs merged.
 
     Args:
-        path: monolith checkpoint or transformer-only file (see the module docstring).
+        plan: what to load and how (checkpoint, dtype, weights, LoRAs, token budget, attention
+            backend; ``storage`` None is resolved here from the file's header). Its
+            ``linears`` decide the block linears (:mod:`ltx_mgpu.denoise.fp8`): ``fp8``: e4m3
+            GEMMs, the file's e4m3 weights and scales as stored, other weights quantised per row
+            at load after their LoRAs are merged, the blocks compiled (``torch.compile``, one
+            graph per token count: the first call at a size compiles); ``upcast`` (a sharded fp8
+            file): the e4m3 block weights kept as stored (FSDP2 gathers them at one byte) and
+            upcast per call; ``dense``: every weight in the compute dtype (a replicated fp8 file
+            is upcast at load).
         device: target device; tensors are read from the memory-mapped file one at a time
             and moved there, so host RAM holds at most one tensor per rank.
-        dtype: compute dtype of every weight (bf16 in production, fp32 for exact tests);
-            fp8 storage is upcast to it.
-        loras: ``LoraSpec`` or ``(path, strength)`` pairs, ComfyUI LoRA key naming.
-        max_tokens: video-token budget for sequence parallelism (``velocity_model``).
-        attention_type: override ``config["transformer"]["attention_type"]`` (ltx-core's
-            ``AttentionFunction`` value: "default", "pytorch", ...).
-        weights: ``"replicated"`` (a whole transformer here) or ``"sharded"``: this rank's shard
-            of every transformer weight over ``group`` (:mod:`ltx_mgpu.denoise.parallel.fsdp`; every
-            rank of ``group`` must load it together), read row-wise from the file. The
-            connectors are whole either way.
-        group: the process group of the shards (``"sharded"`` only; None: the default group).
-        fp8_compute: run the blocks' large linears as e4m3 GEMMs (:mod:`ltx_mgpu.denoise.fp8`:
-            the file's e4m3 weights and scales as stored, other weights quantised per row at
-            load after their LoRAs are merged; ``dtype`` must be bf16) and compile the blocks
-            (``torch.compile``, one graph per token count: the first call at a size compiles).
-            Without it a **sharded** transformer of an fp8 file keeps its e4m3 block weights as
-            stored (``"upcast"``: FSDP2 gathers them as fp8, half the traffic and memory of
-            bf16, and they are upcast per call); a replicated one upcasts them at load.
+        group: the process group of the shards (``weights: sharded``; None: the default group;
+            every rank of it must load together, each reading only its rows of every weight).
+            The connectors are whole either way.
+        info: the checkpoint's header (:func:`inspect_checkpoint`), when the caller has read it.
     Returns:
-        ``LTXDenoiser`` in eval mode.
+        ``LTXDenoiser`` in eval mode, its ``plan`` with the storage resolved.
     Raises:
         FileNotFoundError: no checkpoint. CheckpointError: see ``inspect_checkpoint`` and
         LoRA errors, or weights that do not fit the config (missing/unexpected keys).
-        ValueError: ``fp8_compute`` on a device without FP8 tensor cores or with a dtype other
-        than bf16 (the message names the fix).
+        ValueError: ``linears`` ``fp8`` on a device without FP8 tensor cores (the message names
+        the fix).
     """
     device = torch.device(device)
-    if fp8_compute and (err := fp8_support_error(device) or (
-            None if dtype == torch.bfloat16 else f"fp8 compute runs everything but the e4m3 GEMMs in bf16, not "
-            f"{dtype}: pass dtype=torch.bfloat16 with fp8_compute=True")):
+    info = info if info is not None else inspect_checkpoint(plan.checkpoint)
+    if plan.storage is None:
+        plan = plan.with_storage(stores_e4m3(info))
+    if plan.linears == "fp8" and (err := fp8_support_error(device)):
         raise ValueError(err)
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive token count, got {max_tokens}")
-    info = inspect_checkpoint(path)
-    if attention_type is not None:
-        info.config["transformer"]["attention_type"] = attention_type
-    specs = tuple(s if isinstance(s, LoraSpec) else LoraSpec(str(s[0]), float(s[1])) for s in loras)
-    deltas = load_loras(specs, [k for k in info.shapes if k.endswith(".weight")])
+    dtype = getattr(torch, plan.compute_dtype)
+    if plan.attention_type is not None:
+        info.config["transformer"]["attention_type"] = plan.attention_type
+    deltas = load_loras(plan.loras, [k for k in info.shapes if k.endswith(".weight")])
     loader = StateDictLoader(info, dtype, deltas, exclude=tuple(c + "." for c in CONNECTORS))
     sd_ops = transformer_sd_ops(info)
     builder = SingleGPUModelBuilder(
         model_class_configurator=LTXModelConfigurator, model_path=info.path, model_sd_ops=sd_ops, model_loader=loader
     )
-    if weights not in TRANSFORMER_WEIGHTS:
-        raise ValueError(f"weights must be one of {TRANSFORMER_WEIGHTS}, got {weights!r}")
     expected = set(builder.meta_model(info.config, ()).state_dict())
-    fp8 = "fp8" if fp8_compute else "upcast" if weights == "sharded" and info.e4m3_keys else None
-    if weights == "sharded" or fp8 is not None:
-        group = (group if group is not None else dist.group.WORLD) if weights == "sharded" else None
-        transformer = _assembled_transformer(builder, info, loader, sd_ops, device, group, fp8)
-        if fp8 == "upcast" and not any(isinstance(m, Float8Linear) for m in transformer.modules()):
-            fp8 = None  # the file's e4m3 weights are none of the block linears
+    if plan.weights == "sharded" or plan.linears != "dense":
+        group = (group if group is not None else dist.group.WORLD) if plan.weights == "sharded" else None
+        transformer = _assembled_transformer(builder, info, loader, sd_ops, device, group, plan.fp8)
     else:
         transformer = builder.build(device=device)
     got = set(loader.loaded_keys)
@@ -235,26 +227,26 @@ def load_ltx_model(
     unfused = set(deltas) - loader.fused
     if unfused:  # only weights outside the DiT and connectors could be left; never drop them silently
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
-    if fp8 == "fp8":
+    if plan.linears == "fp8":
         compile_blocks(transformer, dynamic=False)
-    return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device,
-                       int(max_tokens), info.path, specs, weights, fp8)
+    return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device, plan)
 
 
 def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, device: torch.device,
-                           group, fp8: str | None) -> LTXModel:
+                           group, fp8: Fp8Config | None) -> LTXModel:
     """The transformer built on the meta device, its block linears made :class:`Float8Linear`
-    (``fp8`` ``"fp8"``: all of :func:`~ltx_mgpu.denoise.fp8.fp8_linear_names`; ``"upcast"``: those
-    the file stores as e4m3), sharded over ``group`` (None: whole), then given storage on
-    ``device`` and filled from the file: a shard reads only its rows, e4m3 weights stay as
-    stored, nothing else is read or materialised."""
+    (``fp8.compute`` ``"fp8"``: all of :func:`~ltx_mgpu.denoise.fp8.fp8_linear_names`; ``"upcast"``:
+    those the file stores as e4m3; None: none), sharded over ``group`` (None: whole), then given
+    storage on ``device`` and filled from the file: a shard reads only its rows, e4m3 weights stay
+    as stored, nothing else is read or materialised."""
     transformer = builder.meta_model(info.config, ()).to(loader.dtype)  # every weight in the compute dtype
     fp8_names = []
     file_keys = {transformer_key(info, k): k for k in info.shapes}
     if fp8 is not None:
-        fp8_names = [n for n in fp8_linear_names(transformer, compute=fp8 == "fp8")
-                     if fp8 == "fp8" or file_keys.get(n + ".weight") in info.e4m3_keys]
-        swap_linears(transformer, Fp8Config(fp8), fp8_names)
+        compute = fp8.compute == "fp8"
+        fp8_names = [n for n in fp8_linear_names(transformer, compute=compute)
+                     if compute or file_keys.get(n + ".weight") in info.e4m3_keys]
+        swap_linears(transformer, fp8, fp8_names)
     if group is not None:
         shard_transformer(transformer, group, device)
     transformer.to_empty(device=device)

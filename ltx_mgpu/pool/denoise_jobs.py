@@ -44,30 +44,24 @@ from ltx_mgpu.denoise.checkpoint import (
     CONNECTORS,
     CheckpointError,
     CheckpointInfo,
-    LoraSpec,
     check_loras,
     inspect_checkpoint,
 )
 from ltx_mgpu.denoise.comfyui.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.fp8 import fp8_support_error, fp8_weight
-from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model
+from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model, stores_e4m3
 from ltx_mgpu.denoise.parallel.fsdp import fit_error, held_bytes, weight_plan
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError, check_token_budget, valid_world_sizes
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
 from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
+from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.wire import codec
 from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS, NO_PATCHES
 
-__all__ = ["DTYPES", "SCHEDULER_OPTIONS", "ResidentTransformer", "load_transformer",
-           "resident_transformer", "sample_job", "set_weight_patches"]
-
-#: ``load_transformer`` dtype names -> torch dtypes.
-#: The compute dtype of each transformer dtype choice (``fp8``: e4m3 block GEMMs, the rest bf16).
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
-#: A LoRA's ``strength`` range (ComfyUI's LoraLoader).
-LORA_STRENGTH = (-100.0, 100.0)
+__all__ = ["SCHEDULER_OPTIONS", "ResidentTransformer", "load_transformer", "resident_transformer", "sample_job",
+           "set_weight_patches"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,35 +145,10 @@ def _file_identity(path: str) -> dict:
     return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _parse_loras(raw) -> tuple[LoraSpec, ...]:
-    """``loras`` ([{"path": str, "strength": number}], at most ``MAX_LORAS`` by the schema).
-
-    Raises:
-        BadInput: an item with other fields, a path that is not a string or no file, a strength
-            that is not a number in :data:`LORA_STRENGTH`.
-    """
-    specs = []
-    for i, item in enumerate(raw or []):
-        unknown = sorted(set(item) - {"path", "strength"})
-        if unknown:
-            raise BadInput(f"loras[{i}] has unknown field(s) {unknown}; known: ['path', 'strength']")
-        strength = item.get("strength", 1.0)
-        if (not isinstance(item.get("path"), str) or isinstance(strength, bool)
-                or not isinstance(strength, (int, float))):
-            raise BadInput(f"loras[{i}] must be {{\"path\": str, \"strength\": number}}, got {item!r:.120}")
-        low, high = LORA_STRENGTH
-        if not (math.isfinite(strength) and low <= strength <= high):
-            raise BadInput(f"loras[{i}].strength must be in {low:g}..{high:g} (ComfyUI's LoRA strength range), "
-                           f"got {strength!r:.40}")
-        if not Path(item["path"]).is_file():
-            raise BadInput(f"no LoRA file at {item['path']}; pick a file from models/loras")
-        specs.append(LoraSpec(item["path"], float(strength)))
-    return tuple(specs)
-
-
 def _attention_error(attention_type: str | None, info: CheckpointInfo, ctx: JobContext,
                      dtype: torch.dtype) -> str | None:
-    """Why this rank cannot run ``attention_type`` (or the checkpoint's own, when None), or None.
+    """Why this rank cannot run ``attention_type`` (or the checkpoint's own, when None) in
+    ``dtype``, or None.
 
     The backend runs once on a tiny input of the model's head sizes and dtype on this rank's
     device (xformers and FlashAttention 3 need their packages and a GPU that they support), so a
@@ -209,25 +178,26 @@ def _model_bytes(m: LTXDenoiser) -> int:
     return sum(held_bytes(mod) for mod in modules)
 
 
-def _weight_plan(info, dtype_name: str, weights: str, world: int):
-    """The :class:`~ltx_mgpu.denoise.parallel.fsdp.WeightPlan` of loading ``info`` so: the block
-    linears at one byte when they are held as e4m3 (``dtype`` fp8: all of them; a sharded fp8
-    file: those it stores so; ``ltx_mgpu.denoise.model.load_ltx_model``)."""
-    fp8 = ((lambda k: fp8_weight(k, info.shapes[k])) if dtype_name == "fp8" else
-           (lambda k: k in info.e4m3_keys and fp8_weight(k, info.shapes[k], compute=False))
-           if weights == "sharded" and info.e4m3_keys else None)
-    return weight_plan(info.shapes, DTYPES[dtype_name].itemsize, world, CONNECTORS, fp8)
+def _weight_plan(info: CheckpointInfo, plan: TransformerPlan, world: int):
+    """The :class:`~ltx_mgpu.denoise.parallel.fsdp.WeightPlan` of loading ``info`` as ``plan``
+    says: the block linears at one byte where they are held as e4m3 (``linears`` fp8: all of
+    them; ``upcast``: those the file stores so)."""
+    held = ((lambda k: fp8_weight(k, info.shapes[k])) if plan.linears == "fp8" else
+            (lambda k: k in info.e4m3_keys and fp8_weight(k, info.shapes[k], compute=False))
+            if plan.linears == "upcast" else None)
+    size = getattr(torch, plan.compute_dtype).itemsize
+    return weight_plan(info.shapes, size, world, CONNECTORS, held)
 
 
 def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) -> dict:
     m, t = r.denoiser, r.denoiser.config["transformer"]
     return {
-        "model": name, "reused": reused, "checkpoint": m.source, "version": m.version,
-        "dtype": r.identity["dtype"], "max_tokens": m.max_tokens, "world_size": world_size,
+        "model": name, "reused": reused, "checkpoint": m.source, "version": m.version, "plan": m.plan.describe(),
+        "world_size": world_size,
         "heads": {"video": int(t["num_attention_heads"]), "audio": int(t["audio_num_attention_heads"])},
         "valid_world_sizes": valid_world_sizes(m.transformer), "context_widths": list(m.context_widths),
         "has_connectors": m.video_connector is not None, "loras": [dataclasses.asdict(s) for s in m.loras],
-        "bytes": _model_bytes(m), "weights": m.weights, "layout": r.velocity.layout, "key": r.key, "fp8": m.fp8,
+        "bytes": _model_bytes(m), "key": r.key,
     }
 
 
@@ -235,57 +205,53 @@ def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) 
 def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Load an LTX-2 transformer + connectors on every rank and keep it resident as ``name``.
 
-    Params: ``checkpoint`` (path), ``dtype`` ("bf16" | "fp16" | "fp32" | "fp8": e4m3 block
-    GEMMs on FP8 GPUs, the rest bf16, ``ltx_mgpu.denoise.fp8``; default bf16),
-    ``weights`` ("replicated": a whole copy per rank, default; "sharded": a 1/W shard per rank,
-    ``ltx_mgpu.denoise.parallel.fsdp``), ``layout`` ("auto", default: CFG-parallel x Ulysses for an even
-    batch on an even pool, else Ulysses; "ulysses"; "cfg_ulysses": ``ltx_mgpu.choices.SP_LAYOUTS``),
-    ``loras`` ([{"path", "strength"}]), ``max_tokens`` (video tokens per ``sample``, default
-    32768), ``attention_type`` (ltx-core backend or null), ``name`` (default "ltx").
+    Params: a :class:`~ltx_mgpu.denoise.plan.TransformerPlan`'s (``TransformerPlan.to_params``:
+    ``checkpoint``, ``dtype``, ``weights``, ``layout``, ``loras``, ``max_tokens``,
+    ``attention_type``) and ``name`` (default "ltx"). The plan is parsed once, here, and its
+    storage resolved from the checkpoint's header; the loader and the SP wrapper take it as it is.
 
     Returns:
-        ``{"model", "reused", "checkpoint", "version", "dtype", "max_tokens", "world_size",
-        "heads": {"video", "audio"}, "valid_world_sizes", "context_widths", "has_connectors",
-        "loras", "bytes", "weights", "key", "fp8"}`` (bytes of weights one rank holds: its replica or its
-        shard; ``key`` names what was loaded, for the MODEL path's calls; ``fp8``: how the block
-        linears are held, ``LTXDenoiser.fp8``).
+        ``{"model", "reused", "checkpoint", "version", "plan", "world_size", "heads": {"video",
+        "audio"}, "valid_world_sizes", "context_widths", "has_connectors", "loras", "bytes",
+        "key"}`` (``plan``: ``TransformerPlan.describe()``; bytes of weights one rank holds: its
+        replica or its shard; ``key`` names what was loaded, for the MODEL path's calls).
     Raises:
-        BadInput (identically on every rank, before any collective): no such file, not an
-        LTX-2 checkpoint, heads the world size does not divide (naming the GPU counts that
-        work), a LoRA item or file that :func:`_parse_loras` / ``check_loras`` refuses (not
-        safetensors, truncated, foreign keys, factors of the wrong rank or shape),
-        ``max_tokens < 1``; after a control-group agreement: dtype fp8 on a rank without FP8
-        tensor cores (CPU, or a GPU older than Ada), a ``name`` held by a
-        non-transformer model, an ``attention_type`` this rank cannot run, or a load that
-        failed on any rank (out of memory, LoRA values that are not finite, ...); on GPUs, weights
-        that do not fit a rank's free memory (:func:`~ltx_mgpu.denoise.parallel.fsdp.fit_error`: how
-        much the other choice would need), before anything is read.
+        BadInput (identically on every rank, before any collective): a plan the request does not
+        make (a field outside its choices or range, named), no such file, not an LTX-2
+        checkpoint, heads the world size does not divide (naming the GPU counts that work), a
+        LoRA file that ``check_loras`` refuses (not safetensors, truncated, foreign keys, factors
+        of the wrong rank or shape); after a control-group agreement: dtype fp8 on a rank without
+        FP8 tensor cores (CPU, or a GPU older than Ada), a ``name`` held by a non-transformer
+        model, an ``attention_type`` this rank cannot run, or a load that failed on any rank (out
+        of memory, LoRA values that are not finite, ...); on GPUs, weights that do not fit a
+        rank's free memory (:func:`~ltx_mgpu.denoise.parallel.fsdp.fit_error`: how much the other
+        choice would need), before anything is read.
     """
     name = params.get("name", codec.DEFAULT_MODEL)
-    dtype_name = params.get("dtype", "bf16")
-    weights = params.get("weights", "replicated")
-    layout = params.get("layout", "auto")
-    max_tokens = int(params.get("max_tokens", 32768))
-    attention_type = params.get("attention_type")
-    path = params["checkpoint"]
-    if max_tokens < 1:
-        raise BadInput(f"max_tokens must be a positive number of video tokens, got {max_tokens}")
+    try:
+        plan = TransformerPlan.from_params(params)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    path = plan.checkpoint
     if not Path(path).is_file():
         raise BadInput(f"no checkpoint at {path}; pick an LTX-2 file from models/checkpoints or "
                        "models/diffusion_models (the path is read by the pool's processes)")
-    loras = _parse_loras(params.get("loras"))
+    for i, lora in enumerate(plan.loras):
+        if not Path(lora.path).is_file():
+            raise BadInput(f"loras[{i}]: no LoRA file at {lora.path}; pick a file from models/loras")
     try:
         info = inspect_checkpoint(path)
         check_world_size(info, ctx.world_size)  # from the config alone: no weight read yet
     except (CheckpointError, SequenceParallelConfigError) as e:
         raise BadInput(f"{Path(path).name}: {e}") from None
     try:
-        check_loras(loras, info.shapes)  # from the LoRA files' headers: no tensor read yet
+        check_loras(plan.loras, info.shapes)  # from the LoRA files' headers: no tensor read yet
     except CheckpointError as e:
         raise BadInput(str(e)) from None
-    identity = {"checkpoint": _file_identity(path), "dtype": dtype_name, "max_tokens": max_tokens,
-                "attention_type": attention_type, "weights": weights, "layout": layout,
-                "loras": [{**_file_identity(s.path), "strength": s.strength} for s in loras]}
+    plan = plan.with_storage(stores_e4m3(info))
+    what = f"{Path(path).name} ({plan.dtype})"
+    identity = {**dataclasses.asdict(plan), "checkpoint": _file_identity(path),
+                "loras": [{**_file_identity(s.path), "strength": s.strength} for s in plan.loras]}
     # Everything above is decided by the files alone; what follows depends on this rank's state
     # (resident models, free memory), so the ranks agree on the outcome over the control group.
     resident = ctx.models.get(name)
@@ -294,15 +260,15 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         clash = (f"the name '{name}' belongs to another resident model ({type(resident).__name__}); "
                  "load the transformer under another name")
     if clash is None and not (isinstance(resident, ResidentTransformer) and resident.identity == identity):
-        clash = fp8_support_error(ctx.device) if dtype_name == "fp8" else None
-        clash = clash or _attention_error(attention_type, info, ctx, DTYPES[dtype_name])
+        clash = fp8_support_error(ctx.device) if plan.linears == "fp8" else None
+        clash = clash or _attention_error(plan.attention_type, info, ctx, getattr(torch, plan.compute_dtype))
         if clash is None and ctx.device.type == "cuda":
-            plan, other = (_weight_plan(info, dtype_name, w, ctx.world_size)
-                           for w in (weights, "sharded" if weights == "replicated" else "replicated"))
+            other = dataclasses.replace(plan, weights="sharded" if plan.weights == "replicated" else "replicated")
+            needs, other_needs = (_weight_plan(info, p, ctx.world_size) for p in (plan, other))
             free, total = torch.cuda.mem_get_info(ctx.device)
             if isinstance(resident, ResidentTransformer):  # its memory is freed before the new load
                 free += held_bytes(resident.denoiser.transformer)
-            clash = fit_error(plan, weights, free, total, f"{Path(path).name} ({dtype_name})", other)
+            clash = fit_error(needs, plan.weights, free, total, what, other_needs)
     ctx.agree(clash)
     if isinstance(resident, ResidentTransformer) and resident.identity == identity:
         return _describe(name, resident, ctx.world_size, reused=True), {}
@@ -311,14 +277,13 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         free_memory(ctx.device)
     m = velocity = error = None
     try:
-        m = load_ltx_model(path, ctx.device, DTYPES[dtype_name], loras, max_tokens, attention_type=attention_type,
-                           weights=weights, group=ctx.data_group, fp8_compute=dtype_name == "fp8")
-        velocity = m.velocity_model(ctx.data_group, layout)
+        m = load_ltx_model(plan, ctx.device, group=ctx.data_group, info=info)
+        velocity = m.velocity_model(ctx.data_group)
     except (torch.OutOfMemoryError, MemoryError):
-        hint = ("every GPU holds a full replica: try weights 'sharded'" if weights == "replicated" else
+        hint = ("every GPU holds a full replica: try weights 'sharded'" if plan.weights == "replicated" else
                 "each GPU holds a shard")
-        error = (f"out of memory loading {Path(path).name} ({dtype_name}) on {ctx.device} ({hint}); free memory "
-                 "first (unload other models, e.g. the text encoder)")
+        error = (f"out of memory loading {what} on {ctx.device} ({hint}); free memory first (unload other models, "
+                 "e.g. the text encoder)")
     except (FileNotFoundError, ValueError) as e:  # CheckpointError & co (identical on every rank)
         error = f"{Path(path).name}: {e}"
     except Exception as e:  # noqa: BLE001 - the load runs no collective: any failure is this request's, agreed
@@ -329,11 +294,11 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     ctx.agree(error)
     resident = ResidentTransformer(m, velocity, identity)
     ctx.models.put(name, resident, {"kind": "ltx_transformer", "checkpoint": m.source, "version": m.version,
-                                    "dtype": dtype_name, "weights": weights, "bytes": _model_bytes(m),
+                                    "plan": m.plan.describe(), "bytes": _model_bytes(m),
                                     "devices": [str(m.device)]})
-    ctx.log(f"loaded LTX-{m.version} transformer '{name}' from {m.source} ({dtype_name}, {weights}, "
+    ctx.log(f"loaded LTX-{m.version} transformer '{name}' from {m.source} ({plan.dtype}, {plan.weights}, "
             f"{len(m.loras)} LoRA(s), world size {ctx.world_size}, {_model_bytes(m) / 2**30:.2f} GiB on this rank)")
-    if m.fp8 == "fp8":
+    if m.linears == "fp8":
         ctx.log("dtype fp8: the first call at each token count compiles the transformer blocks (torch.compile), "
                 "which takes minutes; later calls at that size run compiled")
     return _describe(name, resident, ctx.world_size, reused=False), {}

@@ -22,11 +22,6 @@ import torch
 
 from ltx_mgpu.choices import (
     AV_TIMESTEP_CONVENTIONS,
-    PLACEMENTS,
-    SP_LAYOUTS,
-    TRANSFORMER_DTYPES,
-    TRANSFORMER_WEIGHTS,
-    WEIGHTS,
 )
 from ltx_mgpu.wire.frames import ProtocolError, check_id, valid_id
 
@@ -194,12 +189,12 @@ for _s in (
     MessageSchema("shutdown", (F("reason", ("str",), False),), job=False, doc="stop the pool"),
     MessageSchema("load_text_encoder", (
         F("source", ("str",)), F("projection", ("str", "null"), False),
-        F("weights", ("str",), False, choices=WEIGHTS),
-        F("placement", ("str",), False, choices=PLACEMENTS),
+        F("weights", ("str",), False), F("placement", ("str",), False),
         F("dtype", ("str",), False), F("max_memory", ("object", "null"), False),
         F("token_budget", ("int",), False, bounds=(1, MAX_TEXT_TOKENS), hint="LTX-2 uses 1024 tokens per prompt"),
         F("truncate", ("bool",), False), F("compile", ("bool",), False), F("key", ("str", "null"), False)),
-        doc="load Gemma 3 (+ the LTX-2 text projection) into the pool (ltx_mgpu.pool.text_jobs checks the values)"),
+        doc="load Gemma 3 (+ the LTX-2 text projection) into the pool; the values are a TextEncoderConfig's "
+            "(ltx_mgpu.text.config checks them)"),
     MessageSchema("encode", (
         F("prompts", ("list",), items="str", max_items=MAX_PROMPTS, hint="send the prompts in several requests"),
         F("batch_size", ("int",), False, bounds=(1, MAX_PROMPTS), hint="prompts per Gemma forward (default 8)"),
@@ -221,15 +216,13 @@ for _s in (
 # LTX-2 denoising (ltx_mgpu.pool.denoise_jobs; the tensor layout of ``sample`` is
 # ltx_mgpu.wire.codec's).
 register_request(MessageSchema("load_transformer", (
-    F("checkpoint", ("str",)), F("dtype", ("str",), False, choices=TRANSFORMER_DTYPES),
-    F("weights", ("str",), False, choices=TRANSFORMER_WEIGHTS), F("layout", ("str",), False, choices=SP_LAYOUTS),
+    F("checkpoint", ("str",)), F("dtype", ("str",), False), F("weights", ("str",), False), F("layout", ("str",), False),
     F("loras", ("list",), False, items="object", max_items=MAX_LORAS, hint="merge LoRAs, or fuse fewer"),
     F("max_tokens", ("int",), False, bounds=(1, MAX_VIDEO_TOKENS),
       hint="the video tokens one sample may have (default 32768)"),
-    F("attention_type", ("str", "null"), False, choices=("default", "pytorch", "xformers", "flash_attention_3")),
-    F("name", ("str",), False)),
+    F("attention_type", ("str", "null"), False), F("name", ("str",), False)),
     doc="load an LTX-2 transformer (+ connectors, LoRAs fused) on every rank for sequence parallelism, "
-        "replicated or sharded"))
+        "replicated or sharded; the values are a TransformerPlan's (ltx_mgpu.denoise.plan checks them)"))
 register_request(MessageSchema("sample", (
     F("model", ("str",), False), F("positive", ("list",), items="object"),
     F("negative", ("list", "null"), False, items="object"), F("latent", ("object",)),

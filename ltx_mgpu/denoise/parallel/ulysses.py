@@ -54,7 +54,6 @@ from ltx_core.model.transformer.attention import AttentionFunction, FlashAttenti
 from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.model import LTXModel
 
-from ltx_mgpu.choices import SP_LAYOUTS
 from ltx_mgpu.denoise.parallel.split import (
     SequenceParallelConfigError,
     check_sequence_parallel_config,
@@ -337,7 +336,8 @@ class SequenceParallelTransformer(torch.nn.Module):
         model: the ltx-core ``LTXModel`` (a full replica on every rank).
         group: the process group to split over (NCCL on GPU, gloo on CPU), or None for the
             default group when torch.distributed is initialised, else world size 1.
-        max_tokens: the largest video token count accepted (activation-memory bound).
+        max_tokens: the largest video token count accepted (activation-memory bound; a positive
+            count: the transformer's plan, ``ltx_mgpu.denoise.plan.TransformerPlan``, checked it).
     Raises:
         TypeError: ``model`` is not an ``LTXModel`` (e.g. an ``X0Model``: pass its
             ``velocity_model``).
@@ -346,7 +346,8 @@ class SequenceParallelTransformer(torch.nn.Module):
             before any collective: the video has more than ``max_tokens`` tokens, or needs
             padding while the model uses the mask-less FlashAttention3 backend.
     At world size 1 no wrapper is installed and ``forward`` calls the model directly.
-    ``layout``: ``ulysses`` (default here), ``cfg_ulysses`` or ``auto`` (module doc).
+    ``layout``: ``ulysses`` (default here), ``cfg_ulysses`` or ``auto`` (module doc; one of
+    ``ltx_mgpu.choices.SP_LAYOUTS``, as the plan checked it).
     ``_mask_v2a_keys=False`` reproduces the LTX-2 reference's flaw (no padded-key mask in
     video->audio attention); it exists only so a test can show the mask matters.
     """
@@ -354,14 +355,10 @@ class SequenceParallelTransformer(torch.nn.Module):
     def __init__(self, model: LTXModel, group=None, max_tokens: int = 32768, *, layout: str = "ulysses",
                  _mask_v2a_keys: bool = True):
         super().__init__()
-        if layout not in SP_LAYOUTS:
-            raise ValueError(f"layout must be one of {SP_LAYOUTS}, got {layout!r}")
         self.layout = layout
         if not isinstance(model, LTXModel):
             hint = " (an X0Model: pass its .velocity_model)" if hasattr(model, "velocity_model") else ""
             raise TypeError(f"SequenceParallelTransformer wraps an ltx-core LTXModel, got {type(model).__name__}{hint}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive token count, got {max_tokens}")
         self.model = model
         self.max_tokens = int(max_tokens)
         if group is None and not (dist.is_available() and dist.is_initialized()):
