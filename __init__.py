@@ -1,4 +1,4 @@
-"""ComfyUI entry point of the LTX-2 Multi-GPU node pack (ComfyUI's classic node contract).
+"""ComfyUI entry point of the LTX-2 Multi-GPU node pack (ComfyUI's V3 extension: ``comfy_entrypoint``).
 
 ComfyUI imports this folder under a mangled module name, so the engine package
 ``ltx_mgpu`` (which the pool's worker processes also import with ``python -m``) is made
@@ -13,8 +13,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+from .nodes import NODES, comfy_entrypoint  # noqa: E402
 
 WEB_DIRECTORY = "./web"
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+__all__ = ["NODES", "WEB_DIRECTORY", "comfy_entrypoint"]

@@ -5,8 +5,8 @@ A leaf module without torch, so the ComfyUI nodes, the client and the pool's pro
 same declarations. Each setting is read where it takes effect, with :meth:`Setting.get` (most
 when a process starts, some on every use: the docs of each say which process reads it). A value
 that cannot be read is an error naming the variable and what it takes, never silently the
-default. ``docs/operations.md`` lists them all (``tests/unit/test_settings.py`` checks that the
-list and :data:`SETTINGS` agree).
+default. ``docs/operations.md`` lists them all, one :meth:`Setting.doc_row` each (a unit test
+checks that the table and :data:`SETTINGS` agree).
 """
 
 from __future__ import annotations
@@ -117,20 +117,39 @@ class Setting:
         """Whether the variable holds a value (a non-empty one)."""
         return bool((os.environ if environ is None else environ).get(self.name, "").strip())
 
+    def describe_default(self) -> str:
+        """The default as the docs write it (``1 MiB``, ``60 s``, ``on``; ``—`` when the reader decides)."""
+        d = self.default
+        if d is None:
+            return "—"
+        if self.kind == "flag":
+            return "on" if d else "off"
+        if self.kind == "bytes":
+            for unit, n in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+                if d >= n and d % n == 0:
+                    return f"{d // n} {unit}"
+        if self.kind == "seconds":
+            return f"{d:g} s"
+        return f"`{d}`" if isinstance(d, str) else str(d)
+
+    def doc_row(self) -> str:
+        """The setting's row of the table in ``docs/operations.md``."""
+        return f"| `{self.name}` | {self.doc} | {self.describe_default()} | {self.read_by} |"
+
 
 # --------------------------------------------------------------------------- where things are kept
 HOME = Setting("LTX_MGPU_HOME", "directory", None, "every process",
-               "the ltx_mgpu home: embedded models, file digests; default $XDG_CACHE_HOME/ltx_mgpu or "
-               "~/.cache/ltx_mgpu")
+               "the ltx_mgpu home: embedded models, file digests; default `$XDG_CACHE_HOME/ltx_mgpu` or "
+               "`~/.cache/ltx_mgpu`")
 CACHE_DIR = Setting("LTX_MGPU_CACHE_DIR", "directory", None, "client",
-                    "the embedding cache; default <ComfyUI user dir>/ltx_mgpu/embeddings inside ComfyUI, else "
-                    "<home>/embeddings")
+                    "the embedding cache; default `<ComfyUI user dir>/ltx_mgpu/embeddings` inside ComfyUI, "
+                    "else `<home>/embeddings`")
 RUNTIME_DIR = Setting("LTX_MGPU_RUNTIME_DIR", "directory", None, "client",
-                      "the base of the pools' runtime directories; default $XDG_RUNTIME_DIR/ltx_mgpu, else "
-                      "<home>/run")
+                      "the base of the pools' runtime directories; default `$XDG_RUNTIME_DIR/ltx_mgpu`, else "
+                      "`<home>/run`")
 MODELS_DIR = Setting("LTX_MGPU_MODELS_DIR", "directory", None, "nodes without ComfyUI",
-                     "the model folders (checkpoints/, text_encoders/, diffusion_models/, loras/) the nodes' "
-                     "pickers read when ComfyUI is not loaded")
+                     "the model folders (`checkpoints/`, `text_encoders/`, `diffusion_models/`, `loras/`) the "
+                     "nodes' pickers read when ComfyUI is not loaded")
 # --------------------------------------------------------------------------- the pool
 TICK_SECONDS = Setting("LTX_MGPU_TICK_SECONDS", "seconds", 1.0, "pool",
                        "how often an idle rank 0 tells the other ranks it is alive")
@@ -139,24 +158,24 @@ COLLECTIVE_TIMEOUT = Setting("LTX_MGPU_COLLECTIVE_TIMEOUT", "seconds", 3600.0, "
 HELLO_TIMEOUT = Setting("LTX_MGPU_HELLO_TIMEOUT", "seconds", 10.0, "pool",
                         "seconds a new connection has, in all, to authenticate")
 MAX_PAYLOAD_BYTES = Setting("LTX_MGPU_MAX_PAYLOAD_BYTES", "bytes", 8 << 30, "pool and client",
-                            "the largest payload one frame may carry (8 GiB)")
+                            "the largest payload one frame may carry")
 MASTER_PORT = Setting("LTX_MGPU_MASTER_PORT", "port", None, "client (starting a pool)",
                       "torchrun's rendezvous port for a pool's first start attempt; default a free port")
 CUDA_ALLOC_CONF = Setting("LTX_MGPU_CUDA_ALLOC_CONF", "text", "expandable_segments:True", "client (starting a pool)",
-                          "PYTORCH_CUDA_ALLOC_CONF of a GPU pool's ranks")
+                          "`PYTORCH_CUDA_ALLOC_CONF` of a GPU pool's ranks")
 PROFILE_JOBS = Setting("LTX_MGPU_PROFILE_JOBS", "count", 0, "pool",
                        "profile the pool's first N jobs on every rank as Chrome traces in its runtime directory")
 # --------------------------------------------------------------------------- shared memory
 SHM = Setting("LTX_MGPU_SHM", "flag", True, "pool and client",
               "results through a shared-memory arena (off: everything through the socket)")
 SHM_MIN_BYTES = Setting("LTX_MGPU_SHM_MIN_BYTES", "bytes", 1 << 20, "pool",
-                        "the smallest payload sent through the arena (1 MiB)")
+                        "the smallest payload sent through the arena")
 SHM_MAX_BYTES = Setting("LTX_MGPU_SHM_MAX_BYTES", "bytes", 2 << 30, "pool",
-                        "all arenas and spares of a pool together (2 GiB)")
+                        "the most memory all arenas and spares of a pool hold together")
 SHM_IDLE_SECONDS = Setting("LTX_MGPU_SHM_IDLE_SECONDS", "seconds", 60.0, "pool",
                            "an arena idle this long is released")
 SHM_OWN_MIN_BYTES = Setting("LTX_MGPU_SHM_OWN_MIN_BYTES", "bytes", 4 << 20, "pool",
-                            "the smallest payload handed over to the client as its own memory (4 MiB)")
+                            "the smallest payload handed over to the client as its own memory")
 # --------------------------------------------------------------------------- text encoding
 CUDA_GRAPHS = Setting("LTX_MGPU_CUDA_GRAPHS", "flag", True, "the encoding process (the pool's ranks)",
                       "replay Gemma batches of up to 1024 tokens as CUDA graphs")

@@ -20,6 +20,9 @@ without ComfyUI (tests, the CLI, a broken install):
 * **model files**: ``filename_list`` / ``directory_list`` / ``full_path`` use ``folder_paths``;
   without ComfyUI they read ``$LTX_MGPU_MODELS_DIR/<folder>/`` and accept absolute paths.
 * **server**: ``prompt_server()`` is ``server.PromptServer.instance`` or None.
+* **node schema**: :data:`io` and :data:`ComfyExtension` are ComfyUI's typed node schema
+  (``comfy_api.latest``, which ComfyUI has imported before it loads custom nodes), or the
+  stand-ins of :mod:`nodes._schema` (declarations held as data) without ComfyUI.
 
 A ComfyUI module is used only when ComfyUI itself has imported it (``sys.modules``) or, for
 submodules of ``comfy``, when the ``comfy`` package is loaded: importing ComfyUI modules from a
@@ -40,8 +43,10 @@ import torch
 from ltx_mgpu import settings
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 
+from . import _schema
+
 __all__ = [
-    "MODEL_EXTENSIONS", "MODELS_DIR_ENV", "PROGRESS_HOOK", "InterruptProcessingException",
+    "ComfyExtension", "io", "MODEL_EXTENSIONS", "MODELS_DIR_ENV", "PROGRESS_HOOK", "InterruptProcessingException",
     "comfy_cuda_index", "comfy_module", "directory_list", "executing_node_id", "filename_list", "full_path",
     "interrupt_current_processing",
     "interrupt_exception", "is_nested", "make_nested", "nested_tensor_type", "processing_interrupted", "progress_bar",
@@ -73,6 +78,15 @@ def comfy_module(name: str):
     """ComfyUI's module ``name`` (e.g. ``"comfy.model_patcher"``) when ComfyUI is loaded in this
     process, else None (never imported from a plain Python process: see the module doc)."""
     return _module(name)
+
+
+# --------------------------------------------------------------------------- node schema
+
+_latest = _module("comfy_api.latest")
+#: ComfyUI's ``comfy_api.latest.io`` (the typed node schema), or :mod:`nodes._schema` without ComfyUI.
+io = getattr(_latest, "io", None) or _schema
+#: ComfyUI's ``comfy_api.latest.ComfyExtension``, or the stand-in's.
+ComfyExtension = getattr(_latest, "ComfyExtension", None) or _schema.ComfyExtension
 
 
 # --------------------------------------------------------------------------- interrupt

@@ -116,7 +116,6 @@ class PoolDiffusionModel(torch.nn.Module):
     def forward(self, x, timestep, context, attention_mask=None, frame_rate=25, transformer_options=None,
                 keyframe_idxs=None, control=None, **kwargs):
         from ltx_mgpu.client.errors import BadInputError
-        from ltx_mgpu.wire.messages import FORWARD_KWARGS
 
         if control is not None:
             raise BadInputError(f"a ControlNet cannot be applied to the multi-GPU LTX-2 model{_in_node()}")
@@ -124,15 +123,9 @@ class PoolDiffusionModel(torch.nn.Module):
         if patched:
             raise BadInputError(f"a node patched the model's blocks ({', '.join(patched)} in transformer_options)"
                                 f"{_in_node()}: the multi-GPU LTX-2 model runs in the pool and cannot apply them")
-        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in FORWARD_KWARGS)
-        if unknown:
-            raise BadInputError(f"the model call{_in_node()} has argument(s) {unknown} the multi-GPU LTX-2 model does "
-                                f"not implement (it implements {list(FORWARD_KWARGS)}, attention_mask and "
-                                "frame_rate); a node upstream of the sampler added them: remove it, or update "
-                                "ltx_mgpu if a newer ComfyUI adds them")
         conds = {**kwargs, "keyframe_idxs": keyframe_idxs, "attention_mask": attention_mask}
         return self.pool_model.forward(x, timestep, context, frame_rate=float(frame_rate), conds=conds,
-                                       patches=self._patches(), check_interrupt=_check_interrupt)
+                                       patches=self._patches(), check_interrupt=_check_interrupt, where=_in_node())
 
 
 def _in_node() -> str:

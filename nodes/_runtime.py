@@ -23,12 +23,20 @@ from typing import Any
 
 from . import _comfy
 
-__all__ = ["CATEGORY", "POOL", "TEXT_ENCODER", "MODEL", "JobWatch", "PoolHandle", "known_clients", "pool_specs",
-           "pool_unavailable_reason", "require_pool"]
+__all__ = ["CATEGORY", "POOL", "TEXT_ENCODER", "MODEL", "PoolType", "TextEncoderType", "ModelType", "JobWatch",
+           "PoolHandle", "executing_node", "known_clients", "pool_specs", "pool_unavailable_reason", "require_pool"]
 
 CATEGORY = "LTX-2 Multi-GPU"
 #: Custom types passed between our nodes (ids carry the LTXMGPU prefix; core owns LTXV*).
 POOL, TEXT_ENCODER, MODEL = "LTXMGPU_POOL", "LTXMGPU_TEXT_ENCODER", "LTXMGPU_MODEL"
+#: The same types in ComfyUI's schema (``io.Custom``).
+PoolType, TextEncoderType, ModelType = (_comfy.io.Custom(t) for t in (POOL, TEXT_ENCODER, MODEL))
+
+
+def executing_node(node_cls) -> str | None:
+    """The id of the node ``node_cls`` executes as: ComfyUI's hidden ``unique_id`` of this
+    execution (``cls.hidden``, set by ComfyUI on the class it runs), or None outside ComfyUI."""
+    return getattr(getattr(node_cls, "hidden", None), "unique_id", None)
 
 
 def pool_unavailable_reason() -> str | None:

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from ltx_mgpu.choices import SAMPLERS, SP_LAYOUTS, TRANSFORMER_WEIGHTS
 from ltx_mgpu.choices import TRANSFORMER_DTYPES as DTYPES
-from ltx_mgpu.denoise.plan import TransformerPlan
+from ltx_mgpu.denoise.plan import DEFAULT_MAX_TOKENS, TransformerPlan
 
 from . import _comfy, _model
-from ._runtime import CATEGORY, MODEL, POOL, JobWatch, PoolHandle
+from ._comfy import io
+from ._runtime import CATEGORY, JobWatch, ModelType, PoolHandle, PoolType, executing_node
 
 MODEL_FOLDERS = ("checkpoints", "diffusion_models")
 
@@ -111,136 +112,127 @@ class ModelHandle:
         return _model.checkpoint_vae(self.plan.checkpoint) if _comfy.comfy_module("comfy.sd") is not None else None
 
 
-class LTXMGPUModelLoader:
+class LTXMGPUModelLoader(io.ComfyNode):
     """-> ``LTXMGPU_MODEL`` after the transformer is resident on every rank. Raises
     FileNotFoundError (checkpoint, LoRA), ValueError (LoRA line), BadInputError (the pool
     refused: format, heads not divisible by the GPU count...)."""
 
     @classmethod
-    def INPUT_TYPES(cls):
+    def define_schema(cls):
         choices = checkpoint_choices()
-        ckpt = {"tooltip": ("LTX-2 checkpoint: the single file from models/checkpoints (ltx-2*.safetensors) or a "
-                            "transformer-only file from models/diffusion_models. Every GPU loads a full copy, or its "
-                            "shard (weights).")}
-        if choices:
-            ckpt["default"] = choices[0]
-        return {
-            "required": {
-                "pool": (POOL, {"tooltip": "The pool to load the transformer into (from the Pool node)."}),
-                "ckpt_name": (choices, ckpt),
-                "dtype": (list(DTYPES), {"default": "bf16", "tooltip": (
+        return io.Schema(
+            node_id="LTXMGPU_ModelLoader",
+            display_name="LTX-2 Multi-GPU Model Loader",
+            category=CATEGORY,
+            description=("Loads the LTX-2 transformer (and its text connectors, LoRAs fused) on every GPU of the pool "
+                         "for sequence-parallel sampling. Loading the same files again keeps the loaded model."),
+            inputs=[
+                PoolType.Input("pool", tooltip="The pool to load the transformer into (from the Pool node)."),
+                io.Combo.Input("ckpt_name", options=choices, default=choices[0] if choices else None, tooltip=(
+                    "LTX-2 checkpoint: the single file from models/checkpoints (ltx-2*.safetensors) or a "
+                    "transformer-only file from models/diffusion_models. Every GPU loads a full copy, or its "
+                    "shard (weights).")),
+                io.Combo.Input("dtype", options=list(DTYPES), default="bf16", tooltip=(
                     "Compute and weight dtype of the transformer in the pool (bf16 is the model's own; fp32 only "
                     "for checks on small models). fp8: the blocks' large linears as e4m3 GEMMs on FP8 tensor "
                     "cores (Ada, Hopper or newer GPUs), the rest bf16: faster, a few percent off bf16's result; "
-                    "the first run at each size compiles for minutes.")}),
-                "loras": ("STRING", {"multiline": True, "default": "", "tooltip": (
+                    "the first run at each size compiles for minutes.")),
+                io.String.Input("loras", multiline=True, default="", tooltip=(
                     "LoRAs from models/loras, one per line as file.safetensors:strength (strength 1.0 if "
-                    "omitted); fused into the weights at load.")}),
-                "max_tokens": ("INT", {"default": 32768, "min": 64, "max": 1 << 20, "step": 64, "tooltip": (
+                    "omitted); fused into the weights at load.")),
+                io.Int.Input("max_tokens", default=DEFAULT_MAX_TOKENS, min=64, max=1 << 20, step=64, tooltip=(
                     "Largest number of video latent tokens the sampler accepts ((frames-1)/8+1) x (height/32) x "
                     "(width/32); 121 frames at 1280x704 are 14080. A larger latent is refused with a clear "
-                    "message.")}),
-            },
-            "optional": {
-                "weights": (list(TRANSFORMER_WEIGHTS), {"default": "replicated", "tooltip": (
+                    "message.")),
+                io.Combo.Input("weights", options=list(TRANSFORMER_WEIGHTS), default="replicated", optional=True,
+                               tooltip=(
                     "replicated: every GPU holds the whole transformer (fastest). sharded: each GPU holds 1/N of "
                     "every weight and gathers each block just before it runs (FSDP), so a model too big for one "
-                    "GPU fits on several (e.g. LTX-2.3 22B on four 24 GB cards); a little slower per step.")}),
-                "layout": (list(SP_LAYOUTS), {"default": "auto", "tooltip": (
+                    "GPU fits on several (e.g. LTX-2.3 22B on four 24 GB cards); a little slower per step.")),
+                io.Combo.Input("layout", options=list(SP_LAYOUTS), default="auto", optional=True, tooltip=(
                     "How each model call is split over the GPUs. ulysses: the video tokens over all of them. "
                     "cfg_ulysses: the positive and negative halves of a CFG batch on two halves of the GPUs, "
                     "each splitting the tokens (less communication). auto: cfg_ulysses whenever the batch and "
-                    "the GPU count are even, else ulysses.")}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+                    "the GPU count are even, else ulysses.")),
+            ],
+            outputs=[
+                ModelType.Output("model", tooltip="The LTX-2 transformer resident in the pool; connect it to the SP "
+                                                  "Sampler."),
+                io.Model.Output("comfy_model", tooltip=(
+                    "The same transformer as ComfyUI's MODEL: connect it where a template takes "
+                    "CheckpointLoaderSimple's MODEL (CFGGuider, KSampler, LoraLoaderModelOnly, ...). ComfyUI runs "
+                    "its own sampler; every model call runs in the pool, sequence-parallel over its GPUs.")),
+                io.Vae.Output("vae", tooltip=(
+                    "The checkpoint's video VAE (as CheckpointLoaderSimple gives it), for VAEDecode / "
+                    "LTXVImgToVideo.")),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
 
-    RETURN_TYPES = (MODEL, "MODEL", "VAE")
-    RETURN_NAMES = ("model", "comfy_model", "vae")
-    OUTPUT_TOOLTIPS = (
-        "The LTX-2 transformer resident in the pool; connect it to the SP Sampler.",
-        "The same transformer as ComfyUI's MODEL: connect it where a template takes CheckpointLoaderSimple's MODEL "
-        "(CFGGuider, KSampler, LoraLoaderModelOnly, ...). ComfyUI runs its own sampler; every model call runs in "
-        "the pool, sequence-parallel over its GPUs.",
-        "The checkpoint's video VAE (as CheckpointLoaderSimple gives it), for VAEDecode / LTXVImgToVideo.")
-    FUNCTION = "load"
-    CATEGORY = CATEGORY
-    DESCRIPTION = ("Loads the LTX-2 transformer (and its text connectors, LoRAs fused) on every GPU of the pool "
-                   "for sequence-parallel sampling. Loading the same files again keeps the loaded model.")
-
-    def load(self, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
-             weights: str = "replicated", layout: str = "auto", unique_id: str | None = None):
+    @classmethod
+    def execute(cls, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
+                weights: str = "replicated", layout: str = "auto") -> io.NodeOutput:
         plan = TransformerPlan(resolve_checkpoint(ckpt_name), dtype=dtype, weights=weights, layout=layout,
                                loras=parse_loras(loras), max_tokens=int(max_tokens))
         handle = ModelHandle(pool, plan)
-        with JobWatch(unique_id) as watch:
+        with JobWatch(executing_node(cls)) as watch:
             loaded = handle.ensure_loaded(pool.session(), watch)
             watch.done()
-        return (handle, handle.comfy_model(loaded), handle.comfy_vae())
+        return io.NodeOutput(handle, handle.comfy_model(loaded), handle.comfy_vae())
 
 
-class LTXMGPUSPSampler:
+class LTXMGPUSPSampler(io.ComfyNode):
     """-> LATENT: a copy of the input with denoised ``samples`` (nested parts rebuilt as ComfyUI's
     NestedTensor, input dtype). Raises BadInputError (not an LTX-2 latent, too many tokens,
     unsupported conditioning keys), ComfyUI's interrupt on Stop."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": (MODEL, {"tooltip": "The LTX-2 transformer in the pool (from the Model Loader)."}),
-                "positive": ("CONDITIONING", {"tooltip": (
-                    "LTX-2 conditioning (Prompt Encode, optionally through LTXVConditioning for the frame rate).")}),
-                "negative": ("CONDITIONING", {"tooltip": "Negative conditioning (unused when cfg is 1)."}),
-                "latent": ("LATENT", {"tooltip": (
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LTXMGPU_SPSampler",
+            display_name="LTX-2 Multi-GPU SP Sampler",
+            category=CATEGORY,
+            description=("Samples an LTX-2 latent with the transformer split across the pool's GPUs (sequence "
+                         "parallel); same result as one GPU up to floating-point order. Stop ends it within a step."),
+            inputs=[
+                ModelType.Input("model", tooltip="The LTX-2 transformer in the pool (from the Model Loader)."),
+                io.Conditioning.Input("positive", tooltip=(
+                    "LTX-2 conditioning (Prompt Encode, optionally through LTXVConditioning for the frame rate).")),
+                io.Conditioning.Input("negative", tooltip="Negative conditioning (unused when cfg is 1)."),
+                io.Latent.Input("latent", tooltip=(
                     "ComfyUI LTX-2 latent: EmptyLTXVLatentVideo, LTXVEmptyLatentAudio, or both through "
-                    "LTXVConcatAVLatent (a noise_mask from image-to-video nodes is honoured).")}),
-                "steps": ("INT", {"default": 20, "min": 1, "max": 10000, "tooltip": (
+                    "LTXVConcatAVLatent (a noise_mask from image-to-video nodes is honoured).")),
+                io.Int.Input("steps", default=20, min=1, max=10000, tooltip=(
                     "Denoising steps of the LTX-2 scheduler (shift from the latent's token count). Ignored when "
-                    "sigmas are connected.")}),
-                "cfg": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01, "tooltip": (
-                    "Classifier-free guidance scale; 1 skips the negative pass (distilled models).")}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
-                                 "tooltip": (
-                                     "Noise seed; the same seed gives the same noise as ComfyUI's RandomNoise.")}),
-                "sampler": (list(SAMPLERS), {"default": SAMPLERS[0], "tooltip": (
-                    "Sampler run in the pool (flow-matching Euler).")}),
-            },
-            "optional": {
-                "sigmas": ("SIGMAS", {"tooltip": (
-                    "Optional noise schedule (LTXVScheduler, ManualSigmas, ...); replaces steps.")}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+                    "sigmas are connected.")),
+                io.Float.Input("cfg", default=3.0, min=0.0, max=100.0, step=0.1, round=0.01, tooltip=(
+                    "Classifier-free guidance scale; 1 skips the negative pass (distilled models).")),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True, tooltip=(
+                    "Noise seed; the same seed gives the same noise as ComfyUI's RandomNoise.")),
+                io.Combo.Input("sampler", options=list(SAMPLERS), default=SAMPLERS[0], tooltip=(
+                    "Sampler run in the pool (flow-matching Euler).")),
+                io.Sigmas.Input("sigmas", optional=True, tooltip=(
+                    "Optional noise schedule (LTXVScheduler, ManualSigmas, ...); replaces steps.")),
+            ],
+            outputs=[io.Latent.Output("latent", tooltip=(
+                "The denoised latent, same structure as the input (decode with LTXVSeparateAVLatent, VAEDecode, "
+                "LTXVAudioVAEDecode)."))],
+            hidden=[io.Hidden.unique_id],
+        )
 
-    RETURN_TYPES = ("LATENT",)
-    RETURN_NAMES = ("latent",)
-    OUTPUT_TOOLTIPS = ("The denoised latent, same structure as the input (decode with LTXVSeparateAVLatent, "
-                       "VAEDecode, LTXVAudioVAEDecode).",)
-    FUNCTION = "sample"
-    CATEGORY = CATEGORY
-    DESCRIPTION = ("Samples an LTX-2 latent with the transformer split across the pool's GPUs (sequence "
-                   "parallel); same result as one GPU up to floating-point order. Stop ends it within a step.")
-
-    def sample(self, model: ModelHandle, positive, negative, latent, steps: int, cfg: float, seed: int,
-               sampler: str, sigmas=None, unique_id: str | None = None):
+    @classmethod
+    def execute(cls, model: ModelHandle, positive, negative, latent, steps: int, cfg: float, seed: int,
+                sampler: str, sigmas=None) -> io.NodeOutput:
         from ltx_mgpu.client.denoise import SampleRequest, remote_sample
 
         session = model.pool.session()
-        with JobWatch(unique_id) as watch:
+        with JobWatch(executing_node(cls)) as watch:
             loaded = model.ensure_loaded(session, watch)
             request = SampleRequest(positive, negative if float(cfg) != 1.0 else None, latent, model=loaded["model"],
                                     sigmas=sigmas, steps=None if sigmas is not None else int(steps), cfg=float(cfg),
                                     seed=int(seed), sampler=sampler)
             out = remote_sample(session, request, on_progress=watch.on_progress, should_cancel=watch.should_cancel)
-        return (_comfy.to_comfy_latent(out),)
+        return io.NodeOutput(_comfy.to_comfy_latent(out))
 
 
-NODE_CLASS_MAPPINGS = {
-    "LTXMGPU_ModelLoader": LTXMGPUModelLoader,
-    "LTXMGPU_SPSampler": LTXMGPUSPSampler,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "LTXMGPU_ModelLoader": "LTX-2 Multi-GPU Model Loader",
-    "LTXMGPU_SPSampler": "LTX-2 Multi-GPU SP Sampler",
-}
+NODES = (LTXMGPUModelLoader, LTXMGPUSPSampler)

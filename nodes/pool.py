@@ -11,43 +11,44 @@ from __future__ import annotations
 
 from ltx_mgpu.choices import LIFETIMES
 
-from ._runtime import CATEGORY, POOL, PoolHandle
+from ._comfy import io
+from ._runtime import CATEGORY, PoolHandle, PoolType
 
 
-class LTXMGPUPool:
+class LTXMGPUPool(io.ComfyNode):
     """The ``LTXMGPU_POOL`` handle (see :class:`nodes._runtime.PoolHandle`)."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "gpus": ("STRING", {"default": "all", "tooltip": (
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LTXMGPU_Pool",
+            display_name="LTX-2 Multi-GPU Pool",
+            category=CATEGORY,
+            description=("A pool of worker processes, one per GPU, that runs Gemma 3 and the LTX-2 transformer "
+                         "outside ComfyUI's process. It starts on first use or attaches to a running one."),
+            inputs=[
+                io.String.Input("gpus", default="all", tooltip=(
                     "GPUs of the pool: 'all' (every GPU ComfyUI can see), a list like '0,1,2,3' (as ComfyUI "
-                    "numbers them), or 'cpu' (CPU ranks; for tests). One worker process per GPU.")}),
-                "cpu_ranks": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": (
+                    "numbers them), or 'cpu' (CPU ranks; for tests). One worker process per GPU.")),
+                io.Int.Input("cpu_ranks", default=1, min=1, max=64, tooltip=(
                     "Number of CPU worker processes when the pool runs on the CPU ('cpu', or no GPU visible). "
-                    "Ignored on GPUs.")}),
-                "lifetime": (list(LIFETIMES), {"default": "with-owner", "tooltip": (
+                    "Ignored on GPUs.")),
+                io.Combo.Input("lifetime", options=list(LIFETIMES), default="with-owner", tooltip=(
                     "with-owner: the pool stops when ComfyUI exits. detached: it keeps running (and keeps its "
                     "models loaded) for the next ComfyUI session; stop it with the Free node or "
-                    "`python -m ltx_mgpu pool stop`. Applies when the pool starts.")}),
-                "free_comfy_vram": ("BOOLEAN", {"default": True, "tooltip": (
+                    "`python -m ltx_mgpu pool stop`. Applies when the pool starts.")),
+                io.Boolean.Input("free_comfy_vram", default=True, tooltip=(
                     "When the pool uses the GPU ComfyUI computes on, ask ComfyUI to unload its own models "
-                    "before each pool job, so both do not compete for that GPU's memory.")}),
-            },
-        }
+                    "before each pool job, so both do not compete for that GPU's memory.")),
+            ],
+            outputs=[PoolType.Output("pool", tooltip=(
+                "The pool handle; connect it to the Gemma Loader and the Model Loader."))],
+        )
 
-    RETURN_TYPES = (POOL,)
-    RETURN_NAMES = ("pool",)
-    OUTPUT_TOOLTIPS = ("The pool handle; connect it to the Gemma Loader and the Model Loader.",)
-    FUNCTION = "make"
-    CATEGORY = CATEGORY
-    DESCRIPTION = ("A pool of worker processes, one per GPU, that runs Gemma 3 and the LTX-2 transformer "
-                   "outside ComfyUI's process. It starts on first use or attaches to a running one.")
-
-    def make(self, gpus: str, cpu_ranks: int, lifetime: str, free_comfy_vram: bool):
-        return (PoolHandle(gpus=gpus, cpu_ranks=int(cpu_ranks), lifetime=lifetime,
-                           free_comfy_vram=bool(free_comfy_vram)),)
+    @classmethod
+    def execute(cls, gpus: str, cpu_ranks: int, lifetime: str, free_comfy_vram: bool) -> io.NodeOutput:
+        return io.NodeOutput(PoolHandle(gpus=gpus, cpu_ranks=int(cpu_ranks), lifetime=lifetime,
+                                        free_comfy_vram=bool(free_comfy_vram)))
 
 
 def _status_text(handle: PoolHandle) -> str:
@@ -59,58 +60,63 @@ def _status_text(handle: PoolHandle) -> str:
     return format_status(status)
 
 
-class LTXMGPUPoolStatus:
+def _pool_input(what: str):
+    return PoolType.Input("pool", tooltip=f"The pool to {what} (from the Pool node).")
+
+
+class LTXMGPUPoolStatus(io.ComfyNode):
     """Text report of the pool (does not start one)."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"pool": (POOL, {"tooltip": "The pool to report on (from the Pool node)."})}}
-
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("status",)
-    OUTPUT_TOOLTIPS = ("Ranks, devices, memory per rank, resident models, current and queued jobs.",)
-    FUNCTION = "report"
-    CATEGORY = CATEGORY
-    OUTPUT_NODE = True
-    DESCRIPTION = "Shows the pool's ranks, memory per rank, resident models and jobs. Never starts a pool."
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LTXMGPU_PoolStatus",
+            display_name="LTX-2 Multi-GPU Pool Status",
+            category=CATEGORY,
+            description="Shows the pool's ranks, memory per rank, resident models and jobs. Never starts a pool.",
+            inputs=[_pool_input("report on")],
+            outputs=[io.String.Output("status", tooltip=(
+                "Ranks, devices, memory per rank, resident models, current and queued jobs."))],
+            is_output_node=True,
+        )
 
     @classmethod
-    def IS_CHANGED(cls, **kwargs):
+    def fingerprint_inputs(cls, **kwargs):
         return float("nan")  # the pool changes outside the graph: run every time
 
-    def report(self, pool: PoolHandle):
+    @classmethod
+    def execute(cls, pool: PoolHandle) -> io.NodeOutput:
         text = _status_text(pool)
-        return {"ui": {"text": [text]}, "result": (text,)}
+        return io.NodeOutput(text, ui={"text": [text]})
 
 
-class LTXMGPUFree:
+class LTXMGPUFree(io.ComfyNode):
     """Make the pool release its models (or stop it)."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pool": (POOL, {"tooltip": "The pool to free (from the Pool node)."}),
-                "stop_pool": ("BOOLEAN", {"default": False, "tooltip": (
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LTXMGPU_Free",
+            display_name="LTX-2 Multi-GPU Free Pool Memory",
+            category=CATEGORY,
+            description=("Unloads Gemma and the LTX-2 transformer from every GPU of the pool (ComfyUI's own "
+                         "'free memory' does not reach the pool's processes), or stops the pool."),
+            inputs=[
+                _pool_input("free"),
+                io.Boolean.Input("stop_pool", default=False, tooltip=(
                     "Stop the pool's processes instead of only unloading their models (the next job starts "
-                    "a fresh pool).")}),
-            },
-        }
-
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("report",)
-    OUTPUT_TOOLTIPS = ("What was freed.",)
-    FUNCTION = "free"
-    CATEGORY = CATEGORY
-    OUTPUT_NODE = True
-    DESCRIPTION = ("Unloads Gemma and the LTX-2 transformer from every GPU of the pool (ComfyUI's own "
-                   "'free memory' does not reach the pool's processes), or stops the pool.")
+                    "a fresh pool).")),
+            ],
+            outputs=[io.String.Output("report", tooltip="What was freed.")],
+            is_output_node=True,
+        )
 
     @classmethod
-    def IS_CHANGED(cls, **kwargs):
+    def fingerprint_inputs(cls, **kwargs):
         return float("nan")
 
-    def free(self, pool: PoolHandle, stop_pool: bool):
+    @classmethod
+    def execute(cls, pool: PoolHandle, stop_pool: bool) -> io.NodeOutput:
         from ltx_mgpu.client.discovery import free_pool
 
         out = free_pool(pool.spec, shutdown=bool(stop_pool))
@@ -121,16 +127,7 @@ class LTXMGPUFree:
         else:
             text = (f"pool on {pool.describe()}: unloaded "
                     f"{', '.join(out['unloaded']) or 'nothing (no model was loaded)'}")
-        return {"ui": {"text": [text]}, "result": (text,)}
+        return io.NodeOutput(text, ui={"text": [text]})
 
 
-NODE_CLASS_MAPPINGS = {
-    "LTXMGPU_Pool": LTXMGPUPool,
-    "LTXMGPU_PoolStatus": LTXMGPUPoolStatus,
-    "LTXMGPU_Free": LTXMGPUFree,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "LTXMGPU_Pool": "LTX-2 Multi-GPU Pool",
-    "LTXMGPU_PoolStatus": "LTX-2 Multi-GPU Pool Status",
-    "LTXMGPU_Free": "LTX-2 Multi-GPU Free Pool Memory",
-}
+NODES = (LTXMGPUPool, LTXMGPUPoolStatus, LTXMGPUFree)

@@ -25,7 +25,8 @@ from ltx_mgpu.text.config import TextEncoderConfig
 
 from . import _comfy
 from ._clip import GemmaClip
-from ._runtime import CATEGORY, POOL, TEXT_ENCODER, JobWatch, PoolHandle
+from ._comfy import io
+from ._runtime import CATEGORY, JobWatch, PoolHandle, PoolType, TextEncoderType, executing_node
 
 #: Files that make a directory in ``models/text_encoders`` a Gemma source (HF snapshot, NF4 artifact).
 GEMMA_DIR_MARKERS = ("config.json", "ltx_mgpu_nf4.json")
@@ -93,149 +94,145 @@ class TextEncoderHandle:
         return embeddings, report, cache
 
 
-def _combo(choices: list[str], tooltip: str, **extra: Any) -> tuple:
-    opts = {"tooltip": tooltip, **extra}
-    if choices:
-        opts.setdefault("default", choices[0])
-    return (choices, opts)
+def _combo(name: str, choices: list[str], tooltip: str):
+    """A file picker: the choices as ComfyUI lists them, the first one the default."""
+    return io.Combo.Input(name, options=choices, default=choices[0] if choices else None, tooltip=tooltip)
 
 
-class LTXMGPUGemmaLoader:
+def _text_encoder_input():
+    return TextEncoderType.Input("text_encoder", tooltip="Gemma 3 in the pool (from the Gemma Loader).")
+
+
+class LTXMGPUGemmaLoader(io.ComfyNode):
     """-> (``LTXMGPU_TEXT_ENCODER``, ``CLIP``: a :class:`GemmaClip` of it). Raises FileNotFoundError /
-    GemmaFormatError (headers only) / ValueError (weights, placement, compile with NF4 or accelerate)
-    before anything is loaded."""
+    GemmaFormatError (headers only) / ValueError (compile with NF4 or accelerate) before anything
+    is loaded."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "pool": (POOL, {"tooltip": "The pool Gemma runs in (from the Pool node)."}),
-                "gemma": _combo(gemma_choices(), (
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LTXMGPU_GemmaLoader",
+            display_name="LTX-2 Multi-GPU Gemma Loader",
+            category=CATEGORY,
+            description=("Chooses Gemma 3 and the LTX-2 text projection for the pool. Gemma is loaded on the first "
+                         "prompt that is not already in the embedding cache."),
+            inputs=[
+                PoolType.Input("pool", tooltip="The pool Gemma runs in (from the Pool node)."),
+                _combo("gemma", gemma_choices(), (
                     "Gemma 3 12B from models/text_encoders: a Hugging Face snapshot directory (gemma-3-12b-it/), "
                     "ComfyUI's single file (gemma_3_12B_it*.safetensors: bf16, fp8_scaled or fp4_mixed, whose "
                     "quantized layers are dequantized as ComfyUI does) or an ltx_mgpu NF4 directory.")),
-                "projection": _combo(projection_choices(), (
+                _combo("projection", projection_choices(), (
                     "Where the LTX-2 text projection comes from: the LTX-2 checkpoint you sample with "
                     "(checkpoints/...), or a separate projection file (text_encoders/...). Its version (2.0 or "
                     "2.3) decides the embedding layout.")),
-                "weights": (list(WEIGHTS), {"default": "bf16", "tooltip": (
+                io.Combo.Input("weights", options=list(WEIGHTS), default="bf16", tooltip=(
                     "bf16: Gemma as is (about 24 GB). nf4: 4-bit NormalFloat through bitsandbytes (about 8 GB, "
-                    "slightly different embeddings, cached separately); an NF4 directory is always nf4.")}),
-                "placement": (list(PLACEMENTS), {"default": "single", "tooltip": (
+                    "slightly different embeddings, cached separately); an NF4 directory is always nf4.")),
+                io.Combo.Input("placement", options=list(PLACEMENTS), default="single", tooltip=(
                     "single: Gemma on the pool's first GPU. accelerate: its layers sharded over all the pool's "
                     "GPUs (when one GPU is too small). batch_parallel: a copy per GPU, prompts split across "
-                    "them (fastest for many prompts).")}),
-                "keep_loaded": ("BOOLEAN", {"default": True, "tooltip": (
+                    "them (fastest for many prompts).")),
+                io.Boolean.Input("keep_loaded", default=True, tooltip=(
                     "Keep Gemma in the pool after encoding (faster next time). Off: unload it right after, "
-                    "leaving the GPUs' memory to the LTX-2 transformer.")}),
-            },
-            "optional": {
-                "compile": ("BOOLEAN", {"default": False, "tooltip": (
+                    "leaving the GPUs' memory to the LTX-2 transformer.")),
+                io.Boolean.Input("compile", default=False, optional=True, tooltip=(
                     "Run Gemma's layers through torch.compile: Gemma takes longer to load (it compiles), and new "
                     "kinds of batch compile on first use; then encoding is faster. bf16 weights, placement single "
-                    "or batch_parallel.")}),
-            },
-        }
+                    "or batch_parallel.")),
+            ],
+            outputs=[
+                TextEncoderType.Output("text_encoder", tooltip=(
+                    "Gemma 3 + LTX-2 projection in the pool; connect it to Prompt Encode.")),
+                io.Clip.Output("clip", tooltip=(
+                    "The same text encoder as a ComfyUI CLIP, for CLIPTextEncode (in LTX-2 templates it replaces "
+                    "LTXAVTextEncoderLoader's output): prompts encode in the pool, through the embedding cache, "
+                    "whole (no cut at 1024 tokens), exactly as ComfyUI's own LTX-2 text encoder. Text-encoder "
+                    "LoRAs are not applied.")),
+            ],
+        )
 
-    RETURN_TYPES = (TEXT_ENCODER, "CLIP")
-    RETURN_NAMES = ("text_encoder", "clip")
-    OUTPUT_TOOLTIPS = (
-        "Gemma 3 + LTX-2 projection in the pool; connect it to Prompt Encode.",
-        "The same text encoder as a ComfyUI CLIP, for CLIPTextEncode (in LTX-2 templates it replaces "
-        "LTXAVTextEncoderLoader's output): prompts encode in the pool, through the embedding cache, whole (no "
-        "cut at 1024 tokens), exactly as ComfyUI's own LTX-2 text encoder. Text-encoder LoRAs are not applied.")
-    FUNCTION = "load"
-    CATEGORY = CATEGORY
-    DESCRIPTION = ("Chooses Gemma 3 and the LTX-2 text projection for the pool. Gemma is loaded on the first "
-                   "prompt that is not already in the embedding cache.")
-
-    def load(self, pool: PoolHandle, gemma: str, projection: str, weights: str, placement: str, keep_loaded: bool,
-             compile: bool = False):
+    @classmethod
+    def execute(cls, pool: PoolHandle, gemma: str, projection: str, weights: str, placement: str,
+                keep_loaded: bool, compile: bool = False) -> io.NodeOutput:
         from ltx_mgpu.client.text import check_sources
 
         config = TextEncoderConfig(_comfy.full_path("text_encoders", gemma), resolve_projection(projection),
                                    weights=weights, placement=placement, compile=bool(compile))
         check_sources(config)  # headers only: a wrong file fails here, naming the supported formats
         handle = TextEncoderHandle(pool, config, bool(keep_loaded))
-        return (handle, GemmaClip(handle))
+        return io.NodeOutput(handle, GemmaClip(handle))
 
 
-class LTXMGPUPromptEncode:
+class LTXMGPUPromptEncode(io.ComfyNode):
     """-> (positive, negative) CONDITIONING: ``[[float32 [1, T, D] CPU, {"pooled_output": None,
     "unprocessed_ltxav_embeds": True}]]`` each (D = 3840 for LTX-2.0, 6144 for 2.3; T = real tokens)."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "text_encoder": (TEXT_ENCODER, {"tooltip": "Gemma 3 in the pool (from the Gemma Loader)."}),
-                "positive": ("STRING", {"multiline": True, "default": "", "tooltip": (
-                    "What the video shows and sounds like.")}),
-                "negative": ("STRING", {"multiline": True, "default": "", "tooltip": (
-                    "What to steer away from (used when cfg > 1).")}),
-                "use_cache": ("BOOLEAN", {"default": True, "tooltip": (
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LTXMGPU_PromptEncode",
+            display_name="LTX-2 Multi-GPU Prompt Encode",
+            category=CATEGORY,
+            description=("Encodes a positive and a negative prompt with Gemma 3 in the pool, through the embedding "
+                         "cache."),
+            inputs=[
+                _text_encoder_input(),
+                io.String.Input("positive", multiline=True, default="", tooltip=(
+                    "What the video shows and sounds like.")),
+                io.String.Input("negative", multiline=True, default="", tooltip=(
+                    "What to steer away from (used when cfg > 1).")),
+                io.Boolean.Input("use_cache", default=True, tooltip=(
                     "Look prompts up in the embedding cache first and store new ones; a fully cached pair never "
                     "loads Gemma. The key covers the prompt, the Gemma and projection files' contents, weights "
-                    "and dtype.")}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+                    "and dtype.")),
+            ],
+            outputs=[
+                io.Conditioning.Output("positive", tooltip="LTX-2 conditioning of the positive prompt (ComfyUI's "
+                                                           "own format)."),
+                io.Conditioning.Output("negative", tooltip="LTX-2 conditioning of the negative prompt."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
 
-    RETURN_TYPES = ("CONDITIONING", "CONDITIONING")
-    RETURN_NAMES = ("positive", "negative")
-    OUTPUT_TOOLTIPS = ("LTX-2 conditioning of the positive prompt (ComfyUI's own format).",
-                       "LTX-2 conditioning of the negative prompt.")
-    FUNCTION = "encode"
-    CATEGORY = CATEGORY
-    DESCRIPTION = "Encodes a positive and a negative prompt with Gemma 3 in the pool, through the embedding cache."
-
-    def encode(self, text_encoder: TextEncoderHandle, positive: str, negative: str, use_cache: bool,
-               unique_id: str | None = None):
-        embeddings, _, _ = text_encoder.encode([positive, negative], bool(use_cache), unique_id)
-        return (embeddings[0].to_conditioning(), embeddings[1].to_conditioning())
+    @classmethod
+    def execute(cls, text_encoder: TextEncoderHandle, positive: str, negative: str, use_cache: bool) -> io.NodeOutput:
+        embeddings, _, _ = text_encoder.encode([positive, negative], bool(use_cache), executing_node(cls))
+        return io.NodeOutput(embeddings[0].to_conditioning(), embeddings[1].to_conditioning())
 
 
-class LTXMGPUPromptBatchEncode:
+class LTXMGPUPromptBatchEncode(io.ComfyNode):
     """-> STRING cache report (``CacheReport`` + cache directory). Raises ValueError on no prompts."""
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "text_encoder": (TEXT_ENCODER, {"tooltip": "Gemma 3 in the pool (from the Gemma Loader)."}),
-                "prompts": ("STRING", {"multiline": True, "default": "", "tooltip": (
-                    "One prompt per line (empty lines are skipped). Already cached prompts are not encoded again.")}),
-                "batch_size": ("INT", {"default": 8, "min": 1, "max": 256, "tooltip": (
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LTXMGPU_PromptBatchEncode",
+            display_name="LTX-2 Multi-GPU Prompt Batch Encode",
+            category=CATEGORY,
+            description="Precomputes the embeddings of a prompt list into the cache (resumes where it stopped).",
+            inputs=[
+                _text_encoder_input(),
+                io.String.Input("prompts", multiline=True, default="", tooltip=(
+                    "One prompt per line (empty lines are skipped). Already cached prompts are not encoded again.")),
+                io.Int.Input("batch_size", default=8, min=1, max=256, tooltip=(
                     "Prompts per Gemma forward pass (per GPU with batch_parallel). Larger is faster until "
-                    "memory runs out; results are stored after every batch.")}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+                    "memory runs out; results are stored after every batch.")),
+            ],
+            outputs=[io.String.Output("report", tooltip=(
+                "How many prompts were cached already, how many were encoded, and where the cache is."))],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=True,
+        )
 
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("report",)
-    OUTPUT_TOOLTIPS = ("How many prompts were cached already, how many were encoded, and where the cache is.",)
-    FUNCTION = "encode"
-    CATEGORY = CATEGORY
-    OUTPUT_NODE = True
-    DESCRIPTION = "Precomputes the embeddings of a prompt list into the cache (resumes where it stopped)."
-
-    def encode(self, text_encoder: TextEncoderHandle, prompts: str, batch_size: int, unique_id: str | None = None):
+    @classmethod
+    def execute(cls, text_encoder: TextEncoderHandle, prompts: str, batch_size: int) -> io.NodeOutput:
         lines = [line.strip() for line in prompts.splitlines() if line.strip()]
         if not lines:
             raise ValueError("Prompt Batch Encode: no prompts; write one prompt per line")
-        _, report, cache = text_encoder.encode(lines, True, unique_id, batch_size=int(batch_size))
+        _, report, cache = text_encoder.encode(lines, True, executing_node(cls), batch_size=int(batch_size))
         text = f"{report} (cache: {cache.root})"
-        return {"ui": {"text": [text]}, "result": (text,)}
+        return io.NodeOutput(text, ui={"text": [text]})
 
 
-NODE_CLASS_MAPPINGS = {
-    "LTXMGPU_GemmaLoader": LTXMGPUGemmaLoader,
-    "LTXMGPU_PromptEncode": LTXMGPUPromptEncode,
-    "LTXMGPU_PromptBatchEncode": LTXMGPUPromptBatchEncode,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "LTXMGPU_GemmaLoader": "LTX-2 Multi-GPU Gemma Loader",
-    "LTXMGPU_PromptEncode": "LTX-2 Multi-GPU Prompt Encode",
-    "LTXMGPU_PromptBatchEncode": "LTX-2 Multi-GPU Prompt Batch Encode",
-}
+NODES = (LTXMGPUGemmaLoader, LTXMGPUPromptEncode, LTXMGPUPromptBatchEncode)

@@ -123,8 +123,8 @@ def main() -> int:
     logs = collect_warnings()
 
     theirs = LTXAVTextEncoderLoader.execute(text_encoder=spec["gemma"], ckpt_name=spec["checkpoint"]).result[0]
-    (pool,) = ours_nodes["LTXMGPU_Pool"]().make(gpus="cpu", cpu_ranks=2, lifetime="with-owner", free_comfy_vram=False)
-    te, clip_bf16 = ours_nodes["LTXMGPU_GemmaLoader"]().load(pool, spec["gemma"], f"checkpoints/{spec['checkpoint']}",
+    (pool,) = ours_nodes["LTXMGPU_Pool"].execute(gpus="cpu", cpu_ranks=2, lifetime="with-owner", free_comfy_vram=False)
+    te, clip_bf16 = ours_nodes["LTXMGPU_GemmaLoader"].execute(pool, spec["gemma"], f"checkpoints/{spec['checkpoint']}",
                                                              "bf16", "single", True)
     # ComfyUI's LTX-2 text encoder computes in fp32 (bf16 weights upcast: sd1_clip.SDClipModel.forward)
     ours = type(clip_bf16)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
@@ -179,7 +179,7 @@ def main() -> int:
         # samplers: ComfyUI's on its own model, and our SP Sampler, each with both conditionings
         checkpoint = str(Path(spec["checkpoints"]) / spec["checkpoint"])
         model = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clip=False)[0]
-        (sp_model, *_) = ours_nodes["LTXMGPU_ModelLoader"]().load(pool, spec["checkpoint"], "fp32", "", 32768)
+        (sp_model, *_) = ours_nodes["LTXMGPU_ModelLoader"].execute(pool, spec["checkpoint"], "fp32", "", 32768)
         video = torch.zeros(1, 128, 2, 2, 3)
         latent = {"samples": comfy.nested_tensor.NestedTensor((video, torch.zeros(1, 8, 5, 16)))}
         sigmas = ncs.ManualSigmas.execute("1.0, 0.725, 0.421875, 0.0").result[0]
@@ -191,7 +191,7 @@ def main() -> int:
             out = ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent).result[0]["samples"]
             for i, part in enumerate(out.unbind()):
                 tensors[f"sample.comfy_model.{who}.{i}"] = part.contiguous()
-            (sp,) = ours_nodes["LTXMGPU_SPSampler"]().sample(sp_model, positive, negative, latent, 3, 3.0, 42, "euler",
+            (sp,) = ours_nodes["LTXMGPU_SPSampler"].execute(sp_model, positive, negative, latent, 3, 3.0, 42, "euler",
                                                              sigmas=sigmas)
             for i, part in enumerate(sp["samples"].unbind()):
                 tensors[f"sample.sp.{who}.{i}"] = part.contiguous()

@@ -59,10 +59,10 @@ def main() -> int:
     report: dict = {"cases": {}}
     models = {}
     for ranks in sorted({c.get("ranks", 2) for c in spec["cases"]}):
-        (pool,) = ours_nodes["LTXMGPU_Pool"]().make(gpus="cpu", cpu_ranks=ranks, lifetime="with-owner",
+        (pool,) = ours_nodes["LTXMGPU_Pool"].execute(gpus="cpu", cpu_ranks=ranks, lifetime="with-owner",
                                                      free_comfy_vram=False)
         before = _rss()
-        _, model, vae = ours_nodes["LTXMGPU_ModelLoader"]().load(pool, checkpoint, "fp32", "", 32768)
+        _, model, vae = ours_nodes["LTXMGPU_ModelLoader"].execute(pool, checkpoint, "fp32", "", 32768)
         report.setdefault("rss_model_load", {})[str(ranks)] = _rss() - before
         report["model_size"] = model.model_size()
         report["vae"] = type(vae).__name__

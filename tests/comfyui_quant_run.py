@@ -58,8 +58,8 @@ def main() -> int:
     sys.path.append(str(REPO))  # after ComfyUI's own modules: its ``nodes`` is not our nodes/
     from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
 
-    (pool,) = ours_nodes["LTXMGPU_Pool"]().make(gpus="cpu", cpu_ranks=1, lifetime="with-owner", free_comfy_vram=False)
-    loader = ours_nodes["LTXMGPU_GemmaLoader"]()
+    (pool,) = ours_nodes["LTXMGPU_Pool"].execute(gpus="cpu", cpu_ranks=1, lifetime="with-owner", free_comfy_vram=False)
+    loader = ours_nodes["LTXMGPU_GemmaLoader"]
     encode = comfy_nodes.CLIPTextEncode().encode
 
     tensors, report = {}, {"weights": {}, "conds": {}, "not_in_comfyui": {}}
@@ -88,9 +88,9 @@ def main() -> int:
                         unequal.append(f"{m.group(1)} ({dtype})")
             report["weights"][fmt] = {"compared": compared, "quantized": quantized, "unequal": unequal,
                                       "ours_quantized": len(src.quant.layers)}
-            te, clip = loader.load(pool, name, f"checkpoints/{spec['checkpoint']}", "bf16", "single", True)
+            te, clip = loader.execute(pool, name, f"checkpoints/{spec['checkpoint']}", "bf16", "single", True)
             ours = type(clip)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
-            _, ours_nf4 = loader.load(pool, name, f"checkpoints/{spec['checkpoint']}", "nf4", "single", True)
+            _, ours_nf4 = loader.execute(pool, name, f"checkpoints/{spec['checkpoint']}", "nf4", "single", True)
             for case, text in spec["prompts"].items():
                 for who, c in (("comfy", theirs), ("ours", ours), ("ours_bf16", clip), ("ours_nf4", ours_nf4)):
                     (cond,) = encode(c, text)

@@ -81,7 +81,7 @@ def has_comfyui() -> bool:
 def load_pack_in_process() -> dict:
     """In a process that has imported ComfyUI: load this repository as ComfyUI loads a custom node
     (a package under another name, so its ``nodes`` does not shadow ComfyUI's) and return its
-    ``NODE_CLASS_MAPPINGS``."""
+    nodes by id (what its ``comfy_entrypoint`` gives ComfyUI)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
@@ -89,7 +89,7 @@ def load_pack_in_process() -> dict:
     pack = importlib.util.module_from_spec(spec)
     sys.modules["ltx_mgpu_pack"] = pack
     spec.loader.exec_module(pack)
-    return pack.NODE_CLASS_MAPPINGS
+    return dict(pack.NODES)
 
 
 def collect_warnings() -> list[str]:

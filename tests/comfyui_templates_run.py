@@ -124,6 +124,7 @@ def main() -> int:
     import comfy.nested_tensor
     import execution
     import folder_paths
+    from comfy_api.latest import io
     from safetensors.torch import save_file
     from server import PromptServer
 
@@ -165,10 +166,11 @@ def main() -> int:
     class Fp32GemmaLoader(gemma_loader):
         """Our Gemma Loader with its CLIP computing in fp32 (ComfyUI's text encoder does)."""
 
-        def load(self, *a, **k):
-            handle, clip = super().load(*a, **k)
+        @classmethod
+        def execute(cls, *a, **k):
+            handle, clip = super().execute(*a, **k)
             handle = dataclasses.replace(handle, config=dataclasses.replace(handle.config, dtype="float32"))
-            return handle, type(clip)(handle)
+            return io.NodeOutput(handle, type(clip)(handle))
 
     pool_models: list = []  # our MODELs' PoolModels, each once
     syncs: list = []  # {"node", "seconds"} of each patch set the pool merged
@@ -195,8 +197,9 @@ def main() -> int:
     class RecordingModelLoader(model_loader):
         """Our Model Loader, its MODEL's pool calls recorded for the report."""
 
-        def load(self, *a, **k):
-            out = super().load(*a, **k)
+        @classmethod
+        def execute(cls, *a, **k):
+            out = super().execute(*a, **k)
             pool_model = out[1].model.diffusion_model.pool_model
             if all(pool_model is not m for m in pool_models):
                 instrument(pool_model)

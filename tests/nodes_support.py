@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def load_pack():
 
 
 PACK_MODULE = load_pack()
-NODES = PACK_MODULE.NODE_CLASS_MAPPINGS
+NODES = PACK_MODULE.NODES
 bridge = sys.modules[f"{PACK}.nodes._comfy"]
 runtime = sys.modules[f"{PACK}.nodes._runtime"]
 routes = sys.modules[f"{PACK}.nodes.routes"]
@@ -37,7 +38,16 @@ denoise_nodes = sys.modules[f"{PACK}.nodes.denoise"]
 
 
 def node(name):
-    return NODES[name]()
+    """The class of node ``name``."""
+    return NODES[name]
+
+
+def run(name, *args, unique_id=None, **kwargs):
+    """Execute node ``name`` as ComfyUI does: ``execute`` on a copy of its class that holds the
+    execution's hidden inputs (``unique_id``); returns its ``NodeOutput``."""
+    cls = NODES[name]
+    clone = type(cls.__name__, (cls,), {"hidden": types.SimpleNamespace(unique_id=unique_id)})
+    return clone.execute(*args, **kwargs)
 
 
 class DuckNested:
@@ -79,7 +89,7 @@ def model_folders(tmp_path_factory, tiny_gemma_dir, tiny_gemma_comfy_file, tiny_
 @contextlib.contextmanager
 def cpu_pool(ranks: int = 2):
     """A Pool node's handle on ``ranks`` CPU ranks; the pool is shut down on leaving."""
-    handle = node("LTXMGPU_Pool").make("cpu", ranks, "with-owner", True)[0]
+    handle = run("LTXMGPU_Pool", "cpu", ranks, "with-owner", True)[0]
     try:
         yield handle
     finally:

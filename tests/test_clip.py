@@ -24,7 +24,7 @@ import sys
 
 import pytest
 import torch
-from nodes_support import PACK, cpu_pool, node
+from nodes_support import PACK, cpu_pool, node, run
 
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
@@ -57,7 +57,7 @@ def pool(env):
 @pytest.fixture(scope="module")
 def loaded(pool):
     """The Gemma Loader's two outputs (bf16, as the node loads Gemma)."""
-    return node("LTXMGPU_GemmaLoader").load(pool, "tiny-gemma-comfy.safetensors",
+    return run("LTXMGPU_GemmaLoader", pool, "tiny-gemma-comfy.safetensors",
                                             "checkpoints/tiny-ltx-2.3.safetensors", "bf16", "single", True)
 
 
@@ -88,7 +88,7 @@ def long_prompt(reference):
 def prompt_encode(te, text, use_cache):
     """Prompt Encode's conditioning of ``text`` alone (positive = negative: encoded once)."""
     with torch.inference_mode():
-        return node("LTXMGPU_PromptEncode").encode(te, text, text, use_cache, unique_id="7")[0]
+        return run("LTXMGPU_PromptEncode", te, text, text, use_cache, unique_id="7")[0]
 
 
 def clip_encode(clip, text):
@@ -112,8 +112,9 @@ def without_pool(te):
 
 def test_gemma_loader_second_output_is_a_clip_of_the_first(loaded):
     te, clip = loaded
-    cls = type(node("LTXMGPU_GemmaLoader"))
-    assert cls.RETURN_TYPES == ("LTXMGPU_TEXT_ENCODER", "CLIP") and cls.RETURN_NAMES == ("text_encoder", "clip")
+    outputs = node("LTXMGPU_GemmaLoader").define_schema().outputs
+    assert [(o.display_name, o.io_type) for o in outputs] == [("text_encoder", "LTXMGPU_TEXT_ENCODER"),
+                                                              ("clip", "CLIP")]
     assert isinstance(clip, GemmaClip) and clip.handle is te
 
 

@@ -103,6 +103,42 @@ def test_object_info_lists_our_nodes_with_tooltips(server):
             assert spec[1].get("tooltip")
 
 
+#: File pickers: their options are the model folders of whichever process lists them.
+FILE_PICKERS = {"ckpt_name", "gemma", "projection"}
+
+
+def test_comfyui_reads_each_schema_as_the_stand_in_declares_it(server):
+    """The nodes are ComfyUI V3 nodes; without ComfyUI (CI's unit tests) their schema is read
+    through ``nodes/_schema.py``'s stand-in. Here the server's ``/object_info`` (ComfyUI's own
+    reading of the same classes) equals what the stand-in holds, field by field, so the two
+    cannot drift apart: ids, types, order (required, then optional), defaults, ranges, choices,
+    tooltips, outputs, hidden inputs, output nodes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from nodes_support import NODES  # the pack in this process, without ComfyUI: the stand-in schema
+
+    _, info = http(f"{server.url}/object_info")
+    assert sorted(NODES) == sorted(OUR_NODES)
+    for nid, cls in NODES.items():
+        schema, got = cls.define_schema(), info[nid]
+        assert (got["display_name"], got["category"], got["description"], got["output_node"]) == (
+            schema.display_name, schema.category, schema.description, schema.is_output_node), nid
+        assert got["output"] == [o.io_type for o in schema.outputs], nid
+        assert got["output_name"] == [o.display_name for o in schema.outputs], nid
+        assert got["output_tooltips"] == [o.tooltip for o in schema.outputs], nid
+        assert got["input_order"].get("required", []) == [i.id for i in schema.inputs if not i.optional], nid
+        assert got["input_order"].get("optional", []) == [i.id for i in schema.inputs if i.optional], nid
+        for i in schema.inputs:
+            kind, opts = got["input"]["optional" if i.optional else "required"][i.id]
+            assert kind == i.io_type and opts.get("tooltip") == i.tooltip, (nid, i.id)
+            for name in ("default", "min", "max", "step", "round", "multiline", "control_after_generate"):
+                if getattr(i, name, None) is not None and not (name == "default" and i.id in FILE_PICKERS):
+                    assert opts.get(name) == getattr(i, name), (nid, i.id, name)
+            if kind == "COMBO" and i.id not in FILE_PICKERS:
+                assert opts["options"] == list(i.options), (nid, i.id)
+        hidden = sorted(got["input"].get("hidden", {}).values())
+        assert [h.value for h in schema.hidden] == [h for h in hidden if h == "UNIQUE_ID"], nid
+
+
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_every_api_workflow_runs(server, name):
     prompt = tiny_prompt(api_workflow(name))

@@ -188,6 +188,36 @@ def test_cache_round_trip_keeps_rows_apart_and_never_loads_gemma_when_cached(tin
     assert cache.get(PROMPTS[0], cache_key_parts(other.config)) is None
 
 
+def test_the_local_encoder_checks_its_prompts_once_where_they_come_in(tiny_gemma_dir, tiny_ltx_23, tmp_path,
+                                                                      monkeypatch):
+    """``LocalTextEncoder.encode`` is where a prompt enters: it is checked there, before the cache
+    or Gemma is touched, and nothing below (the cache, the prompt encoder, the tokenizer) checks
+    it again."""
+    from ltx_mgpu.text.encoder import local as local_encoder
+    from ltx_mgpu.text.gemma import tokenizer
+
+    spec = LocalTextEncoder(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
+    cache = EmbeddingCache(tmp_path / "cache")
+    for bad, match in ((["a cat", b"bytes"], r"prompts\[1\] is bytes, expected str"),
+                       (["caf\udcff"], r"prompts\[0\] is not valid Unicode text: a lone surrogate '\\udcff'")):
+        with pytest.raises(ValueError, match=match):
+            spec.encode(bad, cache=cache)
+        assert not spec.loaded and not any(cache.root.rglob("*.safetensors"))
+    calls = {"entry": 0, "below": 0}
+    real = tokenizer.check_prompts
+
+    def counting(where):
+        def check(*a, **k):
+            calls[where] += 1
+            return real(*a, **k)
+        return check
+
+    monkeypatch.setattr(local_encoder, "check_prompts", counting("entry"))
+    monkeypatch.setattr(tokenizer, "check_prompts", counting("below"))
+    spec.encode(PROMPTS[:2], batch_size=1, cache=cache)
+    assert calls == {"entry": 1, "below": 0}  # once at the entry; the encoder and the tokenizer trust it
+
+
 def test_cli_encode_embedded_default_then_cache_hits(tmp_path):
     env = {"LTX_MGPU_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "emb.safetensors"

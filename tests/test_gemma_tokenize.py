@@ -13,7 +13,7 @@ from gemma_support import LONG
 from ltx_mgpu.assets.gemma import BOS_ID, EOS_ID, PAD_ID
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.gemma.forward import encode_hidden_states
-from ltx_mgpu.text.gemma.tokenizer import PromptTooLongError, tokenize
+from ltx_mgpu.text.gemma.tokenizer import PromptTooLongError, check_prompts, tokenize
 
 # --------------------------------------------------------------------------- tokenize / encode
 
@@ -41,9 +41,11 @@ def test_tokenize_truncation_and_budget_error(gemma):
     assert ids[1].tolist() == tower.tokenizer(LONG)["input_ids"][:10]  # the first tokens, BOS included
     with pytest.raises(PromptTooLongError, match=rf"prompt 1 has {n} tokens .* budget of 10"):
         tokenize(tower, ["the cat", LONG], max_length=10, truncate=False)
-    for bad in ([], "a prompt", ["ok", None]):
-        with pytest.raises(ValueError):
-            tokenize(tower, bad)
+    # what a prompt must be is checked where prompts come in (check_prompts), not per tokenize call
+    for bad, match in (([None], r"prompts\[0\] is NoneType, expected str"),
+                       (["ok", "\ud800"], r"prompts\[1\] is not valid Unicode text")):
+        with pytest.raises(ValueError, match=match):
+            check_prompts(bad)
 
 
 def test_left_padding_keeps_valid_states_up_to_rounding(gemma):

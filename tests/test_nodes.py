@@ -19,7 +19,7 @@ import types
 
 import pytest
 import torch
-from nodes_support import NODES, PACK_MODULE, REPO, av_latent, bridge, denoise_nodes, node, runtime
+from nodes_support import NODES, PACK_MODULE, REPO, av_latent, bridge, denoise_nodes, run, runtime
 
 pytestmark = pytest.mark.slow
 
@@ -30,36 +30,46 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_node_declares_a_valid_contract():
+    """Each node's schema (ComfyUI's typed V3 schema; here its stand-in, ``nodes._schema``)."""
     assert set(NODES) == {"LTXMGPU_Pool", "LTXMGPU_PoolStatus", "LTXMGPU_Free", "LTXMGPU_GemmaLoader",
                           "LTXMGPU_PromptEncode", "LTXMGPU_PromptBatchEncode", "LTXMGPU_ModelLoader",
                           "LTXMGPU_SPSampler"}
-    names = PACK_MODULE.NODE_DISPLAY_NAME_MAPPINGS
     for nid, cls in NODES.items():
-        assert nid.startswith("LTXMGPU_") and names[nid].startswith("LTX-2 Multi-GPU ")
-        assert cls.CATEGORY == "LTX-2 Multi-GPU" and callable(getattr(cls(), cls.FUNCTION))
-        assert isinstance(cls.RETURN_TYPES, tuple) and len(cls.RETURN_NAMES) == len(cls.RETURN_TYPES)
-        assert len(cls.OUTPUT_TOOLTIPS) == len(cls.RETURN_TYPES) and cls.DESCRIPTION
-        spec = cls.INPUT_TYPES()
-        assert set(spec) <= {"required", "optional", "hidden"} and spec["required"]
-        for section in ("required", "optional"):
-            for name, entry in spec.get(section, {}).items():
-                kind, opts = entry[0], entry[1]
-                assert opts.get("tooltip"), f"{nid}.{name} has no tooltip"
-                if isinstance(kind, list):
-                    assert "default" not in opts or opts["default"] in kind, f"{nid}.{name}"
-                elif kind in ("INT", "FLOAT"):
-                    assert opts["min"] <= opts["default"] <= opts["max"], f"{nid}.{name}"
-                elif kind == "BOOLEAN":
-                    assert isinstance(opts["default"], bool)
-                elif kind == "STRING":
-                    assert isinstance(opts["default"], str)
-                else:
-                    assert kind.isupper(), f"{nid}.{name}: {kind}"
-        for name, value in spec.get("hidden", {}).items():
-            assert value == "UNIQUE_ID" and name == "unique_id"
-    # node ids the pool reports progress for take the hidden id
+        schema = cls.define_schema()
+        assert schema.node_id == nid and nid.startswith("LTXMGPU_")
+        assert schema.display_name.startswith("LTX-2 Multi-GPU ") and schema.category == "LTX-2 Multi-GPU"
+        assert schema.description and schema.outputs
+        for ids in ([i.id for i in schema.inputs], [o.id for o in schema.outputs]):
+            assert len(set(ids)) == len(ids), f"{nid}: ids must be unique"  # as ComfyUI's Schema.validate
+        for out in schema.outputs:
+            assert out.id and out.tooltip, f"{nid}.{out.id} has no tooltip"
+        seen_optional = False
+        for i in schema.inputs:
+            assert i.tooltip, f"{nid}.{i.id} has no tooltip"
+            assert i.optional or not seen_optional, f"{nid}.{i.id}: a required input after an optional one"
+            seen_optional |= i.optional
+            kind, default = i.io_type, getattr(i, "default", None)
+            if kind == "COMBO":
+                assert default is None or default in i.options, f"{nid}.{i.id}"
+            elif kind in ("INT", "FLOAT"):
+                assert i.min <= default <= i.max, f"{nid}.{i.id}"
+            elif kind == "BOOLEAN":
+                assert isinstance(default, bool)
+            elif kind == "STRING":
+                assert isinstance(default, str)
+            else:
+                assert kind.isupper(), f"{nid}: {kind}"
+        assert [h.value for h in schema.hidden] in ([], ["UNIQUE_ID"])
+    # the nodes the pool reports progress for take the hidden id
     for nid in ("LTXMGPU_PromptEncode", "LTXMGPU_PromptBatchEncode", "LTXMGPU_ModelLoader", "LTXMGPU_SPSampler"):
-        assert "unique_id" in NODES[nid].INPUT_TYPES()["hidden"]
+        assert [h.value for h in NODES[nid].define_schema().hidden] == ["UNIQUE_ID"]
+
+
+def test_the_pack_is_a_comfyui_extension_listing_every_node():
+    import asyncio
+
+    extension = asyncio.run(PACK_MODULE.comfy_entrypoint())
+    assert asyncio.run(extension.get_node_list()) == list(NODES.values())
 
 
 def test_sampler_names_match_the_pool():
@@ -77,11 +87,11 @@ sys.platform = "win32"
 spec = importlib.util.spec_from_file_location("pack", {str(REPO / '__init__.py')!r},
                                               submodule_search_locations=[{str(REPO)!r}])
 pack = importlib.util.module_from_spec(spec); sys.modules["pack"] = pack; spec.loader.exec_module(pack)
-print(len(pack.NODE_CLASS_MAPPINGS))
-for cls in pack.NODE_CLASS_MAPPINGS.values():
-    cls.INPUT_TYPES()
+print(len(pack.NODES))
+for cls in pack.NODES.values():
+    cls.define_schema()
 try:
-    pack.NODE_CLASS_MAPPINGS["LTXMGPU_Pool"]().make("all", 1, "with-owner", True)
+    pack.NODES["LTXMGPU_Pool"].execute("all", 1, "with-owner", True)
 except RuntimeError as e:
     print("ERROR", e)
 print(sys.modules["pack.nodes.routes"].status_payload()["message"])
@@ -100,22 +110,23 @@ def test_no_torch_distributed_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="no torch.distributed, which the pool needs"):
-        node("LTXMGPU_Pool").make("cpu", 1, "with-owner", True)
+        run("LTXMGPU_Pool", "cpu", 1, "with-owner", True)
 
 
 def test_bad_pool_settings_name_the_fix():
     with pytest.raises(ValueError, match="gpus must be 'all', 'cpu' or a list like '0,1'"):
-        node("LTXMGPU_Pool").make("first two", 1, "with-owner", True)
+        run("LTXMGPU_Pool", "first two", 1, "with-owner", True)
     with pytest.raises(ValueError, match="lifetime must be one of"):
-        node("LTXMGPU_Pool").make("cpu", 1, "forever", True)
+        run("LTXMGPU_Pool", "cpu", 1, "forever", True)
 
 
 def test_file_pickers_list_comfyui_model_folders(env, tiny_ltx_23):
-    gemma = NODES["LTXMGPU_GemmaLoader"].INPUT_TYPES()["required"]
-    assert gemma["gemma"][0] == ["tiny-gemma/", "tiny-gemma-comfy.safetensors"]  # the snapshot's shards are hidden
-    assert gemma["projection"][0] == ["checkpoints/tiny-ltx-2.3.safetensors",
-                                      "text_encoders/tiny-gemma-comfy.safetensors"]
-    assert NODES["LTXMGPU_ModelLoader"].INPUT_TYPES()["required"]["ckpt_name"][0] == ["tiny-ltx-2.3.safetensors"]
+    gemma = {i.id: i for i in NODES["LTXMGPU_GemmaLoader"].define_schema().inputs}
+    assert gemma["gemma"].options == ["tiny-gemma/", "tiny-gemma-comfy.safetensors"]  # the snapshot's shards hidden
+    assert gemma["projection"].options == ["checkpoints/tiny-ltx-2.3.safetensors",
+                                           "text_encoders/tiny-gemma-comfy.safetensors"]
+    loader = {i.id: i for i in NODES["LTXMGPU_ModelLoader"].define_schema().inputs}
+    assert loader["ckpt_name"].options == ["tiny-ltx-2.3.safetensors"]
     assert (bridge.full_path("checkpoints", "tiny-ltx-2.3.safetensors")
             == str(env / "checkpoints" / "tiny-ltx-2.3.safetensors"))
     assert bridge.full_path("checkpoints", str(tiny_ltx_23)) == str(tiny_ltx_23)  # explicit paths work too
@@ -217,4 +228,4 @@ def test_fallback_nested_tensor_behaves_like_comfyuis():
     nt = bridge.make_nested([v, a])
     assert bridge.is_nested(nt) and nt.shape == v.shape and nt.dtype == v.dtype and nt.unbind()[1] is a
     assert [t.dtype for t in nt.to(torch.float16).tensors] == [torch.float16] * 2
-    assert not bridge.is_nested(v) and math.isnan(NODES["LTXMGPU_PoolStatus"].IS_CHANGED())
+    assert not bridge.is_nested(v) and math.isnan(NODES["LTXMGPU_PoolStatus"].fingerprint_inputs())

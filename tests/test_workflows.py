@@ -75,25 +75,27 @@ CORE_NODES: dict[str, dict] = {
 
 
 def _contract_of_ours(cls) -> dict:
-    """Our node's contract in the CORE_NODES form, from its INPUT_TYPES / RETURN_TYPES."""
-    types = cls.INPUT_TYPES()
+    """Our node's contract in the CORE_NODES form, from its schema (ComfyUI's V3 ``define_schema``,
+    which ComfyUI turns into the same required-then-optional input order the frontend shows)."""
+    schema = cls.define_schema()
     inputs, choices = [], {}
-    for section in ("required", "optional"):
-        for name, spec in types.get(section, {}).items():
-            kind, opts = spec[0], (spec[1] if len(spec) > 1 else {})
-            if isinstance(kind, (list, tuple)):
-                kind, choices[name] = "COMBO", list(kind)
-            if kind == "INT" and opts.get("control_after_generate"):
+    for optional in (False, True):
+        for i in schema.inputs:
+            if i.optional != optional:
+                continue
+            kind = i.io_type
+            if kind == "COMBO":
+                choices[i.id] = list(i.options)
+            if kind == "INT" and i.control_after_generate:
                 kind = "INT+control"
-            inputs.append((name + ("?" if section == "optional" else ""), kind))
-    names = getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES
-    return {"inputs": inputs, "outputs": list(zip(names, cls.RETURN_TYPES)), "choices": choices}
+            inputs.append((i.id + ("?" if optional else ""), kind))
+    return {"inputs": inputs, "outputs": [(o.display_name, o.io_type) for o in schema.outputs], "choices": choices}
 
 
 def contracts() -> dict[str, dict]:
     pack = load_pack()
     out = {k: dict(v, choices={}) for k, v in CORE_NODES.items()}
-    out.update({k: _contract_of_ours(c) for k, c in pack.NODE_CLASS_MAPPINGS.items()})
+    out.update({k: _contract_of_ours(c) for k, c in pack.NODES.items()})
     return out
 
 
@@ -235,7 +237,7 @@ def test_panel_view_model_shows_state_job_and_one_memory_bar_per_rank(tmp_path):
          "current": {"type": "sample", "progress": {"phase": "denoise", "step": 3, "total": 20}},
          "queue": [{"id": "x", "type": "encode", "position": 1}],
          "ranks": [{"rank": 0, "device": "cuda:0", "models": {"ltx": {}, "big": {"bytes": 3 * 2**29,
-                                                                                 "weights": "sharded"}},
+                                                                                 "plan": {"weights": "sharded"}}},
                     "memory": {"total": 80 * 2**30, "free": 20 * 2**30, "reserved": 50 * 2**30}},
                    {"rank": 1, "device": "cuda:1", "models": {},
                     "memory": {"total": 80 * 2**30, "free": 80 * 2**30, "reserved": 0}}]},

@@ -39,7 +39,7 @@ import torch
 
 from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.wire.codec import DEFAULT_MODEL
-from ltx_mgpu.wire.messages import FORWARD_KWARGS, NO_PATCHES
+from ltx_mgpu.wire.messages import FORWARD_KWARGS, GUIDE_FIELDS, NO_PATCHES
 
 __all__ = ["BUSY_WINDOW_S", "CONTEXTS_KEPT", "PatchFormatError", "PoolModel", "WirePatches", "model_activity",
            "wire_conds", "wire_patches"]
@@ -167,11 +167,7 @@ def wire_patches(patches: Mapping[str, Sequence], ids: Callable[[Any], str]) -> 
     return WirePatches(entries, adapters)
 
 
-#: The fields of a ``guide_attention_entries`` item (``comfy_extras/nodes_lt.py``).
-_GUIDE_FIELDS = frozenset({"pre_filter_count", "strength", "latent_shape", "pixel_mask"})
-
-
-def wire_conds(conds: Mapping[str, Any]) -> tuple[dict, dict]:
+def wire_conds(conds: Mapping[str, Any], where: str = "") -> tuple[dict, dict]:
     """ComfyUI's keyword arguments of a model call as a ``forward`` request's ``(params,
     tensors)`` (``ltx_mgpu.wire.messages.FORWARD_TENSORS``): ``kwargs`` names those present;
     ``attention_mask``, ``keyframe_idxs``, ``ref_audio`` (its ``tokens``) travel as tensors; the
@@ -180,17 +176,22 @@ def wire_conds(conds: Mapping[str, Any]) -> tuple[dict, dict]:
     entries as ``guides`` (their pixel masks as ``guide.<i>.pixel_mask``). The pool checks the
     values (``ltx_mgpu.denoise.comfyui.extra_conds``).
 
+    This is the client's one check of ComfyUI's keyword arguments (the pool's schema checks the
+    ``kwargs`` names again, as it checks every request); ``where`` (e.g. ``" in node 12"``) is put
+    into the messages.
+
     Raises:
         BadInputError: a keyword outside ``FORWARD_KWARGS`` (a node upstream added conditioning
             or a model patch this pool does not implement), guide entries that are not dicts of
-            the known fields, reference audio without tokens.
+            ``GUIDE_FIELDS``, reference audio without tokens.
     """
     present = {k: v for k, v in conds.items() if v is not None}
     refused = sorted(set(present) - set(FORWARD_KWARGS) - {"attention_mask"})
     if refused:
-        raise BadInputError(f"the model call has argument(s) {refused} the multi-GPU pool does not implement "
-                            f"(implemented: {[*FORWARD_KWARGS, 'attention_mask']}); a node upstream of the sampler "
-                            "added them: remove it, or update ltx_mgpu if a newer ComfyUI adds them")
+        raise BadInputError(f"the model call{where} has argument(s) {refused} the multi-GPU LTX-2 model does not "
+                            f"implement (it implements {[*FORWARD_KWARGS, 'attention_mask']} and frame_rate); a "
+                            "node upstream of the sampler added them: remove it, or update ltx_mgpu if a newer "
+                            "ComfyUI adds them")
     params: dict = {"kwargs": sorted(k for k in present if k != "attention_mask")}
     tensors: dict = {}
     if "attention_mask" in present:
@@ -212,10 +213,10 @@ def wire_conds(conds: Mapping[str, Any]) -> tuple[dict, dict]:
             raise BadInputError("guide_attention_entries (from LTXVAddGuide) must be a list of dicts")
         guides = []
         for i, e in enumerate(entries):
-            unknown = sorted(set(e) - _GUIDE_FIELDS)
+            unknown = sorted(set(e) - set(GUIDE_FIELDS))
             if unknown:
-                raise BadInputError(f"guide_attention_entries[{i}] has the field(s) {unknown} the multi-GPU pool "
-                                    f"does not implement (implemented: {sorted(_GUIDE_FIELDS)}); update ltx_mgpu")
+                raise BadInputError(f"guide_attention_entries[{i}]{where} has the field(s) {unknown} the multi-GPU "
+                                    f"pool does not implement (implemented: {list(GUIDE_FIELDS)}); update ltx_mgpu")
             shape = e.get("latent_shape")
             guides.append({"pre_filter_count": e.get("pre_filter_count"), "strength": e.get("strength", 1.0),
                            "latent_shape": list(shape) if isinstance(shape, (list, tuple)) else shape})
@@ -348,7 +349,7 @@ class PoolModel:
     def forward(self, x: Any, timestep: Any, context: torch.Tensor, *, frame_rate: float = 25.0,
                 conds: Mapping[str, Any] | None = None,
                 patches: tuple[str, Mapping[str, Sequence] | None] = (NO_PATCHES, None),
-                check_interrupt=None) -> Any:
+                check_interrupt=None, where: str = "") -> Any:
         """One call of the transformer as ComfyUI's ``LTXAVModel.forward`` (``x``: the video
         latent or ``[video, audio]``; ``timestep``: ``(video, audio)`` timesteps or one;
         ``context``: the processed context). Returns ``[video, audio]`` velocities, or the video
@@ -358,14 +359,14 @@ class PoolModel:
         ``conds`` holds the call's other ComfyUI keyword arguments (``FORWARD_KWARGS`` and the
         text ``attention_mask``; None values are absent), sent as :func:`wire_conds` encodes
         them; ``patches`` is ``(patches_uuid, patches)`` of the calling ModelPatcher, merged
-        first when the pool holds others.
+        first when the pool holds others. ``where`` names the caller in messages (``" in node 12"``).
 
         Raises:
             BadInputError: a keyword argument outside ``FORWARD_KWARGS`` or a guide entry of
                 unknown fields (before any request), inputs the pool refuses (names them).
             PatchFormatError: see :meth:`sync_patches`.
         """
-        cond_params, cond_tensors = wire_conds(conds or {})
+        cond_params, cond_tensors = wire_conds(conds or {}, where)
         parts = list(x) if isinstance(x, (list, tuple)) else [x]
         if len(parts) == 2 and parts[1].numel() == 0:
             parts = parts[:1]

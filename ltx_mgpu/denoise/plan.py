@@ -105,10 +105,11 @@ def _loras(raw: Any) -> tuple[LoraSpec, ...]:
         if not isinstance(path, str) or not path:
             raise ValueError(f"loras[{i}].path must be a file path, got {path!r:.120}")
         low, high = LORA_STRENGTH
-        if (isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength)
-                or not low <= strength <= high):
-            raise ValueError(f"loras[{i}].strength must be a number in {low:g}..{high:g} (ComfyUI's LoRA strength "
-                             f"range), got {strength!r:.40}")
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+            raise ValueError(f"loras[{i}].strength must be a number, got {strength!r:.40}")
+        if not (math.isfinite(strength) and low <= strength <= high):
+            raise ValueError(f"loras[{i}].strength must be in {low:g}..{high:g} (ComfyUI's LoRA strength range), "
+                             f"got {strength!r:.40}")
         specs.append(LoraSpec(os.path.abspath(path), float(strength)))
     return tuple(specs)
 

@@ -46,7 +46,7 @@ from ltx_mgpu.denoise.patches import PATCH_KINDS, WeightPatch
 from ltx_mgpu.pool.denoise_jobs import ResidentTransformer, resident_transformer, set_weight_patches
 from ltx_mgpu.pool.engines import BadInput, JobContext, register_engine
 from ltx_mgpu.wire import codec
-from ltx_mgpu.wire.messages import FORWARD_KWARGS, FORWARD_TENSORS, MAX_BATCH, MAX_TEXT_TOKENS, NO_PATCHES
+from ltx_mgpu.wire.messages import FORWARD_TENSORS, MAX_BATCH, MAX_TEXT_TOKENS, NO_PATCHES
 
 __all__ = ["CONTEXT_SLOTS", "forward_job", "model_patches_job", "text_contexts_job"]
 
@@ -144,11 +144,7 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     if unknown:
         raise BadInput(f"forward takes the tensors {list(FORWARD_TENSORS)} (and guide.<i>.pixel_mask), got also "
                        f"{unknown[:5]}")
-    kwargs = list(params.get("kwargs") or [])
-    refused = sorted(set(kwargs) - set(FORWARD_KWARGS))
-    if refused:
-        raise BadInput(f"the model call has argument(s) {refused} the pool does not implement (implemented: "
-                       f"{list(FORWARD_KWARGS)}); they come from a node that adds conditioning or patches the model")
+    kwargs = list(params.get("kwargs") or [])  # each one of FORWARD_KWARGS: the schema checked them
     video = _float_tensor(tensors, "x.0", (5,), "the video latent")
     parts = [video]
     if "x.1" in tensors:

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from accelerate.utils import convert_file_size_to_int
 
-from ltx_mgpu import wire
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.text.config import COMPILE_NF4, MAX_KEY, TextEncoderConfig
 from ltx_mgpu.text.encoder import placement as tp
@@ -41,7 +40,6 @@ from ltx_mgpu.text.gemma.tokenizer import check_prompts
 TEXT_ENCODER = "text_encoder"
 EMBEDDINGS = "text_embeddings"
 #: The request fields, declared once in the protocol's schemas (unknown ones are refused at receipt).
-_ENCODE_FIELDS = tuple(f.name for f in wire.REQUESTS["encode"].fields)
 
 
 @dataclass(frozen=True)
@@ -205,9 +203,14 @@ def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
 
 
 def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, list[str], int, bool, bool]:
-    unknown = sorted(set(params) - set(_ENCODE_FIELDS))
-    if unknown:
-        raise BadInput(f"encode has unknown field(s) {unknown}; known: {sorted(_ENCODE_FIELDS)}")
+    """The resident encoder and the request's prompts and options. The schema typed and bounded
+    every field at receipt (``ltx_mgpu.wire.messages``: strings, at most ``MAX_PROMPTS``, a
+    ``batch_size`` in range, booleans); what it cannot say is whether each prompt is Unicode
+    text the tokenizer takes, checked here, once, before any collective.
+
+    Raises:
+        BadInput: no encoder loaded, another one than ``expect``, a prompt that is not Unicode text.
+    """
     state = ctx.models.get(TEXT_ENCODER)
     if state is None:
         raise BadInput("no text encoder is loaded in the pool; send load_text_encoder first")
@@ -216,10 +219,6 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
         raise BadInput(f"the pool's text encoder is {state.request.key!r:.120}, not the expected {expect!r:.120} "
                        "(another client loaded a different one); load yours again")
     batch_size, keep, verify = params.get("batch_size", 8), params.get("keep", True), params.get("verify", False)
-    if batch_size < 1:
-        raise BadInput(f"batch_size must be >= 1 (prompts per Gemma forward), got {batch_size}")
-    if not isinstance(keep, bool) or not isinstance(verify, bool):
-        raise BadInput(f"keep and verify must be true or false, got {keep!r} and {verify!r}")
     prompts = list(params["prompts"])
     try:
         check_prompts(prompts)  # the tokenizer cannot take a lone surrogate

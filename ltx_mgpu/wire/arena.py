@@ -51,10 +51,10 @@ can ``ltx_mgpu.wire.sender.ArenaSender.reserve`` the spare and write the tensors
 is then handed over without being copied (the pool's one-rank ``encode``: the encoder's float32
 upcast goes straight into the client's memory, instead of into fresh pages and then a copy).
 
-Settings (environment of the pool, or of the client for ``LTX_MGPU_SHM``):
-``LTX_MGPU_SHM=0`` turns the feature off; ``LTX_MGPU_SHM_MIN_BYTES`` (1 MiB),
-``LTX_MGPU_SHM_MAX_BYTES`` (2 GiB: all arenas and spares of a pool together),
-``LTX_MGPU_SHM_IDLE_SECONDS`` (60) and ``LTX_MGPU_SHM_OWN_MIN_BYTES`` (4 MiB).
+Settings: ``ltx_mgpu.settings.SHM`` (off: everything through the socket) and the thresholds
+``SHM_MIN_BYTES``, ``SHM_MAX_BYTES`` (all arenas and spares of a pool together),
+``SHM_IDLE_SECONDS`` and ``SHM_OWN_MIN_BYTES``, read from the pool's environment (``SHM`` also
+from the client's).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ __all__ = [
     "FORWARD_KWARGS",
     "FORWARD_TENSORS",
     "MAX_GUIDES",
+    "GUIDE_FIELDS",
     "NO_PATCHES",
     "MAX_ADAPTERS",
     "MAX_PATCH_KEYS",
@@ -88,6 +89,10 @@ FORWARD_TENSORS = ("x.0", "x.1", "t.0", "t.1", "context", "attention_mask", "den
                    "ref_audio")
 #: Guide attention entries one ``forward`` may carry.
 MAX_GUIDES = 256
+#: The fields of a guide attention entry (``LTXVAddGuide``'s ``guide_attention_entries`` items,
+#: ``comfy_extras/nodes_lt.py``) the pool implements: its tokens before the grid mask, strength,
+#: latent shape and pixel mask. An entry with another field is refused by name, never ignored.
+GUIDE_FIELDS = ("pre_filter_count", "strength", "latent_shape", "pixel_mask")
 #: The ``patches`` id of a transformer with its loaded weights (no ComfyUI weight patches merged).
 NO_PATCHES = "none"
 
@@ -108,7 +113,8 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 @dataclass(frozen=True)
 class F:
     """One field of a message: ``types`` are JSON type names (``str int number bool list object
-    null``); ``items`` the element type name for lists; ``choices`` allowed values; ``bounds`` the
+    null``); ``items`` the element type name for lists; ``choices`` allowed values (of each item,
+    for a list with ``items``); ``bounds`` the
     inclusive ``(low, high)`` range of a number; ``max_items`` the longest list; ``hint`` the fix,
     added to a range or length refusal."""
 
@@ -133,10 +139,10 @@ class F:
         hint = f"; {self.hint}" if self.hint else ""
         if self.max_items is not None and isinstance(value, list) and len(value) > self.max_items:
             raise SchemaError(f"{where}.{self.name} holds {len(value)} items, at most {self.max_items}{hint}")
-        if self.items and isinstance(value, list):
+        if self.items and isinstance(value, list):  # choices, with items, are the items' choices
             for i, v in enumerate(value):
-                F(f"{self.name}[{i}]", (self.items,)).check(v, where)
-        if self.choices is not None and value is not None and value not in self.choices:
+                F(f"{self.name}[{i}]", (self.items,), choices=self.choices, hint=self.hint).check(v, where)
+        elif self.choices is not None and value is not None and value not in self.choices:
             raise SchemaError(f"{where}.{self.name} must be one of {list(self.choices)}, got {value!r}")
         if (self.bounds is not None and isinstance(value, (int, float)) and not isinstance(value, bool)
                 and not self.bounds[0] <= value <= self.bounds[1]):
@@ -239,7 +245,10 @@ register_request(MessageSchema("forward", (
     F("model", ("str",), False), F("key", ("str",), False), F("context_id", ("str",)),
     F("frame_rate", ("number",), False, bounds=(1e-3, 1e4), hint="frames per second of the video"),
     F("av_timestep", ("str",), False, choices=AV_TIMESTEP_CONVENTIONS),
-    F("patches", ("str",), False), F("kwargs", ("list",), False, items="str", max_items=16),
+    F("patches", ("str",), False),
+    F("kwargs", ("list",), False, items="str", max_items=16, choices=FORWARD_KWARGS,
+      hint="a node upstream of the sampler added an argument this pool does not implement: remove it, or update "
+           "ltx_mgpu if a newer ComfyUI adds it"),
     F("guides", ("list",), False, items="object", max_items=MAX_GUIDES, hint="use fewer LTXVAddGuide nodes")),
     tensors=True, doc="one call of the transformer on ComfyUI's tensors (FORWARD_TENSORS): 'x.0' video, 'x.1' "
                       "audio latent, 't.0' / 't.1' their timesteps, 'context' (when new), the guide inputs"))

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ltx_core.types import AudioLatentShape
 
 from ltx_mgpu.denoise.comfyui.transformer_call import ModalityInput
+from ltx_mgpu.wire.messages import GUIDE_FIELDS
 
 __all__ = ["CallLayout", "ExtraConds", "ExtraCondsError", "GuideEntry", "apply_extra_conds", "concat_extra_conds",
            "extra_conds", "grid_mask", "restore_outputs"]
@@ -172,10 +173,10 @@ def _guide(i: int, entry: Any) -> GuideEntry:
     mask = entry.get("pixel_mask")
     if mask is not None:
         mask = _float(mask, f"{where} pixel_mask", 5, "[B, 1, F, H, W]", "the guide node")
-    unknown = sorted(set(entry) - {"pre_filter_count", "strength", "latent_shape", "pixel_mask"})
+    unknown = sorted(set(entry) - set(GUIDE_FIELDS))
     if unknown:
-        raise ExtraCondsError(f"{where} has the unknown field(s) {unknown}; this pool implements pre_filter_count, "
-                              "strength, latent_shape and pixel_mask (a newer ComfyUI may add more: update ltx_mgpu)")
+        raise ExtraCondsError(f"{where} has the unknown field(s) {unknown}; this pool implements "
+                              f"{', '.join(GUIDE_FIELDS)} (a newer ComfyUI may add more: update ltx_mgpu)")
     return GuideEntry(count, float(strength), shape, mask)
 
 

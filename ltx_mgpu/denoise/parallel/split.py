@@ -1,17 +1,70 @@
-"""What sequence parallelism can serve, checked before any GPU work and identically on every
-rank: the world size must divide the attention heads Ulysses splits, and the video latent must
-fit the token budget (``ltx_mgpu.denoise.parallel.ulysses`` runs the split)."""
+"""What Ulysses sequence parallelism splits across the ranks, declared as data (:data:`ULYSSES_SPLIT`),
+and what that asks of a model and of a call, checked before any GPU work and identically on every
+rank: the world size must divide the attention heads the split exchanges, and the video latent
+must fit the token budget. :mod:`ltx_mgpu.denoise.parallel.ulysses` runs the split, its attention
+wrappers chosen from the same declaration.
+
+The split (ltx-core 1.0.0's ``BasicAVTransformerBlock``): the video tokens are split (padded to a
+multiple of the world size); audio tokens, text contexts and every per-token module (FFNs, AdaLN,
+``attn2``, ``audio_to_video_attn`` whose queries are local video tokens, the audio modules) stay
+replicated or local. Two attention modules per block need the whole video sequence.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from ltx_core.model.transformer.model import LTXModel
 
-__all__ = ["SequenceParallelConfigError", "check_sequence_parallel_config", "check_token_budget",
-           "valid_world_sizes"]
+__all__ = ["ULYSSES_SPLIT", "AttentionSplit", "SequenceParallelConfigError", "SplitPlan",
+           "check_sequence_parallel_config", "check_token_budget", "valid_world_sizes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSplit:
+    """How one attention module of every transformer block runs under Ulysses.
+
+    Attributes:
+        label: what its split heads are called in messages (``video``, ``audio``).
+        module: the block's attribute (``attn1``, ``video_to_audio_attn``).
+        queries: ``"split"`` (video tokens: exchanged tokens -> heads with one all-to-all, the
+            result back heads -> tokens) or ``"replicated"`` (audio: each rank keeps its ``H/W``
+            query heads, the head outputs are all-gathered).
+        heads: the ``LTXModel`` attribute holding the head count the world size must divide.
+        modalities: the modalities the model must have for the module to exist.
+    """
+
+    label: str
+    module: str
+    queries: str
+    heads: str
+    modalities: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """What one sequence-parallel call splits: the tokens of ``split_modality``, and the attention
+    modules that exchange heads (their keys and values are always the split tokens)."""
+
+    split_modality: str
+    attention: tuple[AttentionSplit, ...]
+
+    def head_counts(self, model: "LTXModel") -> dict[str, int]:
+        """The head count of every module the split exchanges on ``model``, by label."""
+        enabled = {"video": model.model_type.is_video_enabled(), "audio": model.model_type.is_audio_enabled()}
+        return {a.label: int(getattr(model, a.heads)) for a in self.attention
+                if all(enabled[m] for m in a.modalities)}
+
+
+#: LTX-2's Ulysses split: video self-attention (queries, keys and values all video tokens) and
+#: video -> audio cross-attention (audio queries, replicated; video keys and values, split).
+ULYSSES_SPLIT = SplitPlan("video", (
+    AttentionSplit("video", "attn1", "split", "num_attention_heads", ("video",)),
+    AttentionSplit("audio", "video_to_audio_attn", "replicated", "audio_num_attention_heads", ("video", "audio")),
+))
 
 
 class SequenceParallelConfigError(ValueError):
@@ -22,19 +75,9 @@ class SequenceParallelConfigError(ValueError):
     """
 
 
-def _head_counts(model: "LTXModel") -> dict[str, int]:
-    """The head counts SP splits: video self-attention and (AV models) V2A's audio heads."""
-    counts = {}
-    if model.model_type.is_video_enabled():
-        counts["video"] = int(model.num_attention_heads)
-        if model.model_type.is_audio_enabled():
-            counts["audio"] = int(model.audio_num_attention_heads)
-    return counts
-
-
 def valid_world_sizes(model: "LTXModel") -> list[int]:
     """World sizes (GPU counts) that divide every head count SP splits for ``model``."""
-    counts = list(_head_counts(model).values())
+    counts = list(ULYSSES_SPLIT.head_counts(model).values())
     g = math.gcd(*counts) if counts else 1
     return [d for d in range(1, g + 1) if g % d == 0]
 
@@ -43,13 +86,14 @@ def check_sequence_parallel_config(model: "LTXModel", world_size: int) -> None:
     """Raise ``SequenceParallelConfigError`` unless ``world_size`` divides the split heads.
 
     Video self-attention splits ``num_attention_heads`` and video->audio cross-attention
-    splits ``audio_num_attention_heads`` across the ranks (Ulysses), so both must divide.
+    splits ``audio_num_attention_heads`` across the ranks (:data:`ULYSSES_SPLIT`), so both must
+    divide.
     """
-    counts = _head_counts(model)
+    counts = ULYSSES_SPLIT.head_counts(model)
     bad = {name: h for name, h in counts.items() if h % world_size}
     if not bad:
         return
-    heads = " and ".join(f"{h} {name} attention heads" for name, h in counts.items())
+    heads = " and ".join(f"{h} {label} attention heads" for label, h in counts.items())
     sizes = ", ".join(str(s) for s in valid_world_sizes(model))
     raise SequenceParallelConfigError(
         f"sequence parallelism splits attention heads across the pool's ranks (one per GPU), and this model "

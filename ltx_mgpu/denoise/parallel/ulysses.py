@@ -55,6 +55,7 @@ from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.model import LTXModel
 
 from ltx_mgpu.denoise.parallel.split import (
+    ULYSSES_SPLIT,
     SequenceParallelConfigError,
     check_sequence_parallel_config,
     check_token_budget,
@@ -191,7 +192,10 @@ class UlyssesVideoToAudioAttention:
         return gathered.view(s.world, b, t_audio, h_local, -1).permute(1, 2, 0, 3, 4).reshape(b, t_audio, hd)
 
 
-_WRAPPERS = {"attn1": UlyssesSelfAttention, "video_to_audio_attn": UlyssesVideoToAudioAttention}
+#: The wrapper of each attention module :data:`~ltx_mgpu.denoise.parallel.split.ULYSSES_SPLIT` declares,
+#: by how its queries are split.
+_WRAPPERS = {a.module: {"split": UlyssesSelfAttention, "replicated": UlyssesVideoToAudioAttention}[a.queries]
+             for a in ULYSSES_SPLIT.attention}
 
 
 def install_attention_wrappers(model: LTXModel, state: _ShardState) -> int:

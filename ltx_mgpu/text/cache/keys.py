@@ -88,10 +88,8 @@ def cache_key(prompt: str, parts: CacheKeyParts) -> str:
     normalisation.
 
     Raises:
-        TypeError: ``prompt`` is not a str or ``parts`` is not a :class:`CacheKeyParts`.
+        TypeError: ``parts`` is not a :class:`CacheKeyParts`.
     """
-    if not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
     if not isinstance(parts, CacheKeyParts):
         raise TypeError(f"parts must be a CacheKeyParts, got {type(parts).__name__}")
     record = {"domain": _KEY_DOMAIN, "format": FORMAT_VERSION, "parts": dataclasses.asdict(parts), "prompt": prompt}

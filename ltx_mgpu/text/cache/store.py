@@ -544,15 +544,11 @@ def encode_cached(
 
     Raises:
         ValueError: ``batch_size`` < 1, or ``encode_fn`` returned the wrong number of results.
-        TypeError: a prompt is not a str, or ``encode_fn`` returned something other than
-            :class:`PromptEmbedding` s.
+        TypeError: ``encode_fn`` returned something other than :class:`PromptEmbedding` s.
         Whatever ``encode_fn`` raises (sub-batches finished before it stay cached).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    for p in prompts:
-        if not isinstance(p, str):
-            raise TypeError(f"prompts must be strings, got {type(p).__name__}")
     start = time.perf_counter()
     unique = list(dict.fromkeys(prompts))
     found: dict[str, PromptEmbedding] = {}

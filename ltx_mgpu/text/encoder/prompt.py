@@ -25,7 +25,7 @@ from ltx_mgpu.text.config import TOKEN_BUDGET, canonical_dtype
 from ltx_mgpu.text.features import Projection, PromptEmbedding
 from ltx_mgpu.text.gemma import graphs
 from ltx_mgpu.text.gemma.forward import compile_text_tower, run_tower
-from ltx_mgpu.text.gemma.tokenizer import check_prompts, tokenize
+from ltx_mgpu.text.gemma.tokenizer import tokenize
 from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,8 @@ class PromptEncoder:
         ``max_tokens`` as :meth:`encode`.
 
         Raises:
-            ValueError: a non-string prompt or one that is not valid Unicode text, a bad
-                ``max_tokens``; PromptTooLongError: as :meth:`encode`.
+            ValueError: a bad ``max_tokens``; PromptTooLongError: as :meth:`encode`.
         """
-        self._check_prompts(prompts)
         limits = self._limits(max_tokens)
         if not prompts:
             return []
@@ -143,10 +141,6 @@ class PromptEncoder:
             width = int(m.sum(dim=1).max())
             return ids[rows][:, -width:].contiguous(), m[:, -width:].contiguous(), [dropped[i] for i in rows]
         return tokenize(self.tower, chunk, max_length=limits[0], truncate=limits[1])
-
-    @staticmethod
-    def _check_prompts(prompts: Sequence[str]) -> None:
-        check_prompts(prompts)
 
     @torch.inference_mode()
     def encode(self, prompts: Sequence[str], batch_size: int = 8, out_dtype: torch.dtype = torch.float32,
@@ -173,16 +167,18 @@ class PromptEncoder:
             ``out_dtype`` on CPU, each with its own storage (safe to serialise independently),
             or the tensors ``out`` gave.
 
+        The prompts are Unicode text, as the entry points checked
+        (:func:`~ltx_mgpu.text.gemma.tokenizer.check_prompts`: ``LocalTextEncoder.encode``, the
+        pool's ``encode``); nothing here checks them again.
+
         Raises:
-            ValueError: ``batch_size < 1``, a non-string prompt or one that is not valid Unicode
-                text (a lone surrogate), a bad ``max_tokens``, or a tensor from ``out`` of the wrong
-                shape, dtype or device.
+            ValueError: ``batch_size < 1``, a bad ``max_tokens``, or a tensor from ``out`` of the
+                wrong shape, dtype or device.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False, or exceeds
                 ``max_tokens``.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self._check_prompts(prompts)
         self._limits(max_tokens)
         result: list[PromptEmbedding] = []
         for start in range(0, len(prompts), batch_size):

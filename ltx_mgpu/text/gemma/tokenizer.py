@@ -189,7 +189,8 @@ def tokenize(
 
     Args:
         tower: a loaded ``GemmaTextTower`` (only its ``tokenizer`` is used).
-        prompts: one string per prompt.
+        prompts: one string per prompt, at least one; Unicode text (:func:`check_prompts`: the
+            entry points check it, ``LocalTextEncoder.encode`` and the pool's ``encode``).
         max_length: the token budget per prompt, ``<bos>`` included (LTX-2: 1024).
         truncate: keep the first ``max_length`` tokens of a longer prompt (reporting the count
             dropped) instead of raising.
@@ -199,16 +200,10 @@ def tokenize(
         the number of tokens dropped per prompt.
 
     Raises:
-        ValueError: no prompts, a non-string prompt or one that is not valid Unicode text
-            (:func:`check_prompts`), or ``max_length < 1``.
+        ValueError: ``max_length < 1``.
         PromptTooLongError: ``truncate=False`` and a prompt exceeds ``max_length`` (names its index,
             token count and the budget).
     """
-    if isinstance(prompts, str) or not prompts:
-        raise ValueError("prompts must be a non-empty list of strings")
-    if any(not isinstance(p, str) for p in prompts):
-        raise ValueError(f"every prompt must be a str, got {[type(p).__name__ for p in prompts]}")
-    check_prompts(prompts)
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     texts = [_comfy_unescape(p) for p in prompts]
