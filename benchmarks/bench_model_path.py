@@ -27,7 +27,7 @@ tokens) the same inputs go two ways:
 Reported: both medians, ``overhead = model_path_step / pool_sampler_step - 1`` (goal of the
 issue: <= 2 % at 6,144 tokens on one GPU), the bytes one forward sends and receives and how
 (socket or shared memory), and the pool's GPU memory. ``--device cpu`` with small sizes is the
-CPU smoke test (``tests/test_bench_model_path.py``)::
+CPU smoke test (``tests/integration/test_bench_model_path.py``)::
 
     python benchmarks/bench_model_path.py --device cpu --layers 1 --video-heads 4 --video-head-dim 8 \\
         --audio-heads 4 --audio-head-dim 4 --caption-channels 64 --text-tokens 16 --audio-tokens 5 \\

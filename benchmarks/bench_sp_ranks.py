@@ -4,7 +4,7 @@ On a machine with several GPUs (one process per GPU, NCCL; the multi-GPU issue's
 
     python benchmarks/bench_sp_ranks.py --world-sizes 1,2,4,8 --out benchmarks/results/sp_ranks_h200.json
 
-CPU smoke test (gloo ranks, a tiny model; what ``tests/test_bench_ranks.py`` runs)::
+CPU smoke test (gloo ranks, a tiny model; what ``tests/integration/test_bench_ranks.py`` runs)::
 
     python benchmarks/bench_sp_ranks.py --device cpu --world-sizes 1,2 --layers 1 --video-heads 4 \\
         --video-head-dim 8 --audio-heads 4 --audio-head-dim 4 --caption-channels 64 --text-tokens 16 \\

@@ -4,7 +4,7 @@ On a machine with several GPUs (the multi-GPU issue's numbers; ~5 minutes on 2 G
 
     python benchmarks/bench_text_placements.py --gpus 0,1 --out benchmarks/results/text_placements_h200x2.json
 
-CPU smoke test (two gloo ranks, the tiny test assets; what ``tests/test_bench_ranks.py``
+CPU smoke test (two gloo ranks, the tiny test assets; what ``tests/integration/test_bench_ranks.py``
 runs)::
 
     python benchmarks/bench_text_placements.py --gpus cpu --nproc 2 --source tiny --tokens 64 --runs 2

@@ -5,7 +5,7 @@ ComfyUI" > "Testing against a real ComfyUI"), with Chromium installed::
 
     COMFYUI_DIR=~/ComfyUI COMFYUI_PYTHON=~/comfy-venv/bin/python ~/comfy-venv/bin/python docs/screenshots.py
 
-It starts ComfyUI headless on the CPU with this pack exactly as ``tests/test_comfyui_real.py``
+It starts ComfyUI headless on the CPU with this pack exactly as ``tests/comfyui/test_comfyui_real.py``
 does, with the tiny models also linked under the names the shipped workflows use
 (``ltx-2-19b-dev.safetensors``, ``gemma_3_12B_it.safetensors``), so the canvas shows the
 workflow as a user with the real models sees it (no "missing model" marks). Headless Chromium

@@ -6,7 +6,7 @@ The pack's nodes are declared on ComfyUI's V3 schema (``io.ComfyNode``, ``define
 they use ComfyUI's classes (:data:`nodes._comfy.io`). Outside it, this module gives the same names
 for the part of the API the pack uses, holding the declarations as data (ids, types, options,
 defaults, tooltips) and running nothing of ComfyUI's: no widget checks, no V1 conversion, no
-caching. ``tests/test_comfyui_real.py`` compares each node's schema here with ComfyUI's own
+caching. ``tests/comfyui/test_comfyui_real.py`` compares each node's schema here with ComfyUI's own
 reading of it (``/object_info``), so the two cannot drift apart unseen.
 
 The constructors take ComfyUI 0.20.1's keyword names (``comfy_api/latest/_io.py``); an option this

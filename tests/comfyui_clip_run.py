@@ -1,6 +1,6 @@
 """Encode prompts with ComfyUI's own LTX-2 text encoder and with our Gemma Loader's CLIP, in-process.
 
-Used by ``tests/test_comfyui_clip.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
+Used by ``tests/comfyui/test_comfyui_clip.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
 
     python tests/comfyui_clip_run.py SPEC.json OUT_DIR
 

@@ -1,6 +1,6 @@
 """Run ComfyUI's own sampling nodes in-process on ComfyUI's model and on our pool MODEL.
 
-Used by ``tests/test_comfyui_model.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
+Used by ``tests/comfyui/test_comfyui_model.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
 
     python tests/comfyui_model_run.py SPEC.json OUT_DIR
 

@@ -1,6 +1,6 @@
 """ComfyUI's own LTX-2 text encoder and our Gemma Loader on ComfyUI's quantized Gemma files, in-process.
 
-Used by ``tests/test_comfyui_gemma_formats.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
+Used by ``tests/comfyui/test_comfyui_gemma_formats.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
 
     python tests/comfyui_quant_run.py SPEC.json OUT_DIR
 

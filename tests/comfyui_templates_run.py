@@ -1,6 +1,6 @@
 """Run API-format graphs in-process with ComfyUI's own executor, and keep their samplers' latents.
 
-Used by ``tests/test_comfyui_templates.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
+Used by ``tests/comfyui/test_comfyui_templates.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
 
     python tests/comfyui_templates_run.py SPEC.json OUT_DIR
 
@@ -258,8 +258,8 @@ def main() -> int:
         if tensors:
             save_file(tensors, str(out_dir / f"{run['id']}.safetensors"))
         if any(v["class_type"] == "LTXMGPU_Pool" for v in prompt.values()):
-            pools.append(ours["LTXMGPU_Pool"]().make(gpus="cpu", cpu_ranks=2, lifetime="with-owner",
-                                                     free_comfy_vram=False)[0])
+            pools.append(ours["LTXMGPU_Pool"].execute(gpus="cpu", cpu_ranks=2, lifetime="with-owner",
+                                                      free_comfy_vram=False)[0])
     for pool in pools[:1]:
         pool.client.shutdown()
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))

@@ -1,20 +1,34 @@
-"""Shared fixtures: the embedded tiny models, built once per test session in a temp dir."""
+"""Shared fixtures (the embedded tiny models, built once per test session in a temp dir) and the
+order of the tiers: ``unit/`` (one process, fast), the GPU files, ``integration/`` (real pools,
+ranks and commands; the real Gemma 3 270M; torch.compile), ``comfyui/`` (a real ComfyUI). The
+support modules beside this file are importable from every tier (pytest puts this directory on
+``sys.path`` for its conftest)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+#: The tiers in the order they run: a quick failure shows first.
+TIERS = ("unit", "", "integration", "comfyui")
+
+
 def pytest_collection_modifyitems(items):
-    """Run the tests marked ``slow`` (pools, ranks, a real ComfyUI) after the others, each group in
-    its collection order, so a quick failure shows first."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    """Run the tiers in :data:`TIERS` order (the GPU files, at the top of ``tests/``, after the
+    unit tier), each in its collection order."""
+    def tier(item) -> int:
+        parts = Path(str(item.fspath)).relative_to(TESTS).parts
+        return TIERS.index(parts[0] if len(parts) > 1 else "")
+
+    items.sort(key=tier)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -284,7 +284,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]))
     # Skip interpreter finalisation: gloo's background threads can abort a rank in static
-    # destructors after the group is destroyed (seen in tests/test_agree.py under load); the
+    # destructors after the group is destroyed (seen in tests/integration/test_agree.py under load); the
     # results are already on disk.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -21,8 +21,7 @@ from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(torch.cuda.device_count() < 2,
+pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2,
                                  reason=f"needs two CUDA GPUs (torch sees {torch.cuda.device_count()})")]
 
 

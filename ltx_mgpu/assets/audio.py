@@ -20,7 +20,7 @@ Why the state dict is computed here, not by building the modules: every submodul
 ``ltx_core.model.audio_vae`` runs that package's ``__init__``, which imports torchaudio at module
 level, and the dev environment must not have torchaudio. So :func:`tiny_audio_shapes` derives
 the key -> shape table from the config with the same rules ltx-core 1.0.0's ``AudioDecoder`` /
-``Vocoder`` constructors follow; ``tests/test_generate_audio.py`` (run where torchaudio is
+``Vocoder`` constructors follow; ``tests/integration/test_generate_audio.py`` (run where torchaudio is
 installed) checks it against ltx-core's configurators built on the meta device, and the decode
 path's builder refuses weights that leave a parameter unset.
 

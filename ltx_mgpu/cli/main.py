@@ -8,7 +8,7 @@ Subcommands: ``make-assets`` (build the embedded tiny models; :mod:`ltx_mgpu.cli
 benchmarks this machine can run; :mod:`ltx_mgpu.cli.bench`). Every subcommand prints what it
 did and exits non-zero with a one-line message on bad input. Building the parser imports no
 torch: the command modules import torch and the engine inside their functions, so ``--help`` and
-argument errors stay fast (``tests/test_cli_newcomer.py`` checks).
+argument errors stay fast (``tests/integration/test_cli_newcomer.py`` checks).
 """
 
 from __future__ import annotations

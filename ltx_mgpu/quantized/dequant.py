@@ -6,7 +6,7 @@ CPU) into the dtype of the layer's input (``comfy/ops.py`` ``cast_bias_weight`` 
 quantized weight to it first). :func:`dequantize` calls
 those eager functions (``comfy_kitchen.backends.eager``) directly: the same code on every device,
 with no dispatch to comfy-kitchen's CUDA or Triton kernels, so the weights are ComfyUI-on-CPU's
-bit for bit on any machine (``tests/test_comfyui_clip.py`` compares them with ComfyUI's own).
+bit for bit on any machine (``tests/comfyui/test_comfyui_clip.py`` compares them with ComfyUI's own).
 
 The formulas (the formats' definitions, which comfy-kitchen implements; ``R x C`` weight, ``r``
 row, ``c`` column, ``dtype`` the output dtype):
@@ -40,7 +40,7 @@ import torch
 
 from ltx_mgpu.quantized.layers import FileQuant, LayerQuant
 
-__all__ = ["DECODER", "dequantize", "describe_decoding"]
+__all__ = ["DECODER", "dequantize", "describe_decoding", "load_decoder"]
 
 #: The dequantization's version, part of a quantized file's content identity: bump it when the
 #: dense weights of any format change (cached embeddings of such files then become misses).
@@ -52,6 +52,17 @@ def _eager():
     from comfy_kitchen.backends import eager
 
     return eager
+
+
+def load_decoder() -> None:
+    """Import comfy-kitchen now, in the calling thread: before a loader's worker threads call
+    :func:`dequantize` (transformers materializes weights in a thread pool). comfy-kitchen's
+    package imports its backends, and its CUDA backend imports the eager one back: two threads
+    importing it at once find one of them half-initialized (``ImportError: ... partially
+    initialized module``), seen with the platform wheel ComfyUI installs."""
+    import comfy_kitchen  # noqa: F401 - deferred as above; the package first, then its eager backend
+
+    _eager()
 
 
 def dequantize(quant: LayerQuant, parts: Mapping[str, torch.Tensor], dtype: torch.dtype,

@@ -33,7 +33,7 @@ sample has the same mask). The audio-video cross-attention AdaLN takes ``sigma x
 ltx-core 1.0.0 computes it (``transformer_args.py``); ComfyUI up to 0.20.1 passed the raw sigma
 there and later releases scale it too (Comfy-Org/ComfyUI#14097), so on audio+video latents we
 equal ComfyUI after that fix (video-only and image-to-video latents agree with 0.20.1 to 1e-6;
-``tests/test_comfyui_real.py``).
+``tests/comfyui/test_comfyui_real.py``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ blocks and hang the others: ltx-core 1.0.0's ``BasicAVTransformerBlock.forward``
 get a zero latent, the last real token's timestep and the last real token's positions (so RoPE
 stays finite). Padded *keys* are masked with an additive bias in **both** ``attn1`` and
 ``video_to_audio_attn``; the LTX-2 reference masks only ``attn1``, which lets audio attend to
-padding and diverge (``tests/test_sequence_parallel.py``,
+padding and diverge (``tests/integration/test_sequence_parallel_ranks.py``,
 ``test_audio_diverges_without_the_video_to_audio_padding_mask``). Padded query rows still
 attend to real keys, so their (discarded) outputs stay finite and never poison the real
 tokens. No mask is passed when there is no padding, so SDPA keeps its flash backend.

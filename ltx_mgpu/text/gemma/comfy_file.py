@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ltx_mgpu.quantized.dequant import dequantize
+from ltx_mgpu.quantized.dequant import dequantize, load_decoder
 from ltx_mgpu.quantized.layers import AUX_SUFFIXES, FileQuant
 from ltx_mgpu.text.gemma.sources import comfy_file_quant, comfy_text_config
 
@@ -102,6 +102,8 @@ def open_comfy_file(path: str | os.PathLike) -> ComfyGemmaFile:
     """
     p = Path(path)
     quant = comfy_file_quant(p)
+    if quant.layers:  # before any loader thread dequantizes a layer (load_decoder says why)
+        load_decoder()
     shapes: dict[str, tuple[int, ...]] = {}
     with safe_open(str(p), framework="pt", device="cpu") as f:
         keys = set(f.keys())

@@ -184,7 +184,7 @@ def tokenize(
     ComfyUI drops the padding after Gemma anyway. Left padding shifts the real tokens' RoPE
     positions (``position_ids`` are ``arange`` over the padded length, as in ComfyUI); RoPE is
     relative, so their hidden states change only by rounding, a few bf16 ulps in bf16
-    (``tests/test_gemma_tokenize.py`` checks it in fp32). Batched and one-at-a-time bf16
+    (``tests/unit/test_gemma_tokenize.py`` checks it in fp32). Batched and one-at-a-time bf16
     encodes therefore agree to bf16 rounding, not bit for bit.
 
     Args:

@@ -14,7 +14,7 @@ inverse (run by ``state_dict``, ``.cuda()``) is lossy: a save after a forward is
 ``F.linear``) is the same on every CPU.
 
 After loading, a probe prompt is encoded and any non-finite hidden state is an error. NF4's
-fidelity to bf16 on the real Gemma 3 270M is tested in ``tests/test_nf4.py``; the faster
+fidelity to bf16 on the real Gemma 3 270M is tested in ``tests/integration/test_gemma_270m.py``; the faster
 prefill kernels are :mod:`ltx_mgpu.text.nf4.dequant`'s.
 """
 
