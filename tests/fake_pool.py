@@ -3,7 +3,7 @@
 stub job loop instead of torchrun, torch.distributed and the engines. It starts in well under a
 second, so attach, restart after a fatal error, the cancel timeout and the sweep of a lost
 pool's processes can be tested in seconds (``tests/integration/test_client_lifecycle.py``); the same
-behaviour against real pools is the slow tier (``tests/integration/test_pool_lifecycle.py``).
+behaviour against real pools is the integration tier's (``tests/integration/test_pool_lifecycle.py``).
 
     python tests/fake_pool.py --runtime-dir D [--ranks N] [--behaviour B] [--owner-pid P]
 
