@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -131,8 +132,8 @@ def on_paper(results: dict, plans: dict, link_share: float, a, upcast_s: float |
 def plans_of(shapes: dict) -> dict:
     """The bf16 and the sharded-fp8-file :class:`WeightPlan` of a checkpoint's DiT ``shapes``
     (every block linear stored e4m3 in the latter, ``ltx_mgpu.denoise.fp8.fp8_weight``)."""
-    def e4m3(key: str) -> bool:
-        return fp8_weight(key, shapes[key], compute=False)
+    def e4m3(key: str) -> int | None:
+        return math.prod(shapes[key]) if fp8_weight(key, shapes[key], compute=False) else None
 
     return {"bf16": weight_plan(shapes, 2, 1, CONNECTORS), "fp8": weight_plan(shapes, 2, 1, CONNECTORS, e4m3)}
 

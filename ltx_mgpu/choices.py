@@ -30,9 +30,9 @@ TRANSFORMER_COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "fl
 #: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
 #: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.parallel.fsdp``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")
-#: How a checkpoint stores the transformer blocks' linears: as its dense dtype, or as float8 e4m3
-#: (an fp8 file; read from its header).
-TRANSFORMER_STORAGE = ("dense", "e4m3")
+#: How a checkpoint stores the transformer blocks' linears: as its dense dtype, as float8 e4m3
+#: (an fp8 file) or as GGML blocks (a GGUF file); read from its header.
+TRANSFORMER_STORAGE = ("dense", "e4m3", "ggml")
 #: How an fp8 layer computes (``ltx_mgpu.denoise.fp8``): an upcast weight, or an e4m3 GEMM.
 FP8_COMPUTES = ("upcast", "fp8")
 #: The scale granularity of an e4m3 GEMM: a scale per token and per output channel, or one per tensor.

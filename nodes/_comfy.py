@@ -275,23 +275,26 @@ def _roots(folder: str) -> list[Path]:
     return _fallback_roots(folder)
 
 
-def filename_list(folder: str) -> list[str]:
+def filename_list(folder: str, extensions: Sequence[str] | None = None) -> list[str]:
     """Model files in a ComfyUI folder (relative names, ``/``-separated, sorted).
 
     With ComfyUI: ``folder_paths.get_filename_list``. Without: files with a model extension
-    under ``$LTX_MGPU_MODELS_DIR/<folder>`` (empty when unset).
+    under ``$LTX_MGPU_MODELS_DIR/<folder>`` (empty when unset). With ``extensions`` (e.g.
+    ``(".gguf",)``, which ComfyUI's own folders do not list): the files with those suffixes under
+    the folder's directories, with or without ComfyUI.
     """
     fp = _module("folder_paths")
-    if fp is not None:
+    if fp is not None and extensions is None:
         try:
             return sorted(fp.get_filename_list(folder))
         except Exception:  # noqa: BLE001 - folder unknown to this ComfyUI version
             return []
+    suffixes = tuple(e.lower() for e in (extensions or MODEL_EXTENSIONS))
     out = []
-    for root in _fallback_roots(folder):
+    for root in (_roots(folder) if extensions is not None else _fallback_roots(folder)):
         if root.is_dir():
             out += [p.relative_to(root).as_posix() for p in root.rglob("*")
-                    if p.is_file() and p.suffix.lower() in MODEL_EXTENSIONS]
+                    if p.is_file() and p.suffix.lower() in suffixes]
     return sorted(set(out))
 
 

@@ -146,14 +146,18 @@ _MAX_HEADER = 100 << 20
 
 def _header(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     """The checkpoint's tensors as meta tensors (shapes and dtypes from its header) and its
-    metadata. Only the header is read (the format: a little-endian u64 length, then that many
-    bytes of JSON; https://github.com/huggingface/safetensors): nothing of the file is mapped.
+    metadata. Only the header is read (safetensors: a little-endian u64 length, then that many
+    bytes of JSON, https://github.com/huggingface/safetensors; GGUF: read by ``gguf``'s reader,
+    :class:`ltx_mgpu.quantized.ggml.GGUFFile`, a quantized tensor given its logical shape and
+    bf16, as ComfyUI-GGUF's loader gives it): nothing of the file is read beyond it.
 
     Raises:
-        ValueError: not a safetensors file.
+        ValueError: neither a safetensors nor a GGUF file.
     """
     with open(path, "rb") as f:
         head = f.read(8)
+        if head[:4] == b"GGUF":
+            return _gguf_header(path)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         raw = f.read(n) if 0 < n <= _MAX_HEADER else b""
     try:
@@ -161,11 +165,26 @@ def _header(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     except ValueError:
         header = None
     if not isinstance(header, dict):
-        raise ValueError(f"{path} is not a .safetensors file (its header cannot be read)")
+        raise ValueError(f"{path} is neither a .safetensors nor a .gguf file (its header cannot be read)")
     metadata = header.pop("__metadata__", None) or {}
     sd = {key: torch.empty(info["shape"], dtype=_ST_DTYPES.get(info["dtype"], torch.float32), device="meta")
           for key, info in header.items()}
     return sd, metadata
+
+
+def _gguf_header(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """:func:`_header` of a GGUF file (its ``config`` string field as the metadata, when kept)."""
+    from ltx_mgpu.quantized.ggml import GGMLFormatError, GGUFFile  # only GGUF files need it
+
+    try:
+        f = GGUFFile(path)
+    except GGMLFormatError as e:
+        raise ValueError(str(e)) from None
+    dtypes = {"F32": torch.float32, "F16": torch.float16}
+    sd = {name: torch.empty(t.shape, dtype=dtypes.get(t.qtype, torch.bfloat16), device="meta")
+          for name, t in f.tensors.items()}
+    config = f.field("config")
+    return sd, ({"config": config} if isinstance(config, str) else {})
 
 
 def _config(checkpoint: str):
@@ -196,6 +215,8 @@ def checkpoint_vae(checkpoint: str):
     from safetensors import safe_open
 
     sd_mod = _need("comfy.sd")
+    if _is_gguf(checkpoint):  # a GGUF transformer holds no VAE (ComfyUI-GGUF's converters keep the DiT only)
+        return None
     _, metadata, _, config = _config(checkpoint)
     prefixes = tuple(config.vae_key_prefix)
     with safe_open(checkpoint, framework="pt", device="cpu") as f:
@@ -209,13 +230,18 @@ def checkpoint_vae(checkpoint: str):
     return sd_mod.VAE(sd=config.process_vae_state_dict(vae), metadata=metadata)
 
 
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def pool_model_patcher(pool_model, checkpoint: str, compute_dtype: str):
     """A ComfyUI ``ModelPatcher`` for ``checkpoint`` whose transformer is ``pool_model`` (module doc).
 
     Args:
         pool_model: the :class:`ltx_mgpu.client.model.PoolModel` of the transformer loaded from
             ``checkpoint``; its ``av_timestep`` is set to the installed ComfyUI's convention.
-        checkpoint: the monolith or transformer-only ``.safetensors`` path.
+        checkpoint: the monolith or transformer-only ``.safetensors`` path, or a GGUF transformer.
         compute_dtype: the pool's compute dtype by torch's name (``TransformerPlan.compute_dtype``:
             ``"bfloat16"`` for dtype bf16 and fp8), reported to ComfyUI as the model's (ComfyUI casts
             the latent to it before each call, as for its own).

@@ -32,10 +32,13 @@ MODEL_FOLDERS = ("checkpoints", "diffusion_models")
 
 
 def checkpoint_choices() -> list[str]:
-    """LTX-2 checkpoints (``models/checkpoints``) then transformer-only files (``models/diffusion_models``)."""
+    """LTX-2 checkpoints (``models/checkpoints``), then transformer-only files and GGUF
+    transformers (``models/diffusion_models`` and ``models/unet``, where ComfyUI-GGUF's
+    ``UnetLoaderGGUF`` reads them)."""
     seen: list[str] = []
-    for folder in MODEL_FOLDERS:
-        seen += [f for f in _comfy.filename_list(folder) if f not in seen]
+    lists = [_comfy.filename_list(f) for f in MODEL_FOLDERS] + [_comfy.filename_list("diffusion_models", (".gguf",))]
+    for names in lists:
+        seen += [f for f in names if f not in seen]
     return seen
 
 
@@ -129,9 +132,10 @@ class LTXMGPUModelLoader(io.ComfyNode):
             inputs=[
                 PoolType.Input("pool", tooltip="The pool to load the transformer into (from the Pool node)."),
                 io.Combo.Input("ckpt_name", options=choices, default=choices[0] if choices else None, tooltip=(
-                    "LTX-2 checkpoint: the single file from models/checkpoints (ltx-2*.safetensors) or a "
-                    "transformer-only file from models/diffusion_models. Every GPU loads a full copy, or its "
-                    "shard (weights).")),
+                    "LTX-2 checkpoint: the single file from models/checkpoints (ltx-2*.safetensors), a "
+                    "transformer-only file from models/diffusion_models, or a GGUF transformer from "
+                    "models/unet or models/diffusion_models (as UnetLoaderGGUF reads them; its quantized "
+                    "blocks stay quantized on the GPUs). Every GPU loads a full copy, or its shard (weights).")),
                 io.Combo.Input("dtype", options=list(DTYPES), default="bf16", tooltip=(
                     "Compute and weight dtype of the transformer in the pool (bf16 is the model's own; fp32 only "
                     "for checks on small models). fp8: the blocks' large linears as e4m3 GEMMs on FP8 tensor "

@@ -73,9 +73,11 @@ def build_tiny_model(seed: int = 0, video_only: bool = False, **overrides):
     return model.eval()
 
 
-def make_inputs(frames, height, width, audio_tokens=0, batch=1, seed=1, attention_mask=False):
+def make_inputs(frames, height, width, audio_tokens=0, batch=1, seed=1, attention_mask=False,
+                context_widths=(VIDEO_HEADS * VIDEO_HEAD_DIM, AUDIO_HEADS * AUDIO_HEAD_DIM)):
     """Deterministic ``(video, audio|None)`` Modalities; the first latent frame is 'conditioned'
-    (timestep 0), like image-to-video. Positions come from ltx-core's latent tools at 25 fps."""
+    (timestep 0), like image-to-video. Positions come from ltx-core's latent tools at 25 fps.
+    ``context_widths``: the (video, audio) text context widths (the model's cross-attention dims)."""
     gen = torch.Generator().manual_seed(seed)
     vshape = VideoLatentShape(batch, CHANNELS, frames, height, width)
     vstate = VideoLatentTools(VideoLatentPatchifier(1), vshape, fps=25.0).create_initial_state("cpu", torch.float32)
@@ -89,7 +91,7 @@ def make_inputs(frames, height, width, audio_tokens=0, batch=1, seed=1, attentio
         sigma=sigma,
         timesteps=mask * sigma[:, None],
         positions=vstate.positions,
-        context=torch.randn(batch, CONTEXT_TOKENS, VIDEO_HEADS * VIDEO_HEAD_DIM, generator=gen),
+        context=torch.randn(batch, CONTEXT_TOKENS, context_widths[0], generator=gen),
         attention_mask=vmask,
     )
     audio = None
@@ -101,7 +103,7 @@ def make_inputs(frames, height, width, audio_tokens=0, batch=1, seed=1, attentio
             sigma=sigma,
             timesteps=sigma[:, None].expand(batch, audio_tokens).clone(),
             positions=astate.positions,
-            context=torch.randn(batch, CONTEXT_TOKENS, AUDIO_HEADS * AUDIO_HEAD_DIM, generator=gen),
+            context=torch.randn(batch, CONTEXT_TOKENS, context_widths[1], generator=gen),
         )
     return video, audio
 
@@ -128,6 +130,7 @@ def run_case(model_forward, case: dict):
     video, audio = make_inputs(
         case["frames"], case["height"], case["width"], case.get("audio_tokens", 0),
         case.get("batch", 1), case.get("seed", 1), case.get("attention_mask", False),
+        *([tuple(case["context_widths"])] if "context_widths" in case else []),
     )
     return model_forward(video, audio, make_perturbations(case.get("perturbations"), case.get("batch", 1)))
 

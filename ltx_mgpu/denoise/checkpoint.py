@@ -11,7 +11,12 @@ What :mod:`ltx_mgpu.denoise.model` builds the denoiser from. Sources
   under ``model.diffusion_model.`` or with no prefix (ComfyUI's
   ``unet_prefix_from_state_dict``: the prefix counts when more than 5 keys carry it), with or
   without ``config`` metadata. Without it the transformer config is inferred from tensor
-  shapes (:func:`infer_transformer_config`).
+  shapes (:func:`infer_transformer_config`);
+* a **GGUF** transformer file (``models/unet`` or ``models/diffusion_models``, as ComfyUI-GGUF's
+  converters write them: the same DiT keys as tensor names, GGML-quantized weights, the
+  ``config`` metadata as a string field when the converter kept it), read with the ``gguf``
+  package (:mod:`ltx_mgpu.quantized.ggml`). Its quantized block linears can stay packed
+  (``keep_packed``), the rest is dequantized at load.
 
 :func:`inspect_checkpoint` reads only the header (keys, shapes, metadata). :class:`StateDictLoader`
 is an ltx-core ``StateDictLoader`` that reads one tensor at a time through safetensors' memory
@@ -44,6 +49,7 @@ from safetensors import safe_open
 
 from ltx_mgpu.denoise.plan import LoraSpec
 from ltx_mgpu.files import safetensors_header
+from ltx_mgpu.quantized.ggml import GGMLFormatError, GGUFFile, dequantize
 
 __all__ = [
     "ASSUMED_HEAD_DIMS",
@@ -56,6 +62,7 @@ __all__ = [
     "count_blocks",
     "infer_transformer_config",
     "inspect_checkpoint",
+    "is_gguf_file",
     "load_loras",
 ]
 
@@ -102,6 +109,8 @@ class CheckpointInfo:
         version: ``"2.0"`` (caption projections in the DiT) or ``"2.3"``.
         shapes: prefix-less DiT key -> shape (quantisation side tensors left out).
         e4m3_keys: the prefix-less keys stored as float8 e4m3 (``F8_E4M3``).
+        ggml_types: a GGUF file's prefix-less keys -> GGML type (``Q4_K``, ``F32``...); empty
+            for a safetensors file.
     """
 
     path: str
@@ -111,6 +120,12 @@ class CheckpointInfo:
     version: str
     shapes: dict[str, tuple[int, ...]]
     e4m3_keys: frozenset[str] = frozenset()
+    ggml_types: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_gguf(self) -> bool:
+        """Whether the file is GGUF (else safetensors)."""
+        return bool(self.ggml_types)
 
     @property
     def has_connectors(self) -> bool:
@@ -215,6 +230,39 @@ def _version(tcfg: dict) -> str:
     return "2.3" if tcfg.get("caption_proj_before_connector", False) else "2.0"
 
 
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a GGUF file (its first four bytes are ``GGUF``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _gguf_header(path: str) -> tuple[str, dict, dict, dict]:
+    """``(prefix, shapes, ggml types, metadata)`` of a GGUF DiT file (the header only).
+
+    Raises:
+        CheckpointError: not a readable GGUF file, or not a diffusion model's (another
+            ``general.architecture``: a text model's GGUF given as the transformer).
+    """
+    try:
+        f = GGUFFile(path)
+    except GGMLFormatError as e:
+        raise CheckpointError(f"{e}; give an LTX-2 GGUF transformer (models/unet or models/diffusion_models)") from None
+    arch = f.architecture
+    if arch not in (None, "ltxv", "ltxav"):
+        raise CheckpointError(f"{path}: a GGUF file of architecture {arch!r}, not an LTX-2 transformer (ltxv); give "
+                              "an LTX-2 GGUF transformer, and a Gemma GGUF to the Gemma Loader")
+    keys = list(f.tensors)
+    prefix = _detect_prefix(keys)
+    dit = {k: t for k, t in f.tensors.items() if k.startswith(prefix)}
+    shapes = {k[len(prefix):]: t.shape for k, t in dit.items()}
+    types = {k[len(prefix):]: t.qtype for k, t in dit.items()}
+    config = f.field("config")
+    return prefix, shapes, types, ({"config": config} if isinstance(config, str) else {})
+
+
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Read a checkpoint's header: key layout, config (stored or inferred) and version.
 
@@ -229,14 +277,19 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
                               "file (models/checkpoints or models/diffusion_models)")
     if not Path(path).is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    keys, meta = safetensors_header(path, CheckpointError, "; give an LTX-2 checkpoint (models/checkpoints or "
-                                    "models/diffusion_models)")
-    with safe_open(path, framework="pt", device="cpu") as f:
-        prefix = _detect_prefix(keys)
-        dit = [k for k in keys
-               if k.startswith(prefix) and not k.endswith(_AUX_SUFFIXES) and k[len(prefix):] != "scaled_fp8"]
-        shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in dit}
-        e4m3 = frozenset(k[len(prefix):] for k in dit if f.get_slice(k).get_dtype() == "F8_E4M3")
+    types: dict[str, str] = {}
+    e4m3: frozenset[str] = frozenset()
+    if is_gguf_file(path):
+        prefix, shapes, types, meta = _gguf_header(path)
+    else:
+        keys, meta = safetensors_header(path, CheckpointError, "; give an LTX-2 checkpoint (models/checkpoints or "
+                                        "models/diffusion_models)")
+        with safe_open(path, framework="pt", device="cpu") as f:
+            prefix = _detect_prefix(keys)
+            dit = [k for k in keys
+                   if k.startswith(prefix) and not k.endswith(_AUX_SUFFIXES) and k[len(prefix):] != "scaled_fp8"]
+            shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in dit}
+            e4m3 = frozenset(k[len(prefix):] for k in dit if f.get_slice(k).get_dtype() == "F8_E4M3")
     stored = None
     if "config" in meta:
         try:
@@ -256,7 +309,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         raise CheckpointError(
             f"{path}: caption_projection_first_linear=True is an LTX-2 variant ltx-core 1.0.0 cannot build"
         )
-    return CheckpointInfo(path, prefix, {"transformer": tcfg}, source, _version(tcfg), shapes, e4m3)
+    return CheckpointInfo(path, prefix, {"transformer": tcfg}, source, _version(tcfg), shapes, e4m3, types)
 
 
 # --------------------------------------------------------------------------- LoRA
@@ -418,16 +471,26 @@ class StateDictLoader:
     ``keep_e4m3`` (renamed keys): those weights, when stored as float8 e4m3 and given no LoRA, are
     returned as stored (e4m3, not upcast), their float32 scale (``[rows]`` or one value; None
     for a plain cast) in ``scales[key]``: for fp8 layers (``ltx_mgpu.denoise.fp8``).
+
+    A GGUF file's tensors are dequantized (:func:`ltx_mgpu.quantized.ggml.dequantize`, float32),
+    LoRAs fused and cast the same way; ``keep_packed`` (renamed keys) are returned as the file's
+    ``uint8`` block rows instead, their LoRAs in ``packed_deltas[key]`` (``up``, ``down``,
+    strength) to be merged per call (``ltx_mgpu.denoise.packed``). Every GGUF tensor is checked for
+    NaN and infinite values as it is read (a packed one dequantized once for it).
     """
 
     def __init__(self, info: CheckpointInfo, dtype: torch.dtype, loras: dict[str, list], exclude: tuple[str, ...] = (),
-                 rows: dict[str, slice] | None = None, keep_e4m3: frozenset[str] | set[str] = frozenset()):
+                 rows: dict[str, slice] | None = None, keep_e4m3: frozenset[str] | set[str] = frozenset(),
+                 keep_packed: frozenset[str] | set[str] = frozenset()):
         self.info, self.dtype, self.loras, self.exclude = info, dtype, loras, exclude
         self.rows = rows or {}
         self.keep_e4m3 = keep_e4m3
+        self.keep_packed = keep_packed
         self.scales: dict[str, torch.Tensor | None] = {}
+        self.packed_deltas: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
         self.loaded_keys: list[str] = []
         self.fused: set[str] = set()
+        self._gguf: GGUFFile | None = None
 
     def metadata(self, path: str) -> dict:  # noqa: ARG002 - the protocol passes the path
         return self.info.config
@@ -436,6 +499,18 @@ class StateDictLoader:
         device = device or torch.device("cpu")
         paths = path if isinstance(path, (list, tuple)) else [path]
         prefix, sd, dtypes, size = self.info.prefix, {}, set(), 0
+        if self.info.is_gguf:
+            for key in self._gguf_file().tensors:
+                full = key[len(prefix):] if key.startswith(prefix) else None
+                new = None if full is None else sd_ops.apply_to_key(key) if sd_ops is not None else full
+                if new is None or new.startswith(self.exclude):
+                    continue
+                t = self._gguf_tensor(key, full, new, device)
+                sd[new] = t
+                dtypes.add(t.dtype)
+                size += t.nbytes
+            self.loaded_keys = list(sd)
+            return StateDict(sd=sd, device=device, size=size, dtype=dtypes)
         for p in paths:
             with safe_open(str(p), framework="pt", device="cpu") as f:
                 names = set(f.keys())
@@ -452,6 +527,41 @@ class StateDictLoader:
                     size += t.nbytes
         self.loaded_keys = list(sd)
         return StateDict(sd=sd, device=device, size=size, dtype=dtypes)
+
+    def _gguf_file(self) -> GGUFFile:
+        if self._gguf is None:
+            self._gguf = GGUFFile(self.info.path)
+        return self._gguf
+
+    def _gguf_tensor(self, key: str, full: str, new: str, device: torch.device) -> torch.Tensor:
+        """One GGUF tensor (module doc): this rank's ``rows`` of it, dense or packed."""
+        f = self._gguf_file()
+        info, rows = f.tensors[key], self.rows.get(new)
+        data = f.read(key)
+        if rows is not None and len(info.shape) > 1:  # whole rows of blocks: slice the bytes
+            data = data[rows]
+        data = data.to(device, copy=True)  # out of the read-only file mapping
+        shape = (data.shape[0], *info.shape[1:]) if len(info.shape) > 1 else info.shape
+        w = dequantize(data, info.qtype, shape)
+        if len(info.shape) == 1 and rows is not None:
+            w = w[rows]
+        if not bool(torch.isfinite(w).all()):
+            raise CheckpointError(f"{self.info.path}: tensor {key} holds NaN or infinite values; the file is damaged: "
+                                  "download it again")
+        deltas = self.loras.get(full, ())
+        if new in self.keep_packed:
+            if deltas:
+                self.packed_deltas[new] = list(deltas)
+                self.fused.add(full)
+            return data
+        for a, b, s in deltas:
+            up = b.to(device) if rows is None else b.to(device)[rows]
+            delta = torch.mm(up.float(), a.to(device).float())
+            if delta.numel() != w.numel():
+                raise CheckpointError(f"a LoRA for {full} has shape {tuple(delta.shape)}, the weight {tuple(w.shape)}")
+            w = w + s * delta.reshape(w.shape)
+            self.fused.add(full)
+        return w.to(self.dtype)
 
     def _tensor(self, f, names: set, key: str, full: str, device: torch.device, rows: slice | None = None,
                 new: str | None = None) -> torch.Tensor:

@@ -45,6 +45,7 @@ from ltx_mgpu.denoise.fp8 import (
     fp8_weight,
     swap_linears,
 )
+from ltx_mgpu.denoise.packed import LoraDelta, packed_weight, swap_packed_linears
 from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor, shard_transformer
 from ltx_mgpu.denoise.parallel.split import check_sequence_parallel_config
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
@@ -57,7 +58,7 @@ __all__ = [
     "export_transformer_only",
     "load_ltx_model",
     "meta_transformer",
-    "stores_e4m3",
+    "checkpoint_storage",
     "transformer_key",
     "transformer_sd_ops",
 ]
@@ -157,10 +158,14 @@ def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device)
     return conn.eval()
 
 
-def stores_e4m3(info: CheckpointInfo) -> bool:
-    """Whether the checkpoint stores any of the blocks' linears as e4m3 (an fp8 file): the
-    ``storage`` a :class:`~ltx_mgpu.denoise.plan.TransformerPlan` of it resolves to."""
-    return any(fp8_weight(k, info.shapes[k], compute=False) for k in info.e4m3_keys)
+def checkpoint_storage(info: CheckpointInfo) -> str:
+    """How the checkpoint stores the blocks' linears: the ``storage`` a
+    :class:`~ltx_mgpu.denoise.plan.TransformerPlan` of it resolves to: ``"ggml"`` (a GGUF file
+    whose block linears are quantized, :func:`~ltx_mgpu.denoise.packed.packed_weight`),
+    ``"e4m3"`` (an fp8 file: some are float8 e4m3) or ``"dense"``."""
+    if any(packed_weight(k, t) for k, t in info.ggml_types.items()):
+        return "ggml"
+    return "e4m3" if any(fp8_weight(k, info.shapes[k], compute=False) for k in info.e4m3_keys) else "dense"
 
 
 def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *, group=None,
@@ -194,7 +199,7 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     device = torch.device(device)
     info = info if info is not None else inspect_checkpoint(plan.checkpoint)
     if plan.storage is None:
-        plan = plan.with_storage(stores_e4m3(info))
+        plan = plan.with_storage(checkpoint_storage(info))
     if plan.linears == "fp8" and (err := fp8_support_error(device)):
         raise ValueError(err)
     dtype = getattr(torch, plan.compute_dtype)
@@ -209,7 +214,8 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     expected = set(builder.meta_model(info.config, ()).state_dict())
     if plan.weights == "sharded" or plan.linears != "dense":
         group = (group if group is not None else dist.group.WORLD) if plan.weights == "sharded" else None
-        transformer = _assembled_transformer(builder, info, loader, sd_ops, device, group, plan.fp8)
+        transformer = _assembled_transformer(builder, info, loader, sd_ops, device, group, plan.fp8,
+                                             packed=plan.linears == "packed")
     else:
         transformer = builder.build(device=device)
     got = set(loader.loaded_keys)
@@ -233,12 +239,13 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
 
 
 def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, device: torch.device,
-                           group, fp8: Fp8Config | None) -> LTXModel:
+                           group, fp8: Fp8Config | None, packed: bool = False) -> LTXModel:
     """The transformer built on the meta device, its block linears made :class:`Float8Linear`
     (``fp8.compute`` ``"fp8"``: all of :func:`~ltx_mgpu.denoise.fp8.fp8_linear_names`; ``"upcast"``:
-    those the file stores as e4m3; None: none), sharded over ``group`` (None: whole), then given
-    storage on ``device`` and filled from the file: a shard reads only its rows, e4m3 weights stay
-    as stored, nothing else is read or materialised."""
+    those the file stores as e4m3; None: none) or, with ``packed``, :class:`PackedLinear` (those a
+    GGUF file stores quantized), sharded over ``group`` (None: whole), then given storage on
+    ``device`` and filled from the file: a shard reads only its rows, e4m3 weights and GGML blocks
+    stay as stored, nothing else is read or materialised."""
     transformer = builder.meta_model(info.config, ()).to(loader.dtype)  # every weight in the compute dtype
     fp8_names = []
     file_keys = {transformer_key(info, k): k for k in info.shapes}
@@ -247,12 +254,19 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
         fp8_names = [n for n in fp8_linear_names(transformer, compute=compute)
                      if compute or file_keys.get(n + ".weight") in info.e4m3_keys]
         swap_linears(transformer, fp8, fp8_names)
+    packed_names = {}
+    if packed:
+        packed_names = {name: info.ggml_types[key] for name, m in transformer.named_modules()
+                        if type(m) is torch.nn.Linear and (key := file_keys.get(name + ".weight")) is not None
+                        and packed_weight(key, info.ggml_types.get(key))}
+        swap_packed_linears(transformer, packed_names)
     if group is not None:
         shard_transformer(transformer, group, device)
     transformer.to_empty(device=device)
     params = dict(transformer.named_parameters())
     loader.rows = {name: r for name, p in params.items() if (r := local_rows(p)) is not None}
     loader.keep_e4m3 = {n + ".weight" for n in fp8_names}
+    loader.keep_packed = {n + ".weight" for n in packed_names}
     layers = set(fp8_names)
     loaded: list[str] = []
     # one block at a time: the device holds the model plus one block as read, never a second model
@@ -272,10 +286,14 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
                     fused = file_keys.get(name) in loader.loras  # merged with a LoRA: round stochastically
                     transformer.get_submodule(layer).set_weight(sd.pop(name), loader.scales.pop(name, None),
                                                                 stochastic_key=name if fused else None)
+                elif layer in packed_names:  # the file's blocks, its LoRAs merged per call
+                    module = transformer.get_submodule(layer)
+                    local_tensor(module.weight).copy_(sd.pop(name))
+                    module.loras = tuple(LoraDelta(b, a, s) for a, b, s in loader.packed_deltas.pop(name, ()))
                 else:
                     local_tensor(params[name]).copy_(sd.pop(name))
             del sd
-    loader.rows, loader.keep_e4m3, loader.loaded_keys = {}, frozenset(), loaded
+    loader.rows, loader.keep_e4m3, loader.keep_packed, loader.loaded_keys = {}, frozenset(), frozenset(), loaded
     return transformer
 
 

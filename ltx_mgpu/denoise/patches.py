@@ -25,7 +25,10 @@ weight to fp8 (stochastic rounding); here the weights are kept in the model's co
 :mod:`ltx_mgpu.denoise.fp8` holds as e4m3 (``dtype: fp8``, or a sharded fp8 file): there the
 merged float32 weight is quantised per row with stochastic rounding (as ComfyUI's; the noise
 seeded by the key, ``ltx_mgpu.denoise.fp8.rounding_noise``), and an unpatched one goes back to
-the file's e4m3 values.
+the file's e4m3 values. A GGUF file's packed layers (:class:`~ltx_mgpu.denoise.packed.PackedLinear`)
+read nothing: their patch list is replaced and merged into the dequantized weight at each call,
+in float32 and the same order, so their bytes stay the file's (ComfyUI-GGUF patches at dequant
+time too).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, CheckpointInfo, StateDictLoader, inspect_checkpoint, load_loras
 from ltx_mgpu.denoise.fp8 import Float8Linear
 from ltx_mgpu.denoise.model import transformer_key
+from ltx_mgpu.denoise.packed import PackedLinear
 from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
 
 __all__ = ["COMFY_PREFIX", "PATCH_KINDS", "PatchError", "WeightPatch", "apply_patches", "merge", "resolve_key"]
@@ -186,15 +190,24 @@ def apply_patches(model, patches: Mapping[str, Sequence[WeightPatch]], previous:
     info = inspect_checkpoint(model.source)
     wanted = {k: list(v) for k, v in patches.items() if v}
     keys = sorted(set(wanted) | set(previous))
-    targets = {}
+    targets, packed = {}, {}
     for key in keys:
         target, tensor = resolve_key(model, info, key)
+        layer = _layer(model, target)
+        shape = layer.weight_shape if isinstance(layer, PackedLinear) else tensor.shape
         for p in wanted.get(key, ()):
-            p.check(key, tensor.shape)
-        targets[key] = (target, tensor)
+            p.check(key, shape)
+        if isinstance(layer, PackedLinear):
+            packed[key] = layer
+        else:
+            targets[key] = (target, tensor)
+    for key, layer in packed.items():  # merged per call: nothing to read
+        layer.patches = tuple(wanted.get(key, ()))
+    keys = sorted(targets)
     deltas = load_loras(model.loras, [k for k in info.shapes if k.endswith(".weight")]) if model.loras else {}
     rows = {k: r for k, (_, tensor) in targets.items() if (r := local_rows(tensor)) is not None}
-    layers = {k: layer for k, (target, _) in targets.items() if (layer := _fp8_layer(model, target)) is not None}
+    layers = {k: layer for k, (target, _) in targets.items()
+              if isinstance(layer := _layer(model, target), Float8Linear)}
     loader = StateDictLoader(info, model.dtype, deltas, rows=rows, keep_e4m3=set(layers))
     for start in range(0, len(keys), _CHUNK):
         chunk = keys[start:start + _CHUNK]
@@ -217,9 +230,8 @@ def apply_patches(model, patches: Mapping[str, Sequence[WeightPatch]], previous:
     return set(wanted)
 
 
-def _fp8_layer(model, target: _Target) -> Float8Linear | None:
-    """The :class:`Float8Linear` whose weight ``target`` is, or None."""
+def _layer(model, target: _Target) -> torch.nn.Module | None:
+    """The module whose ``weight`` ``target`` is, or None (a bias, a scale table)."""
     if not target.param.endswith(".weight"):
         return None
-    layer = getattr(model, target.module).get_submodule(target.param[: -len(".weight")])
-    return layer if isinstance(layer, Float8Linear) else None
+    return getattr(model, target.module).get_submodule(target.param[: -len(".weight")])

@@ -174,21 +174,34 @@ class TransformerPlan:
 
     @property
     def linears(self) -> str:
-        """How the blocks' large linears run: ``fp8`` (dtype fp8: e4m3 GEMMs), ``upcast`` (a
-        sharded fp8 file: e4m3 as stored, gathered at one byte, upcast per call; a replicated one
-        is upcast at load) or ``dense``."""
+        """How the blocks' large linears run: ``fp8`` (dtype fp8: e4m3 GEMMs), ``packed`` (a GGUF
+        file: its GGML blocks kept on the GPU, and in the shards, dequantized per call), ``upcast``
+        (a sharded fp8 file: e4m3 as stored, gathered at one byte, upcast per call; a replicated
+        one is upcast at load) or ``dense``."""
         if self.dtype == "fp8":
             return "fp8"
+        if self.storage == "ggml":
+            return "packed"
         return "upcast" if self.weights == "sharded" and self.storage == "e4m3" else "dense"
 
     @property
     def fp8(self) -> Fp8Config | None:
-        """The fp8 layers' config for :attr:`linears` (None for ``dense``)."""
-        return None if self.linears == "dense" else Fp8Config(self.linears)
+        """The fp8 layers' config for :attr:`linears` (None unless ``fp8`` or ``upcast``)."""
+        return Fp8Config(self.linears) if self.linears in ("fp8", "upcast") else None
 
-    def with_storage(self, e4m3: bool) -> TransformerPlan:
-        """This plan for a checkpoint that stores block linears as e4m3 (``e4m3``) or not."""
-        return dataclasses.replace(self, storage="e4m3" if e4m3 else "dense")
+    def with_storage(self, storage: str) -> TransformerPlan:
+        """This plan for a checkpoint that stores its block linears as ``storage`` (one of
+        :data:`ltx_mgpu.choices.TRANSFORMER_STORAGE`, read from its header).
+
+        Raises:
+            ValueError: dtype fp8 for a GGUF file (its blocks are dequantized per call; e4m3 GEMMs
+                would re-quantize them).
+        """
+        if storage == "ggml" and self.dtype == "fp8":
+            raise ValueError(f"{os.path.basename(self.checkpoint)} is a GGUF file: its quantized blocks run with "
+                             "dtype bf16, fp16 or fp32 (dequantized per call); choose one of those, or dtype fp8 "
+                             "with a bf16 or fp8 .safetensors checkpoint")
+        return dataclasses.replace(self, storage=storage)
 
     def describe(self) -> dict:
         """The plan as the pool reports it (the load's result and its status): every choice and

@@ -49,7 +49,8 @@ from ltx_mgpu.denoise.checkpoint import (
 )
 from ltx_mgpu.denoise.comfyui.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.fp8 import fp8_support_error, fp8_weight
-from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, load_ltx_model, stores_e4m3
+from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, checkpoint_storage, load_ltx_model
+from ltx_mgpu.denoise.packed import packed_weight
 from ltx_mgpu.denoise.parallel.fsdp import fit_error, held_bytes, weight_plan
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError, check_token_budget, valid_world_sizes
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
@@ -57,6 +58,7 @@ from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
+from ltx_mgpu.quantized.ggml import packed_shape
 from ltx_mgpu.wire import codec
 from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS, NO_PATCHES
 
@@ -180,13 +182,20 @@ def _model_bytes(m: LTXDenoiser) -> int:
 
 def _weight_plan(info: CheckpointInfo, plan: TransformerPlan, world: int):
     """The :class:`~ltx_mgpu.denoise.parallel.fsdp.WeightPlan` of loading ``info`` as ``plan``
-    says: the block linears at one byte where they are held as e4m3 (``linears`` fp8: all of
-    them; ``upcast``: those the file stores so)."""
-    held = ((lambda k: fp8_weight(k, info.shapes[k])) if plan.linears == "fp8" else
-            (lambda k: k in info.e4m3_keys and fp8_weight(k, info.shapes[k], compute=False))
-            if plan.linears == "upcast" else None)
-    size = getattr(torch, plan.compute_dtype).itemsize
-    return weight_plan(info.shapes, size, world, CONNECTORS, held)
+    says: the block linears at one byte per value where they are held as e4m3 (``linears`` fp8:
+    all of them; ``upcast``: those the file stores so), at their GGML blocks' bytes where they
+    stay packed (``packed``)."""
+    def stored(key: str) -> int | None:
+        shape = info.shapes[key]
+        if plan.linears == "fp8" and fp8_weight(key, shape):
+            return math.prod(shape)
+        if plan.linears == "upcast" and key in info.e4m3_keys and fp8_weight(key, shape, compute=False):
+            return math.prod(shape)
+        if plan.linears == "packed" and packed_weight(key, qtype := info.ggml_types.get(key)):
+            return math.prod(packed_shape(qtype, shape))
+        return None
+
+    return weight_plan(info.shapes, getattr(torch, plan.compute_dtype).itemsize, world, CONNECTORS, stored)
 
 
 def _describe(name: str, r: ResidentTransformer, world_size: int, reused: bool) -> dict:
@@ -246,9 +255,9 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         raise BadInput(f"{Path(path).name}: {e}") from None
     try:
         check_loras(plan.loras, info.shapes)  # from the LoRA files' headers: no tensor read yet
-    except CheckpointError as e:
+        plan = plan.with_storage(checkpoint_storage(info))
+    except (CheckpointError, ValueError) as e:
         raise BadInput(str(e)) from None
-    plan = plan.with_storage(stores_e4m3(info))
     what = f"{Path(path).name} ({plan.dtype})"
     identity = {**dataclasses.asdict(plan), "checkpoint": _file_identity(path),
                 "loras": [{**_file_identity(s.path), "strength": s.strength} for s in plan.loras]}

@@ -34,13 +34,14 @@ HEAVY = {
     "google": "protobuf, only SentencePiece tokenizers need it",
     "tqdm": "only the CLI's progress bars need it",
     "torch._dynamo": "torch's compiler stack, only for compile",
-    "gguf": "optional (the embedded Gemma 3 270M)",
+    "gguf": "only GGUF files need it (numpy-heavy reader)",
 }
 
 #: Modules the ComfyUI nodes may import from the engine: the client, the wire, and the
-#: dependency-free leaves the node definitions need (choices, the text encoder's config).
+#: dependency-free leaves the node definitions need (choices, the text encoder's config), and the
+#: GGUF reader (ComfyUI's model detection reads a GGUF transformer's header).
 NODE_ROOMS = ("ltx_mgpu.client", "ltx_mgpu.wire", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.settings",
-              "ltx_mgpu.text.config", "ltx_mgpu.denoise.plan")
+              "ltx_mgpu.text.config", "ltx_mgpu.denoise.plan", "ltx_mgpu.quantized.ggml")
 #: Top-level names of ComfyUI's own modules (the engine never imports them).
 COMFY_MODULES = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "server", "execution",
                  "latent_preview", "node_helpers"}

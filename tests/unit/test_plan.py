@@ -22,11 +22,14 @@ def test_a_plan_derives_the_compute_dtype_and_how_the_linears_run():
     assert TransformerPlan("/c", dtype="fp8").linears == "fp8"
     assert TransformerPlan("/c", dtype="fp8").fp8 == Fp8Config("fp8")
     for weights in TRANSFORMER_WEIGHTS:
-        for e4m3 in (False, True):
-            plan = TransformerPlan("/c", dtype="fp32", weights=weights).with_storage(e4m3)
-            assert plan.linears == ("upcast" if weights == "sharded" and e4m3 else "dense")
+        for storage in ("dense", "e4m3", "ggml"):
+            plan = TransformerPlan("/c", dtype="fp32", weights=weights).with_storage(storage)
+            want = {"ggml": "packed", "e4m3": "upcast" if weights == "sharded" else "dense"}.get(storage, "dense")
+            assert plan.linears == want, (weights, storage)
             assert plan.fp8 == (Fp8Config("upcast") if plan.linears == "upcast" else None)
-    described = TransformerPlan("/c", dtype="fp8", weights="sharded").with_storage(True).describe()
+    with pytest.raises(ValueError, match="c is a GGUF file: its quantized blocks run with dtype bf16, fp16 or fp32"):
+        TransformerPlan("/c", dtype="fp8").with_storage("ggml")
+    described = TransformerPlan("/c", dtype="fp8", weights="sharded").with_storage("e4m3").describe()
     assert described == {"dtype": "fp8", "compute_dtype": "bfloat16", "linears": "fp8", "weights": "sharded",
                          "storage": "e4m3", "layout": "auto", "max_tokens": 32768, "attention_type": None}
 
@@ -56,7 +59,7 @@ def test_the_plan_travels_as_the_load_request_and_comes_back_equal(tmp_path):
     ({"loras": [{"path": 3}]}, r"loras\[0\]\.path must be a file path, got 3"),
     ({"loras": [{"path": "/l", "weight": 1}]}, r"loras\[0\] has unknown field\(s\) \['weight'\]"),
     ({"loras": "a.safetensors"}, "loras must be a list of LoRAs, got str"),
-    ({"storage": "int4"}, "storage must be one of 'dense' or 'e4m3'"),
+    ({"storage": "int4"}, "storage must be one of 'dense', 'e4m3' or 'ggml'"),
 ])
 def test_every_field_is_checked_once_when_the_plan_is_built(fields, match):
     with pytest.raises(ValueError, match=match):

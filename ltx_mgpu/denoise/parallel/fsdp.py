@@ -127,14 +127,16 @@ class WeightPlan:
 
 
 def weight_plan(shapes: Mapping[str, Sequence[int]], element_size: int, world: int,
-                connectors: Sequence[str], fp8: Callable[[str], bool] | None = None) -> WeightPlan:
+                connectors: Sequence[str], stored: Callable[[str], int | None] | None = None) -> WeightPlan:
     """A :class:`WeightPlan` of the DiT keys ``shapes`` (as in ``CheckpointInfo.shapes``: no
-    prefix, no fp8 scales) at ``element_size`` bytes per weight (the compute dtype's), or 1 for
-    the keys ``fp8`` says are held as e4m3 (:mod:`ltx_mgpu.denoise.fp8`)."""
+    prefix, no fp8 scales) at ``element_size`` bytes per weight (the compute dtype's), except the
+    keys for which ``stored(key)`` gives the bytes they are held in (an e4m3 weight's one byte per
+    value, :mod:`ltx_mgpu.denoise.fp8`; a GGML-packed weight's blocks, :mod:`ltx_mgpu.denoise.packed`)."""
     blocks: dict[str, int] = {}
     root = conn = 0
     for key, shape in shapes.items():
-        n = math.prod(shape) * (1 if fp8 is not None and fp8(key) else element_size)
+        held = stored(key) if stored is not None else None
+        n = math.prod(shape) * element_size if held is None else held
         if key.startswith(tuple(c + "." for c in connectors)):
             conn += n
         elif key.startswith("transformer_blocks."):

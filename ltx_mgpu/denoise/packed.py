@@ -1,0 +1,124 @@
+"""Linear layers whose weights stay packed as the file stores them (GGUF's GGML blocks), and are
+dequantized just before their GEMM: :class:`PackedLinear`.
+
+A GGUF transformer's block linears keep their bytes on the device: ``weight`` is the file's
+``[out, in / block * type_size]`` ``uint8`` rows (whole blocks per row, so FSDP2's ``Shard(0)``
+splits it by rows and its all-gathers move packed bytes), dequantized per call by
+:func:`ltx_mgpu.quantized.ggml.dequantize` into float32, merged with the layer's LoRAs (the
+loader's list, :attr:`PackedLinear.loras`) and then ComfyUI's patches
+(:attr:`PackedLinear.patches`, set by :func:`ltx_mgpu.denoise.patches.apply_patches`), in order,
+in float32, as a dense weight has them merged at load, cast to the input's dtype and multiplied.
+The file's bytes are never changed: removing a patch brings the file's weight back exactly. No
+whole-model dequantization happens: one layer's dense weight exists at a time, for its GEMM.
+
+Swapped into ltx-core's model by :func:`swap_packed_linears` (module swap, never a fork of its
+code), as the fp8 layers are (:mod:`ltx_mgpu.denoise.fp8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
+from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, dequantize, packed_shape
+
+__all__ = ["PACKED_TYPES", "LoraDelta", "Merge", "PackedLinear", "packed_layers", "packed_weight",
+           "swap_packed_linears"]
+
+#: The GGML types kept packed (the rest of a GGUF file, F32 / F16 / BF16, is loaded dense).
+PACKED_TYPES = tuple(t for t in BLOCK_SHAPES if t not in ("F32", "F16", "BF16"))
+
+
+class Merge(Protocol):
+    """One change merged into a dequantized weight: ``apply(weight, rows)`` adds it to the float32
+    ``weight`` in place (``rows``: the rows of the whole weight ``weight`` holds, for a shard)."""
+
+    def apply(self, weight: torch.Tensor, rows: slice | None = None) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraDelta:
+    """A LoRA of the loader's list (``TransformerPlan.loras``): ``weight += strength * up @ down``
+    in float32, as :class:`~ltx_mgpu.denoise.checkpoint.StateDictLoader` fuses it into a dense
+    weight. ``up`` ``[out, r]``, ``down`` ``[r, in]`` (any float dtype, any device)."""
+
+    up: torch.Tensor
+    down: torch.Tensor
+    strength: float
+
+    def apply(self, weight: torch.Tensor, rows: slice | None = None) -> None:
+        up = self.up.to(device=weight.device, dtype=torch.float32)
+        up = up if rows is None else up[rows]
+        weight += self.strength * torch.mm(up, self.down.to(device=weight.device, dtype=torch.float32))
+
+
+def packed_weight(key: str, qtype: str | None) -> bool:
+    """Whether the checkpoint weight ``key`` stored as GGML ``qtype`` is kept packed: a block
+    linear's weight (``transformer_blocks.*.weight``, 2-D) in one of :data:`PACKED_TYPES`."""
+    return qtype in PACKED_TYPES and key.startswith("transformer_blocks.") and key.endswith(".weight")
+
+
+class PackedLinear(torch.nn.Module):
+    """A ``torch.nn.Linear`` whose weight is GGML-packed (module doc).
+
+    Parameters, without gradients: ``weight`` ``uint8`` ``[out, row bytes]`` (a shard: its rows),
+    ``bias`` ``[out]`` in the compute dtype, or None. ``qtype`` is the weight's GGML type;
+    ``loras`` then ``patches`` are merged into it per call. Input ``[..., in]`` in the compute
+    dtype, output ``[..., out]`` in the same dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, qtype: str,
+                 device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
+        self.weight = torch.nn.Parameter(torch.empty(packed_shape(qtype, (out_features, in_features)),
+                                                     dtype=torch.uint8, device=device), requires_grad=False)
+        self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+        self.loras: tuple[Merge, ...] = ()
+        self.patches: tuple[Merge, ...] = ()
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """The logical shape of the whole weight, ``(out, in)``."""
+        return self.out_features, self.in_features
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"qtype={self.qtype}, loras={len(self.loras)}, patches={len(self.patches)}")
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight this layer multiplies by (its rows, for a shard): dequantized, merged, ``dtype``."""
+        packed = local_tensor(self.weight)
+        w = dequantize(packed, self.qtype, (packed.shape[0], self.in_features))
+        rows = local_rows(self.weight)
+        for m in (*self.loras, *self.patches):
+            m.apply(w, rows)
+        return w.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense(x.dtype), self.bias)
+
+
+def swap_packed_linears(model: torch.nn.Module, qtypes: dict[str, str]) -> list[str]:
+    """Replace the ``nn.Linear`` layers named in ``qtypes`` (layer name -> GGML type) by empty
+    :class:`PackedLinear` shells of that type, in place (on the meta device: they are filled from
+    the file afterwards); returns the names."""
+    for name, qtype in qtypes.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        dtype = old.bias.dtype if old.bias is not None else old.weight.dtype
+        setattr(parent, child, PackedLinear(old.in_features, old.out_features, old.bias is not None, dtype, qtype,
+                                            device=old.weight.device))
+    return list(qtypes)
+
+
+def packed_layers(model: torch.nn.Module) -> dict[str, PackedLinear]:
+    """Every :class:`PackedLinear` of ``model``, by module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+

@@ -1,0 +1,45 @@
+"""What the GGUF tests share: the tolerance, the relative error, a tiny LTX-2.3 whose block
+linears are whole K-quant blocks wide, its GGUF export in one GGML type and the float32 file of
+the values that GGUF file holds (the dense reference of a GGUF load)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from sp_harness import build_tiny_model, tiny_config
+
+from ltx_mgpu.assets.ggml_export import block_linear_types, dequantized_copy, export_gguf
+
+REL = 1e-5
+#: A tiny model whose block linears are 256 wide (whole K-quant blocks) with 64-wide heads.
+WIDE = {"num_attention_heads": 4, "attention_head_dim": 64, "cross_attention_dim": 256,
+        "audio_num_attention_heads": 4, "audio_attention_head_dim": 64, "audio_cross_attention_dim": 256}
+#: 45 video tokens, 7 audio tokens (``sp_harness``'s case form) at the wide model's context widths.
+AV_ODD_CASE = dict(name="av_odd", frames=3, height=3, width=5, audio_tokens=7, context_widths=(256, 256))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius, float32)."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+def wide_file(directory: Path) -> Path:
+    """The wide tiny model as a float32 transformer-only file (no connectors) in ``directory``."""
+    path = Path(directory) / "wide_f32.safetensors"
+    if not path.exists():
+        model = build_tiny_model(**WIDE)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),
+                  metadata={"config": json.dumps(tiny_config(**WIDE))})
+    return path
+
+
+def gguf_pair(src: Path, directory: Path, qtype: str) -> tuple[Path, Path]:
+    """``src`` exported as GGUF with its block linears in ``qtype``, and the float32 file of the
+    values that GGUF file holds: ``(gguf, reference)`` in ``directory``."""
+    directory = Path(directory)
+    gguf_path = export_gguf(src, directory / f"{Path(src).stem}-{qtype}.gguf", block_linear_types(qtype))
+    return gguf_path, dequantized_copy(gguf_path, directory / f"{Path(src).stem}-{qtype}-reference.safetensors")
