@@ -23,6 +23,7 @@ from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.wire import rendezvous
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_pool.py"
+HERE = Path(__file__).resolve().parent  # this file, which the child scripts import
 
 
 def fake_command(spec, port, owner):
@@ -174,7 +175,7 @@ def test_a_pool_that_died_leaves_no_files_and_stale_ones_do_not_stop_a_start(rt)
 def test_a_with_owner_pool_ends_with_its_owner(rt):
     script = textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{str(FAKE.parent)!r}, {str(FAKE.parent.parent)!r}]
+        sys.path[:0] = [{str(HERE)!r}, {str(FAKE.parent)!r}, {str(FAKE.parent.parent)!r}]
         from ltx_mgpu.client import launch
         from ltx_mgpu.client.pool_client import PoolClient
         from test_client_lifecycle import fake_command

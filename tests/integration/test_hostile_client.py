@@ -38,6 +38,7 @@ from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.wire import rendezvous
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_pool.py"
+HERE = Path(__file__).resolve().parent  # this file, which the child scripts import
 NOBODY = 65534
 ROOT = os.getuid() == 0
 
@@ -329,7 +330,7 @@ def test_the_pool_refuses_connections_from_another_user(rt):
 def test_a_client_left_open_is_closed_at_exit_before_its_reader_could_be_frozen(rt):
     script = textwrap.dedent(f"""
         import atexit, sys, threading
-        sys.path[:0] = [{str(FAKE.parent)!r}, {str(FAKE.parent.parent)!r}]
+        sys.path[:0] = [{str(HERE)!r}, {str(FAKE.parent)!r}, {str(FAKE.parent.parent)!r}]
         def check():  # registered first, so it runs after the client's own atexit hook
             alive = [t.name for t in threading.enumerate() if t.name == "ltx_mgpu-pool-reader"]
             print("readers at exit:", len(alive), flush=True)
