@@ -9,11 +9,14 @@ Used by ``tests/comfyui/test_comfyui_model.py``; run with ComfyUI's Python (``$C
 "guider": "cfg" | "basic" | "dual", "sampler" (a KSamplerSelect name or "SamplerEulerAncestral"
 with "eta"), "sigmas": "basic" (BasicScheduler with "scheduler") | "ltxv" | "manual", "cfg",
 "latent": "av" | "video", "loras": [[file, strength], ...], "seed", "steps", "ranks" (1 or 2),
-"who": ["comfy", "ours"], "stop_after": calls or null}``. For each case and each
-``who`` it writes ``OUT_DIR/<id>.<who>.safetensors`` (the sampled latent parts ``part.0`` /
-``part.1``) and ``OUT_DIR/report.json``: per case the LoRA warnings ComfyUI logged, the model
-calls our MODEL made, whether Stop interrupted it; and the process's RSS around loading our
-MODEL.
+"who": ["comfy", "ours"], "stop_after": calls or null, "model": "gguf" | "gguf_sharded"}``; with
+``"gguf": {"dir", "name", "reference"}``, the cases naming a ``model`` run ComfyUI's own model on
+``reference`` (``UNETLoader``'s ``load_diffusion_model``: the float32 file of the GGUF file's
+values) and our Model Loader on ``name``, found in ``dir`` added to ``models/unet``'s folders, as
+ComfyUI-GGUF's users keep it. For each case and each ``who`` it writes
+``OUT_DIR/<id>.<who>.safetensors`` (the sampled latent parts ``part.0`` / ``part.1``) and
+``OUT_DIR/report.json``: per case the LoRA warnings ComfyUI logged, the model calls our MODEL
+made, whether Stop interrupted it; and the process's RSS around loading our MODEL.
 """
 
 from __future__ import annotations
@@ -57,16 +60,32 @@ def main() -> int:
     checkpoint = spec["checkpoint"]
     theirs = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clip=False)[0]
     report: dict = {"cases": {}}
-    models = {}
+    models, pools = {}, {}
     for ranks in sorted({c.get("ranks", 2) for c in spec["cases"]}):
         (pool,) = ours_nodes["LTXMGPU_Pool"].execute(gpus="cpu", cpu_ranks=ranks, lifetime="with-owner",
                                                      free_comfy_vram=False)
+        pools[ranks] = pool
         before = _rss()
         _, model, vae = ours_nodes["LTXMGPU_ModelLoader"].execute(pool, checkpoint, "fp32", "", 32768)
         report.setdefault("rss_model_load", {})[str(ranks)] = _rss() - before
         report["model_size"] = model.model_size()
         report["vae"] = type(vae).__name__
         models[ranks] = model
+    gguf = spec.get("gguf")
+    theirs_gguf = None
+
+    def gguf_models():
+        """ComfyUI's model on the GGUF file's values, and ours on the file from models/unet (loaded at
+        the first GGUF case: the pool holds one transformer, so the cases before keep theirs)."""
+        import importlib
+
+        folder_paths.add_model_folder_path("diffusion_models", gguf["dir"])
+        loader = ours_nodes["LTXMGPU_ModelLoader"]
+        report["gguf_listed"] = gguf["name"] in importlib.import_module(loader.__module__).checkpoint_choices()
+        for weights in ("replicated", "sharded"):
+            models["gguf" if weights == "replicated" else "gguf_sharded"] = loader.execute(
+                pools[2], gguf["name"], "fp32", "", 32768, weights)[1]
+        return comfy.sd.load_diffusion_model(gguf["reference"])
 
     def conditioning(seed: int):
         t = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(seed))
@@ -179,7 +198,11 @@ def main() -> int:
         entry = report["cases"][case["id"]] = {}
         for who in case.get("who", ["comfy", "ours"]):
             warnings.clear()
-            model = theirs if who == "comfy" else models[case.get("ranks", 2)]
+            if "model" in case:
+                theirs_gguf = theirs_gguf or gguf_models()
+                model = theirs_gguf if who == "comfy" else models[case["model"]]
+            else:
+                model = theirs if who == "comfy" else models[case.get("ranks", 2)]
             pool_model = None if who == "comfy" else model.model.diffusion_model.pool_model
             calls = dict(pool_model.sent) if pool_model is not None else {}
             stop = case.get("stop_after") if who == "ours" else None

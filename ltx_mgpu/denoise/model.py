@@ -288,7 +288,7 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
                                                                 stochastic_key=name if fused else None)
                 elif layer in packed_names:  # the file's blocks, its LoRAs merged per call
                     module = transformer.get_submodule(layer)
-                    local_tensor(module.weight).copy_(sd.pop(name))
+                    module.packed().copy_(sd.pop(name))
                     module.loras = tuple(LoraDelta(b, a, s) for a, b, s in loader.packed_deltas.pop(name, ()))
                 else:
                     local_tensor(params[name]).copy_(sd.pop(name))

@@ -1,9 +1,9 @@
 """Linear layers whose weights stay packed as the file stores them (GGUF's GGML blocks), and are
 dequantized just before their GEMM: :class:`PackedLinear`.
 
-A GGUF transformer's block linears keep their bytes on the device: ``weight`` is the file's
-``[out, in / block * type_size]`` ``uint8`` rows (whole blocks per row, so FSDP2's ``Shard(0)``
-splits it by rows and its all-gathers move packed bytes), dequantized per call by
+A GGUF transformer's block linears keep their bytes on the device: ``weight`` holds the file's
+``[out, in / block * type_size]`` bytes (whole blocks per row, so FSDP2's ``Shard(0)`` splits it
+by rows and its all-gathers move packed bytes), dequantized per call by
 :func:`ltx_mgpu.quantized.ggml.dequantize` into float32, merged with the layer's LoRAs (the
 loader's list, :attr:`PackedLinear.loras`) and then ComfyUI's patches
 (:attr:`PackedLinear.patches`, set by :func:`ltx_mgpu.denoise.patches.apply_patches`), in order,
@@ -26,9 +26,15 @@ import torch.nn.functional as F
 from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, dequantize, packed_shape
 
-__all__ = ["PACKED_TYPES", "LoraDelta", "Merge", "PackedLinear", "packed_layers", "packed_weight",
+__all__ = ["PACKED_TYPES", "STORAGE_DTYPE", "LoraDelta", "Merge", "PackedLinear", "packed_layers", "packed_weight",
            "swap_packed_linears"]
 
+#: The dtype the packed bytes are held under (:meth:`PackedLinear.packed` views them as ``uint8``):
+#: a one-byte floating dtype, because FSDP2 before torch 2.10 makes every parameter it shards able
+#: to require gradients (``nn.Parameter(...)`` with its default ``requires_grad=True``,
+#: ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), which an integer tensor cannot. Only
+#: bytes are copied and gathered, never values converted: no mixed-precision policy is set.
+STORAGE_DTYPE = torch.float8_e4m3fn
 #: The GGML types kept packed (the rest of a GGUF file, F32 / F16 / BF16, is loaded dense).
 PACKED_TYPES = tuple(t for t in BLOCK_SHAPES if t not in ("F32", "F16", "BF16"))
 
@@ -65,7 +71,8 @@ def packed_weight(key: str, qtype: str | None) -> bool:
 class PackedLinear(torch.nn.Module):
     """A ``torch.nn.Linear`` whose weight is GGML-packed (module doc).
 
-    Parameters, without gradients: ``weight`` ``uint8`` ``[out, row bytes]`` (a shard: its rows),
+    Parameters, without gradients: ``weight`` ``[out, row bytes]`` bytes under
+    :data:`STORAGE_DTYPE` (a shard: its rows; :meth:`packed` is them as ``uint8``),
     ``bias`` ``[out]`` in the compute dtype, or None. ``qtype`` is the weight's GGML type;
     ``loras`` then ``patches`` are merged into it per call. Input ``[..., in]`` in the compute
     dtype, output ``[..., out]`` in the same dtype.
@@ -76,7 +83,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
         self.weight = torch.nn.Parameter(torch.empty(packed_shape(qtype, (out_features, in_features)),
-                                                     dtype=torch.uint8, device=device), requires_grad=False)
+                                                     dtype=STORAGE_DTYPE, device=device), requires_grad=False)
         self.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.loras: tuple[Merge, ...] = ()
@@ -91,9 +98,13 @@ class PackedLinear(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"qtype={self.qtype}, loras={len(self.loras)}, patches={len(self.patches)}")
 
+    def packed(self) -> torch.Tensor:
+        """This rank's GGML rows as ``uint8`` ``[rows, row bytes]`` (a view: writing it fills the layer)."""
+        return local_tensor(self.weight).view(torch.uint8)
+
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight this layer multiplies by (its rows, for a shard): dequantized, merged, ``dtype``."""
-        packed = local_tensor(self.weight)
+        packed = self.packed()
         w = dequantize(packed, self.qtype, (packed.shape[0], self.in_features))
         rows = local_rows(self.weight)
         for m in (*self.loras, *self.patches):

@@ -21,6 +21,10 @@ nodes on both:
   audio-to-video (a zero audio noise mask returns the audio exactly), a text attention mask;
 * Stop (ComfyUI's interrupt) during the second model call ends the sampling, and the next run
   on the same pool works;
+* a GGUF transformer (the tiny checkpoint's blocks in Q8_0 and Q4_0... as ComfyUI-GGUF's converters
+  write them) in ``models/unet`` is listed by our Model Loader and, replicated and sharded over 2
+  ranks, with and without ``LoraLoaderModelOnly``, equals ComfyUI's own model on the float32 file
+  of the same values (``UNETLoader``);
 * the MODEL is one byte to ComfyUI's model management and ComfyUI's RSS grows by less than
   64 MiB when it loads (the tiny checkpoint; the 19B-shaped header is measured in
   ``benchmarks/bench_model_path.py``).
@@ -38,6 +42,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from ltx_mgpu.assets.ggml_export import dequantized_copy, export_gguf
+from ltx_mgpu.denoise.checkpoint import inspect_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from comfyui_support import COMFYUI_DIR, NEEDS_COMFYUI_REASON, has_comfyui  # noqa: E402
@@ -63,6 +70,14 @@ def _lora(path: Path, seed: int, unknown: bool = False) -> None:
         sd["diffusion_model.no_such_block.lora_A.weight"] = torch.randn(2, 4, generator=g)
         sd["diffusion_model.no_such_block.lora_B.weight"] = torch.randn(4, 2, generator=g)
     save_file(sd, str(path))
+
+
+def _block_linears(checkpoint: Path, kind: str) -> list[str]:
+    """The DiT keys of the blocks' 2-D weights of ``kind`` (``attn``: attention, ``ff``: feed-forward)
+    whose rows are whole 32-value GGML blocks."""
+    info = inspect_checkpoint(checkpoint)
+    return [k for k, shape in info.shapes.items() if k.startswith("transformer_blocks.") and k.endswith(".weight")
+            and len(shape) == 2 and shape[1] % 32 == 0 and (".ff." in k or "_ff." in k) == (kind == "ff")]
 
 
 def _cases() -> list[dict]:
@@ -101,6 +116,10 @@ def _cases() -> list[dict]:
         {"id": "stop", "sampler": "euler", "cfg": 3.0, "steps": 8, "stop_after": 2, "who": ["ours"]},
         {"id": "after-stop", "sampler": "euler", "cfg": 3.0},
     ]
+    for model in ("gguf", "gguf_sharded"):
+        cases += [{"id": f"{model}-euler", "model": model, "sampler": "euler", "cfg": 3.0},
+                  {"id": f"{model}-lora", "model": model, "sampler": "euler", "cfg": 3.0,
+                   "loras": [["a.safetensors", 0.5]]}]
     return cases
 
 
@@ -113,8 +132,15 @@ def run(tiny_ltx_23):
     _lora(loras / "a.safetensors", 1)
     _lora(loras / "b.safetensors", 2)
     _lora(loras / "unknown.safetensors", 3, unknown=True)
+    unet = work / "unet"
+    unet.mkdir()
+    types = {**{k: "Q8_0" for k in _block_linears(tiny_ltx_23, "attn")}, **{k: "Q4_0" for k in _block_linears(
+        tiny_ltx_23, "ff")}}
+    gguf = export_gguf(tiny_ltx_23, unet / "ltx-2.3-tiny-Q8_0.gguf", types)
+    reference = dequantized_copy(gguf, work / "ltx-2.3-tiny-gguf-values.safetensors")
     spec = {"comfyui": str(COMFYUI_DIR), "checkpoint": str(tiny_ltx_23), "loras_dir": str(loras),
-            "runtime_dir": str(work / "rt"), "cases": _cases()}
+            "runtime_dir": str(work / "rt"), "cases": _cases(),
+            "gguf": {"dir": str(unet), "name": gguf.name, "reference": str(reference)}}
     (work / "rt").mkdir()
     (work / "spec.json").write_text(json.dumps(spec))
     out = work / "out"
@@ -208,6 +234,16 @@ def test_stop_interrupts_sampling_and_the_next_run_works(run):
     stop = report["cases"]["stop"]
     assert stop.get("ours_interrupted") and stop["ours_calls"]["forward"] <= 2, stop
     assert _rel(_read(out, "after-stop", "comfy"), _read(out, "after-stop", "ours")) <= REL
+
+
+@pytest.mark.parametrize("model", ["gguf", "gguf_sharded"])
+def test_a_gguf_transformer_in_models_unet_equals_comfyuis_own_model_on_its_values(run, model):
+    out, report = run
+    assert report["gguf_listed"]
+    plain, lora = (f"{model}-euler", f"{model}-lora")
+    for case in (plain, lora):
+        assert _rel(_read(out, case, "comfy"), _read(out, case, "ours")) <= REL, case
+    assert _rel(_read(out, lora, "ours"), _read(out, plain, "ours")) > 1e-3  # the LoRA took effect
 
 
 def test_comfyui_sees_a_model_of_one_byte_and_reads_no_weights(run):

@@ -15,7 +15,7 @@ from sp_harness import run_case
 from ltx_mgpu.assets.ggml_export import block_linear_types, export_gguf
 from ltx_mgpu.denoise.checkpoint import CheckpointError, inspect_checkpoint
 from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.packed import LoraDelta, PackedLinear
+from ltx_mgpu.denoise.packed import STORAGE_DTYPE, LoraDelta, PackedLinear
 from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.quantized.ggml import READABLE, dequantize, packed_shape
@@ -39,7 +39,7 @@ def test_a_gguf_transformer_computes_what_its_dequantized_weights_compute(wide, 
         assert packed.linears == "dense" and not layers
     else:
         assert packed.plan.storage == "ggml" and packed.linears == "packed" and layers
-        assert all(m.qtype == qtype and m.weight.dtype == torch.uint8 for m in layers)
+        assert all(m.qtype == qtype and m.weight.dtype == STORAGE_DTYPE for m in layers)
         held = sum(p.numel() * p.element_size() for p in packed.transformer.parameters())
         assert held < sum(p.numel() * p.element_size() for p in dense.transformer.parameters())
     with torch.no_grad():
@@ -72,7 +72,7 @@ def test_a_loras_merge_into_a_packed_weight_as_into_the_dense_one(wide, tmp_path
         assert rel(gv, w) <= REL
         assert rel(b, w) > 100 * REL  # the LoRA matters: the parity is not vacuous
     # the file's bytes are untouched by the merge: the plain load holds the same ones
-    assert torch.equal(q.weight, plain.transformer.transformer_blocks[0].attn1.to_q.weight)
+    assert torch.equal(q.packed(), plain.transformer.transformer_blocks[0].attn1.to_q.packed())
 
 
 def test_comfyuis_patches_merge_into_packed_weights_per_call_and_come_off_exactly(wide, tmp_path):
@@ -89,17 +89,17 @@ def test_comfyuis_patches_merge_into_packed_weights_per_call_and_come_off_exactl
                  WeightPatch("lora", 1.0, up=torch.randn(256, 2, generator=g), down=torch.randn(2, 1024, generator=g))],
     }
     q = packed.transformer.transformer_blocks[1].attn1.to_q
-    file_bytes = q.weight.clone()
+    file_bytes = q.packed().clone()
     with torch.no_grad():
         before = run_case(packed.transformer, AV_ODD_CASE)
         keys = apply_patches(packed, patches)
         assert apply_patches(dense, patches) == keys == {key_q, key_ff}
-        assert len(q.patches) == 1 and torch.equal(q.weight, file_bytes)  # merged per call, bytes untouched
+        assert len(q.patches) == 1 and torch.equal(q.packed(), file_bytes)  # merged per call, bytes untouched
         got, want = run_case(packed.transformer, AV_ODD_CASE), run_case(dense.transformer, AV_ODD_CASE)
         for gv, w, b in zip(got, want, before):
             assert rel(gv, w) <= REL and rel(gv, b) > 100 * REL
         apply_patches(packed, {}, keys)  # every patch off: the file's weights
-        assert q.patches == () and torch.equal(q.weight, file_bytes)
+        assert q.patches == () and torch.equal(q.packed(), file_bytes)
         for gv, b in zip(run_case(packed.transformer, AV_ODD_CASE), before):
             assert torch.equal(gv, b)
     wrong = {key_q: [WeightPatch("diff", 1.0, diff=torch.zeros(256, 128))]}
@@ -117,7 +117,7 @@ def test_a_packed_layer_is_its_dequantized_linear(tmp_path):
     data = torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0).copy())
     assert tuple(data.shape) == packed_shape("Q8_0", (rows, cols))
     with torch.no_grad():
-        layer.weight.copy_(data)
+        layer.packed().copy_(data)
         layer.bias.copy_(torch.randn(rows, generator=g))
     x = torch.randn(3, 5, cols, generator=g)
     w = dequantize(data, "Q8_0", (rows, cols))
