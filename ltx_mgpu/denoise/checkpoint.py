@@ -475,7 +475,7 @@ class StateDictLoader:
     A GGUF file's tensors are dequantized (:func:`ltx_mgpu.quantized.ggml.dequantize`, float32),
     LoRAs fused and cast the same way; ``keep_packed`` (renamed keys) are returned as the file's
     ``uint8`` block rows instead, their LoRAs in ``packed_deltas[key]`` (``up``, ``down``,
-    strength) to be merged per call (``ltx_mgpu.denoise.packed``). Every GGUF tensor is checked for
+    strength) to be merged per call (``ltx_mgpu.quantized.packed``). Every GGUF tensor is checked for
     NaN and infinite values as it is read (a packed one dequantized once for it).
     """
 

@@ -45,8 +45,8 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
 from ltx_mgpu.denoise.plan import Fp8Config
+from ltx_mgpu.shards import local_rows, local_tensor
 
 __all__ = ["E4M3_MAX", "MIN_FEATURES", "Float8Linear", "compile_blocks",
            "fp8_linear_names", "fp8_support_error", "fp8_weight", "rounding_noise", "quantize_rows", "swap_linears"]

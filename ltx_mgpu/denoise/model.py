@@ -45,12 +45,13 @@ from ltx_mgpu.denoise.fp8 import (
     fp8_weight,
     swap_linears,
 )
-from ltx_mgpu.denoise.packed import LoraDelta, packed_weight, swap_packed_linears
-from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor, shard_transformer
+from ltx_mgpu.denoise.parallel.fsdp import shard_transformer
 from ltx_mgpu.denoise.parallel.split import check_sequence_parallel_config
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
 from ltx_mgpu.denoise.plan import Fp8Config, LoraSpec, TransformerPlan
 from ltx_mgpu.files import write_atomically
+from ltx_mgpu.quantized.packed import LoraDelta, packed_weight, swap_packed_linears
+from ltx_mgpu.shards import local_rows, local_tensor
 
 __all__ = [
     "LTXDenoiser",
@@ -161,7 +162,7 @@ def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device)
 def checkpoint_storage(info: CheckpointInfo) -> str:
     """How the checkpoint stores the blocks' linears: the ``storage`` a
     :class:`~ltx_mgpu.denoise.plan.TransformerPlan` of it resolves to: ``"ggml"`` (a GGUF file
-    whose block linears are quantized, :func:`~ltx_mgpu.denoise.packed.packed_weight`),
+    whose block linears are quantized, :func:`~ltx_mgpu.quantized.packed.packed_weight`),
     ``"e4m3"`` (an fp8 file: some are float8 e4m3) or ``"dense"``."""
     if any(packed_weight(k, t) for k, t in info.ggml_types.items()):
         return "ggml"

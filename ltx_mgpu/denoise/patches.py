@@ -25,7 +25,7 @@ weight to fp8 (stochastic rounding); here the weights are kept in the model's co
 :mod:`ltx_mgpu.denoise.fp8` holds as e4m3 (``dtype: fp8``, or a sharded fp8 file): there the
 merged float32 weight is quantised per row with stochastic rounding (as ComfyUI's; the noise
 seeded by the key, ``ltx_mgpu.denoise.fp8.rounding_noise``), and an unpatched one goes back to
-the file's e4m3 values. A GGUF file's packed layers (:class:`~ltx_mgpu.denoise.packed.PackedLinear`)
+the file's e4m3 values. A GGUF file's packed layers (:class:`~ltx_mgpu.quantized.packed.PackedLinear`)
 read nothing: their patch list is replaced and merged into the dequantized weight at each call,
 in float32 and the same order, so their bytes stay the file's (ComfyUI-GGUF patches at dequant
 time too).
@@ -42,8 +42,8 @@ import torch
 from ltx_mgpu.denoise.checkpoint import CONNECTORS, CheckpointInfo, StateDictLoader, inspect_checkpoint, load_loras
 from ltx_mgpu.denoise.fp8 import Float8Linear
 from ltx_mgpu.denoise.model import transformer_key
-from ltx_mgpu.denoise.packed import PackedLinear
-from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
+from ltx_mgpu.quantized.packed import PackedLinear
+from ltx_mgpu.shards import local_rows, local_tensor
 
 __all__ = ["COMFY_PREFIX", "PATCH_KINDS", "PatchError", "WeightPatch", "apply_patches", "merge", "resolve_key"]
 

@@ -50,7 +50,6 @@ from ltx_mgpu.denoise.checkpoint import (
 from ltx_mgpu.denoise.comfyui.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.fp8 import fp8_support_error, fp8_weight
 from ltx_mgpu.denoise.model import LTXDenoiser, check_world_size, checkpoint_storage, load_ltx_model
-from ltx_mgpu.denoise.packed import packed_weight
 from ltx_mgpu.denoise.parallel.fsdp import fit_error, held_bytes, weight_plan
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError, check_token_budget, valid_world_sizes
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
@@ -59,6 +58,7 @@ from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.quantized.ggml import packed_shape
+from ltx_mgpu.quantized.packed import packed_weight
 from ltx_mgpu.wire import codec
 from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS, NO_PATCHES
 

@@ -1,4 +1,6 @@
-"""ComfyUI's quantized single files: which layer is stored how, and its dense weight.
+"""Quantized weight files, for any model (nothing here knows Gemma or LTX-2): ComfyUI's quantized
+single files and GGUF files, which layer is stored how, its dense weight, and layers that keep
+the stored bytes.
 
 ComfyUI stores a "mixed" file (e.g. ``gemma_3_12B_it_fp4_mixed.safetensors``) as chosen layers
 quantized, each marked, and the rest plain bf16. This package reads such files for any model
@@ -12,7 +14,11 @@ quantized, each marked, and the rest plain bf16. This package reads such files f
   comfy-kitchen's eager functions (ComfyUI's own kernel library), exactly as ComfyUI
   dequantizes them;
 * :mod:`ltx_mgpu.quantized.encode`: the other way, dense weights -> ComfyUI's stored layout
-  (comfy-kitchen's quantizers and ComfyUI's marker), to write test and benchmark files.
+  (comfy-kitchen's quantizers and ComfyUI's marker), to write test and benchmark files;
+* :mod:`ltx_mgpu.quantized.ggml`: GGUF files (through ``gguf``, llama.cpp's reader) and the
+  dequantization of their GGML block types;
+* :mod:`ltx_mgpu.quantized.packed`: linear layers that keep a file's GGML blocks on the device
+  (sharded or whole) and dequantize them per call.
 
 comfy-kitchen takes about 2 s to import, so only :mod:`~ltx_mgpu.quantized.dequant` and
 :mod:`~ltx_mgpu.quantized.encode` import it, and only when a layer is actually converted.

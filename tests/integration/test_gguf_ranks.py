@@ -17,9 +17,9 @@ from sp_harness import run_case, run_ranks
 
 from ltx_mgpu.denoise.checkpoint import inspect_checkpoint
 from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.packed import packed_weight
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.quantized.ggml import packed_shape
+from ltx_mgpu.quantized.packed import packed_weight
 
 
 def _packed_saving(path) -> int:

@@ -1,4 +1,4 @@
-"""GGUF transformer files (``ltx_mgpu.denoise.packed`` and the GGUF side of
+"""GGUF transformer files (``ltx_mgpu.quantized.packed`` and the GGUF side of
 ``ltx_mgpu.denoise.checkpoint``): the tiny LTX-2.3 written as GGUF in each GGML type loads with
 its block linears kept packed, and computes what the same weights dequantized into a float32
 file compute (fp32, 1e-5); LoRAs merge per call as they merge into a dense weight; what cannot
@@ -15,10 +15,10 @@ from sp_harness import run_case
 from ltx_mgpu.assets.ggml_export import block_linear_types, export_gguf
 from ltx_mgpu.denoise.checkpoint import CheckpointError, inspect_checkpoint
 from ltx_mgpu.denoise.model import load_ltx_model
-from ltx_mgpu.denoise.packed import STORAGE_DTYPE, LoraDelta, PackedLinear
 from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.quantized.ggml import READABLE, dequantize, packed_shape
+from ltx_mgpu.quantized.packed import STORAGE_DTYPE, LoraDelta, PackedLinear
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ the all-to-alls are issued alike on every rank of the one process group.
 
 Loading never materialises the whole model on a rank: the model is built on the meta device,
 sharded, given empty local storage, and each rank reads from the memory-mapped checkpoint only
-its own rows of each weight (:func:`local_rows`; ``StateDictLoader(rows=...)``).
+its own rows of each weight (:func:`ltx_mgpu.shards.local_rows`; ``StateDictLoader(rows=...)``).
 
 Inference only (no gradients); the connectors (text) stay whole on every rank.
 """
@@ -33,8 +33,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["HEADROOM", "WeightPlan", "fit_error", "gathered_blocks", "held_bytes", "local_rows",
-           "local_tensor", "shard_transformer", "weight_plan"]
+from ltx_mgpu.shards import local_tensor
+
+__all__ = ["HEADROOM", "WeightPlan", "fit_error", "gathered_blocks", "held_bytes", "shard_transformer",
+           "weight_plan"]
 
 #: The share of a GPU's memory kept free for activations when checking that the weights fit.
 HEADROOM = 0.15
@@ -55,27 +57,6 @@ def shard_transformer(model: torch.nn.Module, group, device: torch.device) -> No
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a sharded parameter, else ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_rows(t: torch.Tensor) -> slice | None:
-    """The rows (dim 0) of the full parameter this rank holds, or None for a whole one.
-
-    FSDP2's ``Shard(0)`` follows ``torch.chunk``: chunks of ``ceil(n / W)`` rows, rank r's from
-    row ``r * ceil(n / W)``; its local tensor has as many rows as it holds (possibly none).
-    """
-    if not isinstance(t, DTensor):
-        return None
-    mesh = t.device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
-    n = t.shape[0]
-    chunk = -(-n // world)
-    start = min(rank * chunk, n)
-    return slice(start, start + t.to_local().shape[0])
 
 
 def held_bytes(module: torch.nn.Module) -> int:
@@ -131,7 +112,7 @@ def weight_plan(shapes: Mapping[str, Sequence[int]], element_size: int, world: i
     """A :class:`WeightPlan` of the DiT keys ``shapes`` (as in ``CheckpointInfo.shapes``: no
     prefix, no fp8 scales) at ``element_size`` bytes per weight (the compute dtype's), except the
     keys for which ``stored(key)`` gives the bytes they are held in (an e4m3 weight's one byte per
-    value, :mod:`ltx_mgpu.denoise.fp8`; a GGML-packed weight's blocks, :mod:`ltx_mgpu.denoise.packed`)."""
+    value, :mod:`ltx_mgpu.denoise.fp8`; a GGML-packed weight's blocks, :mod:`ltx_mgpu.quantized.packed`)."""
     blocks: dict[str, int] = {}
     root = conn = 0
     for key, shape in shapes.items():

@@ -23,8 +23,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ltx_mgpu.denoise.parallel.fsdp import local_rows, local_tensor
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, dequantize, packed_shape
+from ltx_mgpu.shards import local_rows, local_tensor
 
 __all__ = ["PACKED_TYPES", "STORAGE_DTYPE", "LoraDelta", "Merge", "PackedLinear", "packed_layers", "packed_weight",
            "swap_packed_linears"]
