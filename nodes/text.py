@@ -2,7 +2,7 @@
 
 * **Gemma Loader** (``LTXMGPU_GemmaLoader``) -> ``LTXMGPU_TEXT_ENCODER`` and the same text
   encoder as a ComfyUI ``CLIP`` (:class:`nodes._clip.GemmaClip`, for core ``CLIPTextEncode``):
-  which Gemma 3 (a file or a snapshot / NF4 directory from ``models/text_encoders``), which LTX-2
+  which Gemma 3 (a ComfyUI or GGUF file or a snapshot / NF4 directory from ``models/text_encoders``), which LTX-2
   text projection (the LTX checkpoint from ``models/checkpoints``, or a projection file from
   ``models/text_encoders``), weights ``bf16 | nf4``, placement ``single | accelerate |
   batch_parallel``, keep loaded, compile (``torch.compile`` of the layers). Nothing is loaded
@@ -35,11 +35,12 @@ PROJECTION_FOLDERS = ("checkpoints", "text_encoders")
 
 
 def gemma_choices() -> list[str]:
-    """Gemma sources in ``models/text_encoders``: snapshot / NF4 directories (``name/``) and
-    single files outside them."""
+    """Gemma sources in ``models/text_encoders`` (and ``models/clip``): snapshot / NF4 directories
+    (``name/``), then single files outside them: ComfyUI's ``.safetensors`` and GGUF files (where
+    ComfyUI-GGUF's ``CLIPLoaderGGUF`` reads them)."""
     dirs = _comfy.directory_list("text_encoders", GEMMA_DIR_MARKERS)
-    files = [f for f in _comfy.filename_list("text_encoders") if not any(f.startswith(d) for d in dirs)]
-    return dirs + files
+    names = _comfy.filename_list("text_encoders") + _comfy.filename_list("text_encoders", (".gguf",))
+    return dirs + [f for f in dict.fromkeys(names) if not any(f.startswith(d) for d in dirs)]
 
 
 def projection_choices() -> list[str]:
@@ -121,14 +122,17 @@ class LTXMGPUGemmaLoader(io.ComfyNode):
                 _combo("gemma", gemma_choices(), (
                     "Gemma 3 12B from models/text_encoders: a Hugging Face snapshot directory (gemma-3-12b-it/), "
                     "ComfyUI's single file (gemma_3_12B_it*.safetensors: bf16, fp8_scaled or fp4_mixed, whose "
-                    "quantized layers are dequantized as ComfyUI does) or an ltx_mgpu NF4 directory.")),
+                    "quantized layers are dequantized as ComfyUI does), a GGUF file (gemma-3-12b-it-Q4_K_M.gguf: its "
+                    "quantized blocks stay quantized on the GPU, the tokenizer from the file) or an ltx_mgpu NF4 "
+                    "directory.")),
                 _combo("projection", projection_choices(), (
                     "Where the LTX-2 text projection comes from: the LTX-2 checkpoint you sample with "
                     "(checkpoints/...), or a separate projection file (text_encoders/...). Its version (2.0 or "
                     "2.3) decides the embedding layout.")),
                 io.Combo.Input("weights", options=list(WEIGHTS), default="bf16", tooltip=(
-                    "bf16: Gemma as is (about 24 GB). nf4: 4-bit NormalFloat through bitsandbytes (about 8 GB, "
-                    "slightly different embeddings, cached separately); an NF4 directory is always nf4.")),
+                    "bf16: Gemma as is (about 24 GB; a GGUF file as stored, computing in bf16). nf4: 4-bit "
+                    "NormalFloat through bitsandbytes (about 8 GB, slightly different embeddings, cached separately) "
+                    "made from a bf16 or ComfyUI source; an NF4 directory is always nf4.")),
                 io.Combo.Input("placement", options=list(PLACEMENTS), default="single", tooltip=(
                     "single: Gemma on the pool's first GPU. accelerate: its layers sharded over all the pool's "
                     "GPUs (when one GPU is too small). batch_parallel: a copy per GPU, prompts split across "

@@ -27,6 +27,8 @@ GEMMA_270M_HIDDEN = 640
 GEMMA_270M_HIDDEN_STATES = 19
 #: The converted snapshot's directory name under the assets directory.
 SNAPSHOT_NAME = "gemma-3-270m-bf16"
+#: The assembled GGUF's file name under the assets directory.
+GGUF_NAME = "gemma-3-270m-Q4_K_M.gguf"
 #: The conversion's stages, in order, as :func:`build_gemma_270m_snapshot` reports them.
 STAGES = ("assembling the GGUF from its package", "loading the GGUF weights in bf16",
           "loading the GGUF tokenizer", "saving the bf16 snapshot")
@@ -119,6 +121,18 @@ def gemma_270m_dir(root: str | os.PathLike | None = None,
         if report is not None:
             report(line)
     return ensure(target, lambda p: build_gemma_270m_snapshot(p, report))
+
+
+def gemma_270m_gguf(root: str | os.PathLike | None = None) -> Path | None:
+    """The real Gemma 3 270M as the Q4_K_M GGUF its package ships (assembled from the chunk
+    packages on first use, about 250 MB), or ``None`` when the package is not installed: a
+    Gemma source the Gemma Loader reads as it is (``ltx_mgpu.text.gemma.gguf_file``)."""
+    from ltx_mgpu.assets.store import assets_dir, ensure  # deferred: it imports torch
+
+    if not gemma_270m_available():
+        return None
+    pkg = __import__(PACKAGE)
+    return ensure(assets_dir(root) / GGUF_NAME, lambda p: pkg.assemble(output_path=p))
 
 
 def remove_gemma_270m(root: str | os.PathLike | None = None) -> None:

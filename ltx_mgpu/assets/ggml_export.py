@@ -1,6 +1,8 @@
-"""LTX-2 transformer files as GGUF, the way the community's converters write them
-(ComfyUI-GGUF's ``tools/convert.py``: the DiT's keys as tensor names, ``general.architecture``
-``ltxv``, the ``config`` metadata kept as a string field), for the tests and the benchmarks.
+"""LTX-2 transformer and Gemma 3 files as GGUF, the way the community's converters write them,
+for the tests and the benchmarks: an LTX-2 DiT as ComfyUI-GGUF's ``tools/convert.py`` writes it
+(the DiT's keys as tensor names, ``general.architecture`` ``ltxv``, the ``config`` metadata kept
+as a string field), a Gemma 3 as llama.cpp's ``convert_hf_to_gguf.py`` writes it
+(:func:`export_gemma_gguf`).
 
 :func:`export_gguf` writes a safetensors DiT file as GGUF with a GGML type per tensor. The types
 ``gguf`` can quantize (``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``) are quantized from
@@ -19,13 +21,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
 from ltx_mgpu.files import write_atomically
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, GGUFFile, dequantize
 
-__all__ = ["QUANTIZABLE", "block_linear_types", "dequantized_copy", "export_gguf"]
+__all__ = ["QUANTIZABLE", "block_linear_types", "dequantized_copy", "export_gemma_gguf", "export_gguf"]
 
 #: The GGML types ``gguf.quants.quantize`` encodes (the others are written as random blocks).
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -119,3 +122,74 @@ def dequantized_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     config = f.field("config")
     meta = {"config": config} if isinstance(config, str) else None
     return write_atomically(Path(dst), save(tensors, metadata=meta))
+
+
+def export_gemma_gguf(source: str | os.PathLike, dst: str | os.PathLike, qtype: str = "Q8_0") -> Path:
+    """Write the Gemma 3 text tower of ``source`` (any Gemma source ltx_mgpu loads with a
+    SentencePiece ``tokenizer.model``) as a llama.cpp GGUF ``dst``: gguf's tensor names
+    (``blk.N.attn_q.weight``...), the RMSNorm weights plus one, the ``gemma3.*`` fields and the
+    tokenizer's pieces, scores and types; the 2-D weights whose rows are whole ``qtype`` blocks in
+    ``qtype`` (one of :data:`QUANTIZABLE`), the rest F32. Returns ``dst``.
+
+    Raises:
+        FileNotFoundError: ``source`` has no ``tokenizer.model``. ValueError: ``qtype`` is not
+            quantizable here.
+    """
+    import gguf  # deferred: only GGUF files need it
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower  # deferred: transformers
+
+    if qtype not in QUANTIZABLE:
+        raise ValueError(f"qtype must be one of {QUANTIZABLE}, got {qtype!r}")
+    src = Path(source)
+    spm_path = src / "tokenizer.model" if src.is_dir() else src.parent / "tokenizer.model"
+    proto = spm.ModelProto()
+    proto.ParseFromString(spm_path.read_bytes())
+    tower = load_gemma_text_tower(src, dtype=torch.float32)
+    cfg, model = tower.config, tower.model
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), "gemma3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_sliding_window(cfg.sliding_window)
+    full = cfg.rope_parameters["full_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([p.piece for p in proto.pieces])
+    writer.add_token_scores([p.score for p in proto.pieces])
+    writer.add_token_types([int(p.type) for p in proto.pieces])
+    spec = proto.trainer_spec
+    writer.add_bos_token_id(spec.bos_id)
+    writer.add_eos_token_id(spec.eos_id)
+    writer.add_unk_token_id(spec.unk_id)
+    writer.add_pad_token_id(spec.pad_id)
+    writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
+    block = BLOCK_SHAPES[qtype][0]
+    for key, value in model.state_dict().items():
+        stem, _, suffix = key.rpartition(".")
+        values = value.float().numpy()
+        if key.endswith("norm.weight"):
+            values = values + 1.0  # llama.cpp stores Gemma's 1 + w
+        kind = qtype if values.ndim == 2 and values.shape[-1] % block == 0 else "F32"
+        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+        writer.add_tensor(f"{table.get_name('model.' + stem)}.{suffix}", data,
+                          raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+    return dst

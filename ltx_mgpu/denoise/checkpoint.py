@@ -50,6 +50,7 @@ from safetensors import safe_open
 from ltx_mgpu.denoise.plan import LoraSpec
 from ltx_mgpu.files import safetensors_header
 from ltx_mgpu.quantized.ggml import GGMLFormatError, GGUFFile, dequantize
+from ltx_mgpu.quantized.packed import PACKED_TYPES
 
 __all__ = [
     "ASSUMED_HEAD_DIMS",
@@ -63,6 +64,7 @@ __all__ = [
     "infer_transformer_config",
     "inspect_checkpoint",
     "is_gguf_file",
+    "packed_weight",
     "load_loras",
 ]
 
@@ -228,6 +230,12 @@ def infer_transformer_config(shapes: Mapping[str, Sequence[int]]) -> dict:
 
 def _version(tcfg: dict) -> str:
     return "2.3" if tcfg.get("caption_proj_before_connector", False) else "2.0"
+
+
+def packed_weight(key: str, qtype: str | None) -> bool:
+    """Whether the checkpoint weight ``key`` stored as GGML ``qtype`` is kept packed: a block
+    linear's weight (``transformer_blocks.*.weight``, 2-D) in one of :data:`ltx_mgpu.quantized.packed.PACKED_TYPES`."""
+    return qtype in PACKED_TYPES and key.startswith("transformer_blocks.") and key.endswith(".weight")
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:

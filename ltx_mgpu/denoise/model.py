@@ -37,6 +37,7 @@ from ltx_mgpu.denoise.checkpoint import (
     count_blocks,
     inspect_checkpoint,
     load_loras,
+    packed_weight,
 )
 from ltx_mgpu.denoise.fp8 import (
     compile_blocks,
@@ -50,7 +51,7 @@ from ltx_mgpu.denoise.parallel.split import check_sequence_parallel_config
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
 from ltx_mgpu.denoise.plan import Fp8Config, LoraSpec, TransformerPlan
 from ltx_mgpu.files import write_atomically
-from ltx_mgpu.quantized.packed import LoraDelta, packed_weight, swap_packed_linears
+from ltx_mgpu.quantized.packed import LoraDelta, swap_packed_linears
 from ltx_mgpu.shards import local_rows, local_tensor
 
 __all__ = [

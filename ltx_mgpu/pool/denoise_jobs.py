@@ -46,6 +46,7 @@ from ltx_mgpu.denoise.checkpoint import (
     CheckpointInfo,
     check_loras,
     inspect_checkpoint,
+    packed_weight,
 )
 from ltx_mgpu.denoise.comfyui.sampler import SCHEDULER_OPTIONS, check_scheduler_options, sample
 from ltx_mgpu.denoise.fp8 import fp8_support_error, fp8_weight
@@ -58,7 +59,6 @@ from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.quantized.ggml import packed_shape
-from ltx_mgpu.quantized.packed import packed_weight
 from ltx_mgpu.wire import codec
 from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS, NO_PATCHES
 

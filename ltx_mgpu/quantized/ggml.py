@@ -24,6 +24,7 @@ tensor and the types that are read.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -33,8 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_SHAPES", "READABLE", "GGMLFormatError", "GGUFFile", "GGUFTensor", "dequantize",
-           "packed_shape"]
+__all__ = ["BLOCK_SHAPES", "DECODER", "READABLE", "GGMLFormatError", "GGUFFile", "GGUFTensor", "dequantize",
+           "open_gguf", "packed_shape"]
+
+#: The version of :func:`dequantize`'s arithmetic: part of a GGUF Gemma's identity (the prompt
+#: cache's key), so a change to how the blocks decode never serves embeddings of the old values.
+DECODER = "ltx_mgpu.ggml.1"
 
 #: The GGML types this module reads: name -> (values per block, bytes per block) (``gguf.GGML_QUANT_SIZES``).
 BLOCK_SHAPES: dict[str, tuple[int, int]] = {
@@ -203,6 +208,23 @@ class GGUFTensor:
     index: int
 
 
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """:class:`GGUFFile` of ``path``, opened once per process while the file is unchanged (same
+    size and modification time): ``gguf.GGUFReader`` parses every metadata array element by
+    element in Python, which takes seconds for a Gemma file's 262,144-token vocabulary.
+
+    Raises:
+        GGMLFormatError: as :class:`GGUFFile`. OSError: the file cannot be read.
+    """
+    st = os.stat(path)
+    return _open_gguf(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:  # noqa: ARG001 - the cache key
+    return GGUFFile(path)
+
+
 class GGUFFile:
     """A GGUF file opened with ``gguf.GGUFReader`` (memory-mapped): its tensors and metadata.
 
@@ -228,6 +250,10 @@ class GGUFFile:
         there, the tensor itself flattened to fewer dimensions)."""
         value = self.field(f"comfy.gguf.orig_shape.{name}")
         return tuple(int(v) for v in value) if value is not None else None
+
+    def has_field(self, key: str) -> bool:
+        """Whether the metadata has ``key`` (its value not decoded)."""
+        return self._reader.get_field(key) is not None
 
     def field(self, key: str) -> Any:
         """A metadata value: a string, a number, a list of them, or None when absent."""

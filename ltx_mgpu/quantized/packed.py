@@ -1,7 +1,8 @@
 """Linear layers whose weights stay packed as the file stores them (GGUF's GGML blocks), and are
 dequantized just before their GEMM: :class:`PackedLinear`.
 
-A GGUF transformer's block linears keep their bytes on the device: ``weight`` holds the file's
+A GGUF file's quantized linears (an LTX-2 transformer's block linears, a Gemma 3's projections)
+keep their bytes on the device: ``weight`` holds the file's
 ``[out, in / block * type_size]`` bytes (whole blocks per row, so FSDP2's ``Shard(0)`` splits it
 by rows and its all-gathers move packed bytes), dequantized per call by
 :func:`ltx_mgpu.quantized.ggml.dequantize` into float32, merged with the layer's LoRAs (the
@@ -11,8 +12,9 @@ in float32, as a dense weight has them merged at load, cast to the input's dtype
 The file's bytes are never changed: removing a patch brings the file's weight back exactly. No
 whole-model dequantization happens: one layer's dense weight exists at a time, for its GEMM.
 
-Swapped into ltx-core's model by :func:`swap_packed_linears` (module swap, never a fork of its
-code), as the fp8 layers are (:mod:`ltx_mgpu.denoise.fp8`).
+Swapped into ltx-core's transformer and transformers' Gemma 3 by :func:`swap_packed_linears`
+(module swap, never a fork of their code), as the fp8 layers are (:mod:`ltx_mgpu.denoise.fp8`);
+:class:`PackedEmbedding` does the same for a token embedding table.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, dequantize, packed_shape
 from ltx_mgpu.shards import local_rows, local_tensor
 
-__all__ = ["PACKED_TYPES", "STORAGE_DTYPE", "LoraDelta", "Merge", "PackedLinear", "packed_layers", "packed_weight",
+__all__ = ["PACKED_TYPES", "STORAGE_DTYPE", "LoraDelta", "Merge", "PackedEmbedding", "PackedLinear", "packed_layers",
            "swap_packed_linears"]
 
 #: The dtype the packed bytes are held under (:meth:`PackedLinear.packed` views them as ``uint8``):
@@ -60,12 +62,6 @@ class LoraDelta:
         up = self.up.to(device=weight.device, dtype=torch.float32)
         up = up if rows is None else up[rows]
         weight += self.strength * torch.mm(up, self.down.to(device=weight.device, dtype=torch.float32))
-
-
-def packed_weight(key: str, qtype: str | None) -> bool:
-    """Whether the checkpoint weight ``key`` stored as GGML ``qtype`` is kept packed: a block
-    linear's weight (``transformer_blocks.*.weight``, 2-D) in one of :data:`PACKED_TYPES`."""
-    return qtype in PACKED_TYPES and key.startswith("transformer_blocks.") and key.endswith(".weight")
 
 
 class PackedLinear(torch.nn.Module):
@@ -127,6 +123,42 @@ def swap_packed_linears(model: torch.nn.Module, qtypes: dict[str, str]) -> list[
         setattr(parent, child, PackedLinear(old.in_features, old.out_features, old.bias is not None, dtype, qtype,
                                             device=old.weight.device))
     return list(qtypes)
+
+
+class PackedEmbedding(torch.nn.Module):
+    """A token embedding whose table is GGML-packed: a lookup gathers the packed rows of its ids
+    (whole blocks per row) and dequantizes only those, so the table stays at the file's size.
+
+    ``weight``: ``[vocab, row bytes]`` bytes under :data:`STORAGE_DTYPE`; ``qtype`` its GGML
+    type. ``forward(ids)``: int64 ids ``[...]`` -> ``[..., dim]`` in ``dtype``, times ``scale``
+    when given, cast to ``dtype`` first (the operations of transformers'
+    ``Gemma3TextScaledWordEmbedding``: ``embedding(ids) * embed_scale.to(weight.dtype)``, so a
+    table dequantized to ``dtype`` gives the same values).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str, dtype: torch.dtype,
+                 scale: float | None = None, padding_idx: int | None = None, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.qtype, self.dtype = num_embeddings, embedding_dim, qtype, dtype
+        self.padding_idx = padding_idx
+        self.weight = torch.nn.Parameter(torch.empty(packed_shape(qtype, (num_embeddings, embedding_dim)),
+                                                     dtype=STORAGE_DTYPE, device=device), requires_grad=False)
+        self.scale = scale
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}, scale={self.scale}"
+
+    def packed(self) -> torch.Tensor:
+        """The table's GGML rows as ``uint8`` ``[vocab, row bytes]`` (a view: writing it fills it)."""
+        return self.weight.view(torch.uint8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.packed()[ids.reshape(-1)]
+        out = dequantize(rows, self.qtype, (rows.shape[0], self.embedding_dim)).to(self.dtype)
+        out = out.reshape(*ids.shape, self.embedding_dim)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(self.dtype)
+        return out
 
 
 def packed_layers(model: torch.nn.Module) -> dict[str, PackedLinear]:

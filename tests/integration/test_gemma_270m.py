@@ -140,3 +140,56 @@ def test_real_gemma_270m_fidelity(gemma_270m):
         f_bf16, f_nf4 = projection(h_bf16, mask), projection(h_nf4, mask)
     feat = torch.nn.functional.cosine_similarity(f_bf16[m], f_nf4[m], dim=-1)
     assert feat.mean().item() >= 0.99, feat
+
+
+@pytest.fixture(scope="session")
+def gemma_270m_q4(tmp_path_factory):
+    from ltx_mgpu.assets.gemma270m import gemma_270m_gguf
+
+    return gemma_270m_gguf(tmp_path_factory.mktemp("gguf270m"))
+
+
+def test_the_real_gemma_270m_gguf_loads_packed_and_equals_its_bf16_snapshot(gemma_270m, gemma_270m_q4):
+    """The package's Q4_K_M file read as it is (Q4_K, Q5_0, Q6_K and Q8_0 blocks kept packed):
+    the same tokens and, in bf16, bit for bit the hidden states of the bf16 snapshot transformers
+    converts it to (which holds the same values dequantized), at half its weight bytes."""
+    from ltx_mgpu.quantized.packed import PackedEmbedding, PackedLinear
+
+    gguf_tower = load_gemma_text_tower(gemma_270m_q4, dtype=torch.bfloat16)
+    snapshot = load_gemma_text_tower(gemma_270m, dtype=torch.bfloat16)
+    kinds = {m.qtype for m in gguf_tower.model.modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
+    assert kinds == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+
+    def weight_bytes(t):
+        return sum(p.numel() * p.element_size() for p in t.model.parameters())
+
+    assert weight_bytes(gguf_tower) < 0.5 * weight_bytes(snapshot)
+    prompts = ["A red fox running through fresh snow at dawn, cinematic.", "日本語 🦊  two  spaces", "A lighthouse."]
+    ids, mask, _ = tokenize(gguf_tower, prompts)
+    ids_s, mask_s, _ = tokenize(snapshot, prompts)
+    assert torch.equal(ids, ids_s) and torch.equal(mask, mask_s)
+    got, want = encode_hidden_states(gguf_tower, ids, mask), encode_hidden_states(snapshot, ids, mask)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_real_gemma_270m_gguf_encodes_through_a_pool_as_its_snapshot_in_process(gemma_270m, gemma_270m_q4,
+                                                                                      base, tmp_path):
+    """Two CPU ranks, batch-parallel: every rank loads the GGUF itself; the embeddings equal the
+    bf16 snapshot's in-process ones (bf16 compute: the same values, so the same bits)."""
+    from text_pool_support import check, encode, reference
+
+    from ltx_mgpu.assets import tiny_ltx_checkpoint_gemma270m
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.text.config import TextEncoderConfig
+
+    ckpt = tiny_ltx_checkpoint_gemma270m("2.3", tmp_path)
+    prompts = ["a red fox running through snow at dawn", "a lighthouse in a storm", "water"]
+    pool = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=base, lifetime="with-owner", startup_timeout=120)
+    try:
+        encoder = TextEncoderConfig(str(gemma_270m_q4), str(ckpt), placement="batch_parallel", dtype="bfloat16")
+        result, tensors = encode(pool, encoder, prompts, batch_size=1)
+        check(result, tensors, reference(str(gemma_270m), str(ckpt), prompts, dtype="bfloat16"), 2)
+        assert set(result["owners"]) == {0, 1}  # both ranks encoded
+    finally:
+        pool.shutdown()

@@ -15,11 +15,10 @@ from gguf_support import AV_ODD_CASE, REL, gguf_pair, rel, wide_file
 from safetensors.torch import load_file
 from sp_harness import run_case, run_ranks
 
-from ltx_mgpu.denoise.checkpoint import inspect_checkpoint
+from ltx_mgpu.denoise.checkpoint import inspect_checkpoint, packed_weight
 from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.quantized.ggml import packed_shape
-from ltx_mgpu.quantized.packed import packed_weight
 
 
 def _packed_saving(path) -> int:

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from ltx_mgpu.choices import WEIGHTS, check_choice
+from ltx_mgpu.quantized.packed import PACKED_TYPES, PackedEmbedding, PackedLinear, swap_packed_linears
 from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
 from ltx_mgpu.text.gemma.forward import offload_embeddings, use_causal_skip
+from ltx_mgpu.text.gemma.gguf_file import open_gemma_gguf
 from ltx_mgpu.text.gemma.keys import SNAPSHOT_KEY_MAPPING, TEXT_KEY
 from ltx_mgpu.text.gemma.sources import (
     GemmaWeightsError,
@@ -131,6 +133,44 @@ def _load_comfy(path: Path, device: Any, dtype: torch.dtype, attn_implementation
     return GemmaTextTower(model.eval(), check_tokenizer(tok, path), cfg, "comfy_file", path, (path, *tok_files))
 
 
+def _load_gguf(path: Path, device: Any, dtype: torch.dtype, attn_implementation: str) -> GemmaTextTower:
+    """A Gemma 3 GGUF (``ltx_mgpu.text.gemma.gguf_file``): the model built on the meta device in
+    ``dtype``, its quantized linears and embedding swapped for packed layers
+    (``ltx_mgpu.quantized.packed``), given storage on ``device`` and filled one tensor at a time
+    from the memory-mapped file; the RoPE tables are then computed there, as transformers' own
+    loader computes them (float32)."""
+    from transformers import Gemma3TextModel
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    src = open_gemma_gguf(path)
+    cfg = src.config()
+    cfg._attn_implementation = attn_implementation  # what from_pretrained(attn_implementation=...) sets
+    with torch.device("meta"):
+        model = Gemma3TextModel(cfg).to(dtype)
+    names = src.names(model)
+    linears = {n[: -len(".weight")]: src.qtype(f) for n, f in names.items()
+               if n.endswith("_proj.weight") and src.qtype(f) in PACKED_TYPES}
+    swap_packed_linears(model, linears)
+    embed = model.embed_tokens
+    if src.qtype(names["embed_tokens.weight"]) in PACKED_TYPES:
+        model.embed_tokens = PackedEmbedding(embed.num_embeddings, embed.embedding_dim,
+                                             src.qtype(names["embed_tokens.weight"]), dtype,
+                                             scale=float(cfg.hidden_size) ** 0.5, padding_idx=embed.padding_idx)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for key, name in names.items():
+            module = model.get_submodule(key.rpartition(".")[0])
+            if isinstance(module, (PackedLinear, PackedEmbedding)):
+                module.packed().copy_(src.packed(name))
+            else:
+                model.get_parameter(key).copy_(src.dense(name, dtype))
+        if not isinstance(model.embed_tokens, PackedEmbedding):
+            model.embed_tokens.embed_scale = torch.tensor(float(cfg.hidden_size) ** 0.5, device=device)
+    model.rotary_emb = Gemma3RotaryEmbedding(cfg, device=device)
+    tok, tok_files = comfy_file_tokenizer(path, src.spm() if src.has_tokenizer else None)
+    return GemmaTextTower(model.eval(), check_tokenizer(tok, path), cfg, "gguf_file", path, (path, *tok_files))
+
+
 def load_gemma_text_tower(
     path: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -144,8 +184,9 @@ def load_gemma_text_tower(
     """Load only the Gemma 3 text tower (``Gemma3TextModel``) and its tokenizer.
 
     Args:
-        path: an HF snapshot directory, a ComfyUI single-file ``.safetensors``
-            (``ltx_mgpu.text.gemma.sources`` describes both), or an ltx_mgpu NF4 artifact
+        path: an HF snapshot directory, a ComfyUI single-file ``.safetensors``, a Gemma 3 GGUF
+            file (``ltx_mgpu.text.gemma.sources`` describes them; a GGUF's quantized layers stay
+            packed, ``ltx_mgpu.quantized.packed``), or an ltx_mgpu NF4 artifact
             directory (always loaded as NF4, whatever ``weights`` says: ``ltx_mgpu.text.nf4.load.load_nf4``).
         device: where the weights are placed.
         dtype: weight dtype; other stored dtypes are cast to it. A ComfyUI file's quantized
@@ -180,7 +221,7 @@ def load_gemma_text_tower(
         GemmaWeightsError: text-tower weights missing, mis-shaped or unexpected for the config
             (``NF4ArtifactError`` for a damaged artifact).
         ValueError: ``weights`` is not one of :data:`ltx_mgpu.choices.WEIGHTS`; NF4 with a dtype other than
-            bf16; ``save_nf4_to`` without ``weights="nf4"`` or with an artifact as source.
+            bf16 or from a GGUF file; ``save_nf4_to`` without ``weights="nf4"`` or with an artifact as source.
     """
     check_choice(weights, WEIGHTS, "weights")
     p = Path(path)
@@ -189,12 +230,15 @@ def load_gemma_text_tower(
         if save_nf4_to is not None:
             raise ValueError(f"{p} is already an NF4 artifact; save_nf4_to applies to bf16 sources only")
         tower = load_nf4(p, device, dtype, attn_implementation)
+    elif weights == "nf4" and fmt == "gguf_file":
+        raise ValueError(f"{p} is a GGUF file, already quantized: choose weights 'bf16' for it (its quantized "
+                         "blocks stay quantized on the GPU and compute in bf16); weights 'nf4' quantizes a bf16 source")
     elif weights == "nf4":
         tower = load_nf4_on_the_fly(p, device, dtype, attn_implementation, save_to=save_nf4_to)
     elif save_nf4_to is not None:
         raise ValueError("save_nf4_to needs weights='nf4' (it saves the NF4 artifact made while loading)")
     else:
-        load = _load_snapshot if fmt == "hf_snapshot" else _load_comfy
+        load = {"hf_snapshot": _load_snapshot, "comfy_file": _load_comfy, "gguf_file": _load_gguf}[fmt]
         tower = load(p, torch.device(device), dtype, attn_implementation)
     use_causal_skip(tower.model)
     nf4_on_gpu = tower.weights == "nf4" and tower.device.type == "cuda"

@@ -54,6 +54,7 @@ from ltx_mgpu.text.features import (
     projection_gemma,
 )
 from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
+from ltx_mgpu.text.gemma.gguf_file import open_gemma_gguf
 from ltx_mgpu.text.gemma.sources import detect_gemma_format, gemma_source_files
 from ltx_mgpu.text.nf4.artifact import read_manifest
 
@@ -135,8 +136,8 @@ class ProjectionShape:
 
 def read_gemma_shape(path: str | os.PathLike) -> GemmaShape:
     """Layer count and hidden size of a Gemma 3 source without loading weights: ``config.json``
-    of a snapshot (through ``transformers.AutoConfig``), the header of a ComfyUI file, the
-    manifest of an NF4 artifact. The source's files (tokenizer included) are checked too.
+    of a snapshot (through ``transformers.AutoConfig``), the header of a ComfyUI or GGUF file,
+    the manifest of an NF4 artifact. The source's files (tokenizer included) are checked too.
 
     Raises:
         FileNotFoundError, GemmaFormatError (a ValueError): as ``gemma_source_files``.
@@ -151,6 +152,8 @@ def read_gemma_shape(path: str | os.PathLike) -> GemmaShape:
         cfg = cfg.text_config if cfg.model_type == "gemma3" else cfg
     elif fmt == "comfy_file":
         cfg = open_comfy_file(p).config()
+    elif fmt == "gguf_file":
+        cfg = open_gemma_gguf(p).config()
     else:
         from transformers import Gemma3TextConfig  # deferred: transformers takes seconds to import
 

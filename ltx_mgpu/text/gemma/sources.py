@@ -12,6 +12,9 @@ Formats (:data:`SUPPORTED_FORMATS`):
   SentencePiece tokenizer embedded as a uint8 tensor ``spiece_model`` (or a tokenizer beside it).
   :func:`comfy_file_quant` checks every text tensor's storage from the header and the markers, so
   a file ltx_mgpu cannot read is refused before anything is loaded.
+* ``"gguf_file"``: a Gemma 3 GGUF file (llama.cpp's layout, e.g. unsloth's
+  ``gemma-3-12b-it-Q4_K_M.gguf``; ``general.architecture`` ``gemma3``), its vocabulary embedded
+  or a tokenizer beside it as for a ComfyUI file; read by ``ltx_mgpu.text.gemma.gguf_file``.
 * ``"nf4_artifact"``: an ltx_mgpu NF4 artifact directory (``ltx_mgpu_nf4.json``); detected here,
   loaded by ``ltx_mgpu.text.nf4.quantize``. The manifest is written last, so a directory with NF4 shards
   but no manifest (an interrupted quantization) is rejected with a message saying so.
@@ -38,6 +41,7 @@ from safetensors import safe_open
 from ltx_mgpu.files import safetensors_header
 from ltx_mgpu.identity import file_digest
 from ltx_mgpu.quantized.dequant import describe_decoding
+from ltx_mgpu.quantized.ggml import DECODER, GGMLFormatError, open_gguf
 from ltx_mgpu.quantized.layers import AUX_SUFFIXES, READABLE, FileQuant, QuantFormatError, read_file_quant
 
 __all__ = [
@@ -62,7 +66,8 @@ SUPPORTED_FORMATS = (
     "(2) a ComfyUI single-file Gemma 3 text encoder .safetensors with model.layers.* keys: bf16, fp16 or fp32 "
     "weights, or ComfyUI's quantized layers (nvfp4, float8_e4m3fn / e5m2, int8_tensorwise with or without ConvRot), "
     "e.g. gemma_3_12B_it.safetensors, gemma_3_12B_it_fp8_scaled.safetensors, gemma_3_12B_it_fp4_mixed.safetensors; "
-    "(3) an ltx_mgpu NF4 artifact directory (ltx_mgpu_nf4.json)."
+    "(3) a Gemma 3 GGUF file (llama.cpp's layout, e.g. gemma-3-12b-it-Q4_K_M.gguf; F16, BF16, Q8_0, Q6_K, Q5_K, "
+    "Q5_0/1, Q4_K, Q4_0/1, Q3_K, Q2_K); (4) an ltx_mgpu NF4 artifact directory (ltx_mgpu_nf4.json)."
 )
 #: What to use instead of a ComfyUI file whose storage cannot be read.
 _READABLE_FILES = ("; use ComfyUI's gemma_3_12B_it.safetensors (bf16), gemma_3_12B_it_fp8_scaled.safetensors or "
@@ -128,9 +133,10 @@ def _detect_directory(p: Path) -> str:
 
 
 def detect_gemma_format(path: str | os.PathLike) -> str:
-    """Classify a Gemma 3 source: ``"hf_snapshot"``, ``"comfy_file"`` or ``"nf4_artifact"``.
+    """Classify a Gemma 3 source: ``"hf_snapshot"``, ``"comfy_file"``, ``"gguf_file"`` or
+    ``"nf4_artifact"``.
 
-    Only file names, ``config.json`` and safetensors headers are read (no weights).
+    Only file names, ``config.json``, safetensors and GGUF headers are read (no weights).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -141,6 +147,16 @@ def detect_gemma_format(path: str | os.PathLike) -> str:
         raise FileNotFoundError(f"Gemma 3 source not found: {p}")
     if p.is_dir():
         return _detect_directory(p)
+    if p.suffix.lower() == ".gguf":
+        try:
+            arch = open_gguf(p).architecture
+        except GGMLFormatError as e:
+            raise GemmaFormatError(f"{e}. {SUPPORTED_FORMATS}") from None
+        if arch != "gemma3":
+            hint = " (an LTX-2 transformer: load it with the Model Loader)" if arch in ("ltxv", "ltxav") else ""
+            raise GemmaFormatError(f"{p}: a GGUF file of architecture {arch!r}{hint}, not Gemma 3 ('gemma3'). "
+                                   f"{SUPPORTED_FORMATS}")
+        return "gguf_file"
     if p.suffix != ".safetensors":
         raise GemmaFormatError(f"{p}: unsupported file type {p.suffix or '(no suffix)'!r}. {SUPPORTED_FORMATS}")
     keys, _ = safetensors_keys(p)
@@ -230,6 +246,11 @@ def no_tokenizer_error(path: Path) -> GemmaFormatError:
     """The error for a source without a tokenizer, naming where one is looked for."""
     if path.is_dir():
         return GemmaFormatError(f"{path}: no tokenizer.json or tokenizer.model; copy Gemma 3's tokenizer files in")
+    if path.suffix.lower() == ".gguf":
+        return GemmaFormatError(
+            f"{path}: no tokenizer: the GGUF has no vocabulary (tokenizer.ggml.tokens) and there is no "
+            f"tokenizer.model or tokenizer.json in {path.parent / path.stem} or {path.parent}. Place Gemma 3's "
+            "tokenizer.model beside it.")
     return GemmaFormatError(
         f"{path}: no tokenizer: the file has no embedded 'spiece_model' tensor and there is no tokenizer.model "
         f"or tokenizer.json in {path.parent / path.stem} or {path.parent}. "
@@ -243,9 +264,9 @@ def no_tokenizer_error(path: Path) -> GemmaFormatError:
 def gemma_source_files(path: str | os.PathLike) -> tuple[Path, ...]:
     """The files whose bytes determine a Gemma source's outputs (weights, config, tokenizer).
 
-    HF snapshot: ``config.json``, every ``*.safetensors``, the tokenizer files; ComfyUI file: the
-    file (plus the tokenizer beside it when none is embedded); NF4 artifact: every file in it.
-    Reads only names and safetensors headers.
+    HF snapshot: ``config.json``, every ``*.safetensors``, the tokenizer files; ComfyUI or GGUF
+    file: the file (plus the tokenizer beside it when none is embedded); NF4 artifact: every file
+    in it. Reads only names and headers.
 
     Raises:
         FileNotFoundError, GemmaFormatError: as :func:`detect_gemma_format`, or no tokenizer.
@@ -259,8 +280,10 @@ def gemma_source_files(path: str | os.PathLike) -> tuple[Path, ...]:
         if found is None:
             raise no_tokenizer_error(p)
         return (p / "config.json", *sorted(p.glob("*.safetensors")), *found.files)
-    keys, _ = safetensors_keys(p)
-    if "spiece_model" in keys:
+    if fmt == "gguf_file":
+        if open_gguf(p).has_field("tokenizer.ggml.tokens"):
+            return (p,)
+    elif "spiece_model" in safetensors_keys(p)[0]:
         return (p,)
     found = comfy_tokenizer_files(p)
     if found is None:
@@ -291,8 +314,9 @@ def source_identity(source: Path, files: Sequence[Path]) -> str:
     """SHA-256 hex over ``(role, file_digest)`` pairs: the role is the path inside a source
     directory, or ``"<weights>"`` / the tokenizer's file name for a single file, so renaming or
     moving a source keeps its identity while any byte change alters it. A ComfyUI file with
-    quantized layers adds ``("<decoding>", ltx_mgpu.quantized.dequant.describe_decoding(...))``:
-    the formats and the dequantization's version, so a change of how they are decoded never
+    quantized layers adds ``("<decoding>", ltx_mgpu.quantized.dequant.describe_decoding(...))``
+    and a GGUF file ``("<decoding>", ltx_mgpu.quantized.ggml.DECODER)``: the formats and the
+    dequantization's version, so a change of how they are decoded never
     serves an embedding of the old weights (files without quantized layers keep their digest).
 
     Raises:
@@ -310,6 +334,8 @@ def source_identity(source: Path, files: Sequence[Path]) -> str:
         decoding = describe_decoding(comfy_file_quant(source))
         if decoding:
             roles.append(("<decoding>", decoding))
+    elif source.suffix.lower() == ".gguf" and source.is_file():
+        roles.append(("<decoding>", DECODER))
     for role, digest in sorted(roles):
         h.update(f"{role}\0{digest}\n".encode())
     return h.hexdigest()

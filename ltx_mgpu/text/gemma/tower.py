@@ -32,10 +32,12 @@ class GemmaTextTower:
         model: ``Gemma3TextModel`` in eval mode (weights in the requested dtype, RoPE buffers fp32).
         tokenizer: HF tokenizer: left padding, ``<bos>`` prepended, no ``<eos>``.
         config: the ``Gemma3TextConfig``.
-        format: ``"hf_snapshot"``, ``"comfy_file"`` or ``"nf4_artifact"`` (the source's format).
+        format: ``"hf_snapshot"``, ``"comfy_file"``, ``"gguf_file"`` or ``"nf4_artifact"`` (the
+            source's format).
         path: the source path as given.
         files: the files whose bytes define the outputs (weights, config, tokenizer).
-        weights: what is loaded: ``"bf16"`` (plain weights) or ``"nf4"`` (bitsandbytes
+        weights: what is loaded: ``"bf16"`` (plain weights in the dtype; a GGUF file's quantized
+            layers packed, ``ltx_mgpu.quantized.packed``, computing in it) or ``"nf4"`` (bitsandbytes
             ``Linear4bit`` projections; ``ltx_mgpu.text.nf4.quantize``), whatever was asked for.
     """
 
