@@ -1,6 +1,7 @@
-"""GPU-only paths of the text engine, run on a CUDA machine (skipped, with the reason, without one):
-the pipelined projection + pinned host copy, the host embedding table, and the NF4 loader's
-defaults (host embeddings + layer-wise dequant) against bitsandbytes' own path."""
+"""GPU-only paths, run on a CUDA machine (skipped, with the reason, without one): the pipelined
+projection + pinned host copy, the host embedding table, the NF4 loader's defaults (host
+embeddings + layer-wise dequant) against bitsandbytes' own path, CUDA graphs, the model path and
+FP8 on GPU pools, and the packed-weight kernels (GGML and e4m3) against gguf's own values."""
 
 from __future__ import annotations
 
@@ -454,3 +455,84 @@ def test_fp8_is_refused_where_torch_cannot_run_the_rowwise_fp8_gemm(monkeypatch)
     msg = fp8_support_error(device)
     assert "cannot run the rowwise-scaled FP8 GEMM" in msg and "CUBLAS_STATUS_NOT_SUPPORTED" in msg
     assert msg.endswith("choose dtype 'bf16'")
+
+
+# --------------------------------------------------------------------------- packed GGML and e4m3 kernels
+
+
+def _blocks_of(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """``[rows, row bytes]`` uint8 of ``qtype``: ``gguf``'s quantizer where it has one, else random
+    K-quant blocks with finite scales (``ltx_mgpu.assets.ggml_export``'s)."""
+    import gguf
+    import numpy as np
+
+    from ltx_mgpu.assets.ggml_export import QUANTIZABLE, _random_k_blocks
+
+    if qtype in QUANTIZABLE:
+        values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+        return torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype]).copy())
+    return torch.from_numpy(_random_k_blocks(qtype, (rows, cols), 3.0, f"{qtype}-{seed}"))
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_ggml_kernels_and_the_torch_path_on_the_gpu_are_bit_equal_to_gguf(qtype):
+    import gguf
+
+    from ltx_mgpu.quantized.ggml import dequantize
+    from ltx_mgpu.quantized.kernels import dequantize_ggml
+
+    rows, cols = 48, 1024
+    data = _blocks_of(qtype, rows, cols)
+    want = torch.from_numpy(gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype]).copy())
+    gpu = data.cuda()
+    assert torch.equal(dequantize(gpu, qtype, (rows, cols)).cpu(), want)  # the torch path, on the GPU
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = dequantize_ggml(gpu, qtype, torch.empty(rows, cols, dtype=dtype, device="cuda"))
+        assert torch.equal(out.cpu(), want.to(dtype)), dtype
+
+
+@needs_triton
+def test_the_e4m3_upcast_kernel_is_the_eager_upcast():
+    from ltx_mgpu.quantized.kernels import upcast_e4m3
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(300, 1000, device="cuda", generator=g) * 40).to(torch.float8_e4m3fn)
+    s = torch.rand(300, device="cuda", generator=g) + 0.1
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(upcast_e4m3(w, s, dtype), (w.float() * s[:, None]).to(dtype))
+
+
+@needs_triton
+def test_a_gguf_transformer_on_the_gpu_equals_its_dequantized_weights(tmp_path):
+    """Q4_K, Q8_0 and Q6_K files on the GPU: the packed layers (the kernels' dequant) compute what
+    the float32 file of the same values computes (fp32, 1e-5)."""
+    from gguf_support import AV_ODD_CASE, gguf_pair, rel, wide_file
+    from sp_harness import run_case
+
+    from ltx_mgpu.denoise.model import load_ltx_model
+    from ltx_mgpu.quantized.packed import PackedLinear
+
+    for qtype in ("Q4_K", "Q8_0", "Q6_K"):
+        gguf_path, reference = gguf_pair(wide_file(tmp_path), tmp_path, qtype)
+        packed = load_ltx_model(TransformerPlan(gguf_path, dtype="fp32"), "cuda")
+        dense = load_ltx_model(TransformerPlan(reference, dtype="fp32"), "cuda")
+        assert any(isinstance(m, PackedLinear) for m in packed.transformer.modules())
+        with torch.no_grad():
+            got, want = run_case(_on_cuda(packed.transformer), AV_ODD_CASE), run_case(_on_cuda(dense.transformer),
+                                                                                      AV_ODD_CASE)
+        for a, b in zip(got, want):
+            assert rel(a.cpu(), b.cpu()) <= 1e-5, qtype
+
+
+def _on_cuda(model):
+    """``model``'s forward taking ``sp_harness``'s CPU Modalities (moved to the GPU)."""
+    import dataclasses
+
+    def move(m):
+        if m is None:
+            return None
+        return dataclasses.replace(m, **{f.name: getattr(m, f.name).cuda() for f in dataclasses.fields(m)
+                                         if isinstance(getattr(m, f.name), torch.Tensor)})
+
+    return lambda video, audio, perturbations: model(video=move(video), audio=move(audio), perturbations=perturbations)

@@ -8,7 +8,8 @@ plan gives: ``TransformerPlan.fp8``):
 
 * ``compute="upcast"``: the weight is upcast to the input's dtype for every call
   (``(weight_fp8.float() * scale).to(dtype)``, exactly the cast the loader makes for a replicated
-  model) and ``F.linear`` runs in that dtype. This is fp8 *storage*: half the bytes of bf16 held
+  model; on a CUDA device with Triton in one launch, :func:`ltx_mgpu.quantized.kernels.upcast_e4m3`)
+  and ``F.linear`` runs in that dtype. This is fp8 *storage*: half the bytes of bf16 held
   and, for sharded weights (:mod:`ltx_mgpu.denoise.parallel.fsdp`), gathered: FSDP2 all-gathers the
   fp8 parameter as it is held, and the upcast runs after the gather.
 * ``compute="fp8"``: an e4m3 x e4m3 GEMM on the tensor cores (``torch._scaled_mm``, PyTorch's
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ltx_mgpu.denoise.plan import Fp8Config
+from ltx_mgpu.quantized import kernels
 from ltx_mgpu.shards import local_rows, local_tensor
 
 __all__ = ["E4M3_MAX", "MIN_FEATURES", "Float8Linear", "compile_blocks",
@@ -187,7 +189,10 @@ class Float8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.compute == "upcast":
-            w = (self.weight.float() * self.weight_scale[:, None]).to(x.dtype)
+            if kernels.available(x.device) and self.weight.is_contiguous():  # one launch, the same values
+                w = kernels.upcast_e4m3(self.weight, self.weight_scale, x.dtype)
+            else:
+                w = (self.weight.float() * self.weight_scale[:, None]).to(x.dtype)
             return F.linear(x, w, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])

@@ -20,16 +20,18 @@ Swapped into ltx-core's transformer and transformers' Gemma 3 by :func:`swap_pac
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from ltx_mgpu.quantized import kernels
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, dequantize, packed_shape
 from ltx_mgpu.shards import local_rows, local_tensor
 
-__all__ = ["PACKED_TYPES", "STORAGE_DTYPE", "LoraDelta", "Merge", "PackedEmbedding", "PackedLinear", "packed_layers",
-           "swap_packed_linears"]
+__all__ = ["PACKED_TYPES", "STORAGE_DTYPE", "LoraDelta", "Merge", "PackedEmbedding", "PackedLinear", "dequantize_rows",
+           "packed_layers", "swap_packed_linears"]
 
 #: The dtype the packed bytes are held under (:meth:`PackedLinear.packed` views them as ``uint8``):
 #: a one-byte floating dtype, because FSDP2 before torch 2.10 makes every parameter it shards able
@@ -62,6 +64,26 @@ class LoraDelta:
         up = self.up.to(device=weight.device, dtype=torch.float32)
         up = up if rows is None else up[rows]
         weight += self.strength * torch.mm(up, self.down.to(device=weight.device, dtype=torch.float32))
+
+
+def dequantize_rows(packed: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype,
+                    merges: Sequence[Merge] = (), rows: slice | None = None) -> torch.Tensor:
+    """``packed`` GGML rows (``uint8`` ``[n, row bytes]``) as ``dtype`` ``[n, cols]``, ``merges``
+    added in float32 first (``rows``: which rows of the whole weight these are).
+
+    On a CUDA device with Triton, one kernel launch
+    (:func:`ltx_mgpu.quantized.kernels.dequantize_ggml`, into ``dtype``, or float32 when there are
+    merges); else :func:`ltx_mgpu.quantized.ggml.dequantize`. The values are the same either way.
+    """
+    n = packed.shape[0]
+    if qtype in kernels.GGML_KERNEL_TYPES and kernels.available(packed.device) and packed.is_contiguous():
+        out = torch.empty(n, cols, dtype=torch.float32 if merges else dtype, device=packed.device)
+        w = kernels.dequantize_ggml(packed, qtype, out)
+    else:
+        w = dequantize(packed, qtype, (n, cols))
+    for m in merges:
+        m.apply(w, rows)
+    return w.to(dtype)
 
 
 class PackedLinear(torch.nn.Module):
@@ -100,12 +122,8 @@ class PackedLinear(torch.nn.Module):
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight this layer multiplies by (its rows, for a shard): dequantized, merged, ``dtype``."""
-        packed = self.packed()
-        w = dequantize(packed, self.qtype, (packed.shape[0], self.in_features))
-        rows = local_rows(self.weight)
-        for m in (*self.loras, *self.patches):
-            m.apply(w, rows)
-        return w.to(dtype)
+        return dequantize_rows(self.packed(), self.qtype, self.in_features, dtype, (*self.loras, *self.patches),
+                               local_rows(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dense(x.dtype), self.bias)
@@ -153,9 +171,8 @@ class PackedEmbedding(torch.nn.Module):
         return self.weight.view(torch.uint8)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.packed()[ids.reshape(-1)]
-        out = dequantize(rows, self.qtype, (rows.shape[0], self.embedding_dim)).to(self.dtype)
-        out = out.reshape(*ids.shape, self.embedding_dim)
+        rows = self.packed()[ids.reshape(-1).to(self.weight.device)]
+        out = dequantize_rows(rows, self.qtype, self.embedding_dim, self.dtype).reshape(*ids.shape, self.embedding_dim)
         if self.scale is not None:
             out = out * torch.tensor(self.scale, dtype=torch.float32, device=out.device).to(self.dtype)
         return out
