@@ -29,9 +29,10 @@ Run on one GPU (the issue's numbers come from one H200)::
 3. **On paper**, as ``bench_sharded`` does: LTX-2.3 22B in Q4_K_S (taken as Q4_K's 4.5 bits per
    value), Q8_0 and bf16 on 2 x 16 GB, 2 x 24 GB and 4 x 16 GB PCIe 4.0 cards, replicated and
    sharded: fits?, GiB per card, seconds per step at both sizes, from the measured bf16 step
-   (scaled to the card's bf16 rate), the measured dequant time per forward (the packed step less
-   the bf16 one, scaled by memory bandwidth), the gathers of the packed bytes and Ulysses'
-   all-to-alls over the link (``--link-share``: the share of PCIe 4.0 x16 the host link achieved
+   (scaled to the card's bf16 rate), the dequant time per forward (every block linear's packed
+   bytes read and bf16 written at the kernel's measured bandwidth of part 2, scaled by the card's
+   memory bandwidth; the step differences of part 1 are within the run's noise), the gathers of
+   the packed bytes and Ulysses' all-to-alls over the link (``--link-share``: the share of PCIe 4.0 x16 the host link achieved
    in ``sharded_h200.json``), not overlapped (an upper bound). ``--on-paper-from`` recomputes it
    from a saved result without a GPU.
 """
@@ -176,7 +177,10 @@ def on_paper(res: dict, link_share: float) -> list[dict]:
             return int(math.prod(shapes[key]) * pv) if fp8_weight(key, shapes[key], compute=False) else None
 
         plan = weight_plan(shapes, 2, 1, CONNECTORS, stored)
-        measured = {"bf16": None, "Q8_0": "Q8_0", "Q4_K_S": "Q4_K"}[fmt]
+        kernel = {"bf16": None, "Q8_0": "Q8_0", "Q4_K_S": "Q4_K"}[fmt]
+        values = sum(math.prod(v) for k, v in shapes.items() if fp8_weight(k, v, compute=False))
+        dequant_h200 = (0.0 if kernel is None else
+                        values * (per_value + 2) * SCALE_22B / (res["kernels"][kernel]["gb_per_s"] * 1e9))
         for card, world in SETUPS:
             tflops, mem_gib, bandwidth = cards[card]
             scaled = dataclasses.replace(plan, world=world)
@@ -184,8 +188,7 @@ def on_paper(res: dict, link_share: float) -> list[dict]:
             link = PCIE4_X16 * link_share
             for size in res["sizes"].values():
                 compute = size["bf16_ms"] / 1e3 * SCALE_22B * (CARDS["H200"][0] / tflops) / world
-                extra = 0.0 if measured is None else max(size["variants"][measured]["ms"] - size["bf16_ms"], 0.0)
-                dequant = extra / 1e3 * SCALE_22B * CARDS["H200"][2] / bandwidth
+                dequant = dequant_h200 * CARDS["H200"][2] / bandwidth
                 a2a = (world - 1) / world * size["tokens"] * 2 * hidden * 2 * 6 * a["layers"] / link
                 gather = (world - 1) / world * (plan.blocks + plan.root) * SCALE_22B / link
                 for weights in ("replicated", "sharded"):
@@ -234,6 +237,7 @@ def main(argv=None) -> int:
     if device.type != "cuda" or not kernels.available(device):
         print("bench_packed needs a CUDA GPU with Triton (the packed kernels)", file=sys.stderr)
         return 2
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     torch.cuda.set_device(device)
     dtype = torch.bfloat16
     config = transformer_config(a)
