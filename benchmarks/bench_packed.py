@@ -32,9 +32,9 @@ Run on one GPU (the issue's numbers come from one H200)::
    (scaled to the card's bf16 rate), the dequant time per forward (every block linear's packed
    bytes read and bf16 written at the kernel's measured bandwidth of part 2, scaled by the card's
    memory bandwidth; the step differences of part 1 are within the run's noise), the gathers of
-   the packed bytes and Ulysses' all-to-alls over the link (``--link-share``: the share of PCIe 4.0 x16 the host link achieved
-   in ``sharded_h200.json``), not overlapped (an upper bound). ``--on-paper-from`` recomputes it
-   from a saved result without a GPU.
+   the packed bytes and Ulysses' all-to-alls over the link (``--link-share``: the share of PCIe
+   4.0 x16 the host link achieved in ``sharded_h200.json``), not overlapped (an upper bound).
+   ``--on-paper-from`` recomputes it from a saved result without a GPU.
 """
 
 from __future__ import annotations
