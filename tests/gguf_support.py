@@ -27,13 +27,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def wide_file(directory: Path) -> Path:
-    """The wide tiny model as a float32 transformer-only file (no connectors) in ``directory``."""
-    path = Path(directory) / "wide_f32.safetensors"
+def wide_file(directory: Path, version: str = "2.3") -> Path:
+    """The wide tiny model as a float32 transformer-only file (no connectors) in ``directory``, in
+    the LTX-2.3 layout or the 2.0 one (the caption projection in the DiT, 256 wide)."""
+    overrides = dict(WIDE)
+    if version == "2.0":
+        overrides.update(caption_proj_before_connector=False, caption_channels=256)
+    path = Path(directory) / f"wide{version.replace('.', '')}_f32.safetensors"
     if not path.exists():
-        model = build_tiny_model(**WIDE)
+        model = build_tiny_model(**overrides)
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),
-                  metadata={"config": json.dumps(tiny_config(**WIDE))})
+                  metadata={"config": json.dumps(tiny_config(**overrides))})
     return path
 
 

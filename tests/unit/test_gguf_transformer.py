@@ -1,5 +1,5 @@
 """GGUF transformer files (``ltx_mgpu.quantized.packed`` and the GGUF side of
-``ltx_mgpu.denoise.checkpoint``): the tiny LTX-2.3 written as GGUF in each GGML type loads with
+``ltx_mgpu.denoise.checkpoint``): the tiny LTX-2.3 (and 2.0) written as GGUF in each GGML type loads with
 its block linears kept packed, and computes what the same weights dequantized into a float32
 file compute (fp32, 1e-5); LoRAs merge per call as they merge into a dense weight; what cannot
 be read is refused naming the tensor."""
@@ -46,6 +46,19 @@ def test_a_gguf_transformer_computes_what_its_dequantized_weights_compute(wide, 
         got, want = run_case(packed.transformer, AV_ODD_CASE), run_case(dense.transformer, AV_ODD_CASE)
     for g, w in zip(got, want):
         assert rel(g, w) <= REL, qtype
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_an_ltx_2_0_gguf_transformer_computes_what_its_dequantized_weights_compute(tmp_path, qtype):
+    gguf_path, reference = gguf_pair(wide_file(tmp_path, "2.0"), tmp_path, qtype)
+    assert inspect_checkpoint(gguf_path).version == "2.0"
+    packed = load_ltx_model(TransformerPlan(gguf_path, dtype="fp32"))
+    dense = load_ltx_model(TransformerPlan(reference, dtype="fp32"))
+    assert packed.linears == "packed"
+    with torch.no_grad():
+        got, want = run_case(packed.transformer, AV_ODD_CASE), run_case(dense.transformer, AV_ODD_CASE)
+    for g, w in zip(got, want):
+        assert rel(g, w) <= REL
 
 
 def test_a_loras_merge_into_a_packed_weight_as_into_the_dense_one(wide, tmp_path):
