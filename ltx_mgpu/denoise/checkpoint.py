@@ -49,7 +49,7 @@ from safetensors import safe_open
 
 from ltx_mgpu.denoise.plan import LoraSpec
 from ltx_mgpu.files import safetensors_header
-from ltx_mgpu.quantized.ggml import GGMLFormatError, GGUFFile, dequantize
+from ltx_mgpu.quantized.ggml import READABLE, GGMLFormatError, GGUFFile, dequantize, open_gguf
 from ltx_mgpu.quantized.packed import PACKED_TYPES
 
 __all__ = [
@@ -251,17 +251,23 @@ def _gguf_header(path: str) -> tuple[str, dict, dict, dict]:
     """``(prefix, shapes, ggml types, metadata)`` of a GGUF DiT file (the header only).
 
     Raises:
-        CheckpointError: not a readable GGUF file, or not a diffusion model's (another
-            ``general.architecture``: a text model's GGUF given as the transformer).
+        CheckpointError: not a readable GGUF file, not a diffusion model's (another
+            ``general.architecture``: a text model's GGUF given as the transformer), or a tensor
+            of a GGML type not read here (named, with the types that are).
     """
     try:
-        f = GGUFFile(path)
+        f = open_gguf(path)
     except GGMLFormatError as e:
         raise CheckpointError(f"{e}; give an LTX-2 GGUF transformer (models/unet or models/diffusion_models)") from None
     arch = f.architecture
     if arch not in (None, "ltxv", "ltxav"):
         raise CheckpointError(f"{path}: a GGUF file of architecture {arch!r}, not an LTX-2 transformer (ltxv); give "
                               "an LTX-2 GGUF transformer, and a Gemma GGUF to the Gemma Loader")
+    unread = next(((t.name, t.qtype) for t in f.tensors.values() if t.qtype not in READABLE), None)
+    if unread is not None:
+        raise CheckpointError(f"{path}: tensor {unread[0]} is {unread[1]}, which ltx_mgpu does not read (it reads "
+                              f"{', '.join(READABLE)}); use a GGUF of one of those types (Q8_0, Q6_K, Q5_K_M, Q4_K_M, "
+                              "Q4_K_S...)")
     keys = list(f.tensors)
     prefix = _detect_prefix(keys)
     dit = {k: t for k, t in f.tensors.items() if k.startswith(prefix)}
@@ -538,7 +544,7 @@ class StateDictLoader:
 
     def _gguf_file(self) -> GGUFFile:
         if self._gguf is None:
-            self._gguf = GGUFFile(self.info.path)
+            self._gguf = open_gguf(self.info.path)
         return self._gguf
 
     def _gguf_tensor(self, key: str, full: str, new: str, device: torch.device) -> torch.Tensor:

@@ -82,6 +82,15 @@ def test_what_a_gguf_gemma_loader_cannot_read_is_refused_naming_the_fix(tiny_gem
         step()
     with pytest.raises(GemmaFormatError, match="architecture 'ltxv' .an LTX-2 transformer: load it with the Model"):
         detect_gemma_format(ltx)
+    iq4 = tmp_path / "iq4.gguf"
+    writer = gguf.GGUFWriter(str(iq4), "gemma3")
+    writer.add_tensor("blk.0.attn_q.weight", torch.zeros(64, 136, dtype=torch.uint8).numpy(),
+                      raw_dtype=gguf.GGMLQuantizationType.IQ4_XS)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    with pytest.raises(GemmaFormatError, match="tensor blk.0.attn_q.weight is IQ4_XS, which ltx_mgpu does not read"):
+        load_gemma_text_tower(iq4)
     # one poisoned Q8_0/Q4_0 block scale (fp16 NaN) is refused naming the tensor
     bad = tmp_path / "nan.gguf"
     bad.write_bytes(gemma_gguf.read_bytes())

@@ -160,5 +160,15 @@ def test_a_gguf_file_that_is_not_a_transformer_or_holds_nan_is_refused_naming_it
     raw[tensor.data_offset:tensor.data_offset + 2] = b"\x00\x7e"
     bad.write_bytes(bytes(raw))
     assert inspect_checkpoint(bad).ggml_types[tensor.name] == "Q8_0"  # the header is fine
+    iq4 = tmp_path / "iq4.gguf"  # a type llama.cpp has and ltx_mgpu does not read: refused at the header
+    writer = gguf.GGUFWriter(str(iq4), "ltxv")
+    writer.add_tensor("transformer_blocks.0.attn1.to_q.weight", torch.zeros(256, 136, dtype=torch.uint8).numpy(),
+                      raw_dtype=gguf.GGMLQuantizationType.IQ4_XS)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    with pytest.raises(CheckpointError, match="tensor transformer_blocks.0.attn1.to_q.weight is IQ4_XS, which "
+                                              "ltx_mgpu does not read"):
+        inspect_checkpoint(iq4)
     with pytest.raises(CheckpointError, match=rf"tensor {tensor.name} holds NaN or infinite values"):
         load_ltx_model(TransformerPlan(bad, dtype="fp32"))

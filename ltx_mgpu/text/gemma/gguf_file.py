@@ -214,7 +214,8 @@ def open_gemma_gguf(path: str | os.PathLike) -> GemmaGGUF:
 
     Raises:
         GemmaFormatError: not a readable GGUF file, or not a Gemma 3 one (the message names its
-            architecture: an LTX-2 transformer GGUF belongs to the Model Loader).
+            architecture: an LTX-2 transformer GGUF belongs to the Model Loader). Its tensors'
+            types are checked by ``ltx_mgpu.text.gemma.sources.detect_gemma_format``.
     """
     p = Path(path)
     try:

@@ -42,6 +42,7 @@ from ltx_mgpu.files import safetensors_header
 from ltx_mgpu.identity import file_digest
 from ltx_mgpu.quantized.dequant import describe_decoding
 from ltx_mgpu.quantized.ggml import DECODER, GGMLFormatError, open_gguf
+from ltx_mgpu.quantized.ggml import READABLE as GGML_READABLE
 from ltx_mgpu.quantized.layers import AUX_SUFFIXES, READABLE, FileQuant, QuantFormatError, read_file_quant
 
 __all__ = [
@@ -149,13 +150,19 @@ def detect_gemma_format(path: str | os.PathLike) -> str:
         return _detect_directory(p)
     if p.suffix.lower() == ".gguf":
         try:
-            arch = open_gguf(p).architecture
+            f = open_gguf(p)
         except GGMLFormatError as e:
             raise GemmaFormatError(f"{e}. {SUPPORTED_FORMATS}") from None
+        arch = f.architecture
         if arch != "gemma3":
             hint = " (an LTX-2 transformer: load it with the Model Loader)" if arch in ("ltxv", "ltxav") else ""
             raise GemmaFormatError(f"{p}: a GGUF file of architecture {arch!r}{hint}, not Gemma 3 ('gemma3'). "
                                    f"{SUPPORTED_FORMATS}")
+        unread = next(((t.name, t.qtype) for t in f.tensors.values() if t.qtype not in GGML_READABLE), None)
+        if unread is not None:
+            raise GemmaFormatError(f"{p}: tensor {unread[0]} is {unread[1]}, which ltx_mgpu does not read (it reads "
+                                   f"{', '.join(GGML_READABLE)}); use a GGUF of one of those types (Q8_0, Q6_K, "
+                                   "Q5_K_M, Q4_K_M...)")
         return "gguf_file"
     if p.suffix != ".safetensors":
         raise GemmaFormatError(f"{p}: unsupported file type {p.suffix or '(no suffix)'!r}. {SUPPORTED_FORMATS}")
