@@ -18,7 +18,10 @@ Run on one GPU (the issue's numbers come from one H200)::
    * ``Q4_K``: the same layers as random valid Q4_K blocks (no quantizer at hand: the timing does
      not depend on the values; no error is reported for it);
    * ``fp8-upcast``: the block linears as e4m3 with a scale per row, upcast per call
-     (``Float8Linear``, ``compute="upcast"``: a sharded fp8 file), by the kernel.
+     (``Float8Linear``, ``compute="upcast"``: a sharded fp8 file), by the kernel;
+   * ``Q8_0-lora384``: ``Q8_0`` with a rank-384 LoRA on every block linear (the size of LTX-2's
+     distilled LoRA), added in float32 to each dequantized weight per call
+     (:class:`~ltx_mgpu.quantized.packed.LoraDelta`, what a LoRA on a GGUF file costs).
 
    Per variant: the median, ``ratio = variant / bf16``, the relative error of the velocities
    against bf16 (Q8_0, fp8), the weights' bytes and the peak GPU memory of the forward.
@@ -59,7 +62,7 @@ from ltx_mgpu.denoise.parallel.fsdp import HEADROOM, weight_plan  # noqa: E402
 from ltx_mgpu.denoise.plan import Fp8Config  # noqa: E402
 from ltx_mgpu.quantized import kernels  # noqa: E402
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, dequantize  # noqa: E402
-from ltx_mgpu.quantized.packed import PackedLinear  # noqa: E402
+from ltx_mgpu.quantized.packed import LoraDelta, PackedLinear  # noqa: E402
 
 #: Consumer cards of 16 GB for the on-paper part, as ``bench_sharded.CARDS``: dense bf16 tensor
 #: TFLOP/s with FP32 accumulate, GiB, GB/s. Source: NVIDIA Ada GPU architecture whitepaper, RTX 4080
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
     add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--variants", default="Q8_0,Q4_K,fp8-upcast")
+    ap.add_argument("--variants", default="Q8_0,Q4_K,fp8-upcast,Q8_0-lora384")
     ap.add_argument("--link-share", type=float, default=None,
                     help="share of PCIe 4.0 x16 the host link achieves (default: from sharded_h200.json)")
     ap.add_argument("--on-paper-from", default=None, help="recompute part 3 from a saved result, without a GPU")
@@ -274,8 +277,15 @@ def main(argv=None) -> int:
     names = block_linears(model)
     for variant in [v for v in a.variants.split(",") if v]:
         originals: dict = {}
-        make = fp8_linear if variant == "fp8-upcast" else packed_linear(variant, device)
+        make = fp8_linear if variant == "fp8-upcast" else packed_linear(variant.split("-")[0], device)
         swap(model, names, make, originals)
+        if variant.endswith("-lora384"):
+            g = torch.Generator(device=device).manual_seed(7)
+            for name in names:
+                layer = model.get_submodule(name)
+                up = torch.randn(layer.out_features, 384, device=device, dtype=dtype, generator=g) * 1e-3
+                down = torch.randn(384, layer.in_features, device=device, dtype=dtype, generator=g) * 1e-3
+                layer.loras = (LoraDelta(up, down, 1.0),)
         held = weight_bytes(model)  # the originals are out of the model, kept aside to restore
         for shape in sizes:
             key = "x".join(map(str, shape))
@@ -284,7 +294,7 @@ def main(argv=None) -> int:
             out = forward(shape)
             row = {"ms": ms, "ratio": ms / res["sizes"][key]["bf16_ms"], "weight_bytes": held,
                    "peak_bytes": torch.cuda.max_memory_allocated(device)}
-            if variant != "Q4_K":
+            if variant in ("Q8_0", "fp8-upcast"):
                 row["rel_error_video"], row["rel_error_audio"] = (rel(o, r) for o, r in zip(out, refs[shape]))
             res["sizes"][key]["variants"][variant] = row
             print(f"{key}: {variant} {ms:.1f} ms ({row['ratio']:.3f}x bf16), weights {held / 2**30:.1f} GiB",
