@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_COMPUTE_DTYPES",
+__all__ = ["WEIGHTS", "PLACEMENTS", "DTYPE_NAMES", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_COMPUTE_DTYPES",
            "TRANSFORMER_WEIGHTS", "TRANSFORMER_STORAGE", "FP8_COMPUTES", "FP8_SCALINGS",
            "SP_LAYOUTS", "ATTENTION_TYPES", "LIFETIMES", "SAMPLERS", "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
 
@@ -19,14 +19,17 @@ WEIGHTS = ("bf16", "nf4")
 #: Where Gemma runs in the pool: rank 0 alone, Accelerate-sharded over every rank, or a replica per
 #: rank with the prompts split among them.
 PLACEMENTS = ("single", "accelerate", "batch_parallel")
-#: Gemma's compute dtype, by torch's name (``float32`` for reference runs).
+#: The short dtype names users type -> torch's names (the one such table).
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: Gemma's compute dtype, by torch's name (``float32`` for reference runs); the short names of
+#: :data:`DTYPE_NAMES` are taken too.
 TEXT_DTYPES = ("bfloat16", "float32", "float16")
 #: The LTX-2 transformer's compute dtype; ``fp8``: the blocks' large linears as e4m3 GEMMs on FP8
 #: tensor cores (Ada, Hopper or newer), everything else bf16 (``ltx_mgpu.denoise.fp8``).
 TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 #: The compute dtype (torch's name) of each :data:`TRANSFORMER_DTYPES` choice: what the weights
 #: are held in (but the e4m3 ones) and what ComfyUI is told the model computes in.
-TRANSFORMER_COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
+TRANSFORMER_COMPUTE_DTYPES = {**DTYPE_NAMES, "fp8": "bfloat16"}
 #: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
 #: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.parallel.fsdp``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")

@@ -35,9 +35,6 @@ from . import _comfy
 __all__ = ["PoolDiffusionModel", "av_timestep_convention", "checkpoint_vae", "pool_model_patcher"]
 
 LOG = logging.getLogger("ltx_mgpu")
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 #: ComfyUI's ``transformer_options`` entries that patch the model's blocks (``set_model_*_patch``);
 #: the pool cannot run them.
 _BLOCK_PATCHES = ("patches", "patches_replace")
@@ -166,8 +163,10 @@ def _header(path: str) -> tuple[dict[str, torch.Tensor], dict]:
         header = None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is neither a .safetensors nor a .gguf file (its header cannot be read)")
+    from ltx_mgpu.wire.payload import DTYPES  # safetensors' dtype codes; the wire loads only where a pool can run
+
     metadata = header.pop("__metadata__", None) or {}
-    sd = {key: torch.empty(info["shape"], dtype=_ST_DTYPES.get(info["dtype"], torch.float32), device="meta")
+    sd = {key: torch.empty(info["shape"], dtype=DTYPES.get(info["dtype"], torch.float32), device="meta")
           for key, info in header.items()}
     return sd, metadata
 

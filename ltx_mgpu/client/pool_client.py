@@ -335,9 +335,11 @@ class PoolClient:
             return None
         rid = uuid.uuid4().hex
         try:
-            header = wire.make_request(mtype, rid, params)
-            wire.parse_request(header, dict(tensors or {}))
+            header = wire.make_request(mtype, rid, params, tensors)
             payload = wire.tensors_to_payload(tensors)
+            if payload is not None and payload.nbytes > wire.Limits().max_payload_bytes:
+                raise wire.ProtocolError(f"the {mtype} request's tensors are {payload.nbytes} bytes, over the "
+                                         f"{wire.Limits().max_payload_bytes}-byte limit of one request")
         except wire.ProtocolError as e:
             raise BadInputError(str(e)) from None
         job = Job(self, rid, mtype, receive)

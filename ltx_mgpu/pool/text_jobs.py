@@ -209,8 +209,14 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
     text the tokenizer takes, checked here, once, before any collective.
 
     Raises:
-        BadInput: no encoder loaded, another one than ``expect``, a prompt that is not Unicode text.
+        BadInput: a prompt that is not Unicode text (first: a bad prompt never costs a Gemma load),
+            no encoder loaded, another one than ``expect``.
     """
+    prompts = list(params["prompts"])
+    try:
+        check_prompts(prompts)  # the tokenizer cannot take a lone surrogate
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     state = ctx.models.get(TEXT_ENCODER)
     if state is None:
         raise BadInput("no text encoder is loaded in the pool; send load_text_encoder first")
@@ -219,11 +225,6 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
         raise BadInput(f"the pool's text encoder is {state.request.key!r:.120}, not the expected {expect!r:.120} "
                        "(another client loaded a different one); load yours again")
     batch_size, keep, verify = params.get("batch_size", 8), params.get("keep", True), params.get("verify", False)
-    prompts = list(params["prompts"])
-    try:
-        check_prompts(prompts)  # the tokenizer cannot take a lone surrogate
-    except ValueError as e:
-        raise BadInput(str(e)) from None
     return state, prompts, batch_size, keep, verify
 
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ltx_mgpu.choices import PLACEMENTS, WEIGHTS, check_choice
+from ltx_mgpu.choices import DTYPE_NAMES, PLACEMENTS, TEXT_DTYPES, WEIGHTS, check_choice
 
 __all__ = ["TOKEN_BUDGET", "DTYPE_ALIASES", "COMPILE_NF4", "COMPILE_ACCELERATE", "MAX_KEY", "TextEncoderConfig",
            "canonical_dtype"]
@@ -25,8 +25,7 @@ __all__ = ["TOKEN_BUDGET", "DTYPE_ALIASES", "COMPILE_NF4", "COMPILE_ACCELERATE",
 #: (max_length=1024) and ComfyUI's connector register padding to ``max(1024, T)``.
 TOKEN_BUDGET = 1024
 #: The dtype names accepted for Gemma's compute dtype -> torch's name (``ltx_mgpu.choices.TEXT_DTYPES``).
-DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-                 "float16": "float16", "fp16": "float16"}
+DTYPE_ALIASES = {**{name: name for name in TEXT_DTYPES}, **DTYPE_NAMES}
 COMPILE_NF4 = ("compile works with bf16 weights: NF4 (weights nf4, or an NF4 artifact directory, which is always "
                "NF4) dequantizes each layer outside the compiled graphs; turn compile off, or use a bf16 Gemma source "
                "with weights bf16")

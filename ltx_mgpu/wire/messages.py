@@ -23,7 +23,7 @@ import torch
 from ltx_mgpu.choices import (
     AV_TIMESTEP_CONVENTIONS,
 )
-from ltx_mgpu.wire.frames import ProtocolError, check_id, valid_id
+from ltx_mgpu.wire.frames import ProtocolError, check_id, encode_header, valid_id
 
 __all__ = [
     "BAD_INPUT_REASONS",
@@ -314,14 +314,20 @@ def parse_request(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
     return Request(mtype, rid, params, tensors)
 
 
-def make_request(mtype: str, rid: str, params: Mapping[str, Any] | None = None) -> dict:
-    """Build and validate a request header (client side).
+def make_request(mtype: str, rid: str, params: Mapping[str, Any] | None = None,
+                 tensors: Mapping[str, torch.Tensor] | None = None) -> dict:
+    """Build a request header and check it once, on the client's side, as the pool will: the
+    schema of ``params`` and ``tensors`` (:func:`parse_request`) and the header's encoded size, so
+    a request the pool would refuse is refused before it is sent (a header over the frame limit
+    would otherwise close the connection).
 
     Raises:
-        ProtocolError / SchemaError: as :func:`parse_request`.
+        ProtocolError / SchemaError: as :func:`parse_request`; ProtocolError: a header over
+            :data:`~ltx_mgpu.wire.frames.MAX_HEADER_BYTES` encoded, or not JSON (names the size).
     """
     header = {"type": mtype, "id": rid, "params": dict(params or {})}
-    parse_request(header)
+    parse_request(header, tensors)
+    encode_header(header)
     return header
 
 

@@ -244,3 +244,26 @@ def test_register_request_adds_a_job_type():
 def test_shm_frames_on_a_connection_without_the_feature_are_refused():
     msg = _recv_error(_prefix(2, 0, flags=wire.FLAG_SHM) + b"{}")
     assert "only to clients that enabled 'shm'" in msg
+
+
+def test_a_request_is_checked_once_on_the_client_with_its_tensors_and_its_size():
+    # make_request is the client's one check: the params' schema, the tensors, the encoded size
+    with pytest.raises(ProtocolError, match="takes no tensors"):
+        wire.make_request("status", "s", {}, {"t": torch.zeros(1)})
+    with pytest.raises(ProtocolError, match=r"header is \d+ bytes, over the 1048576-byte limit"):
+        wire.make_request("encode", "e", {"prompts": ["x" * 600_000, "y" * 600_000]})
+    header = wire.make_request("encode", "e", {"prompts": ["a cat"]})
+    assert header == {"type": "encode", "id": "e", "params": {"prompts": ["a cat"]}}
+
+
+def test_a_prompt_that_is_not_unicode_is_refused_before_the_pool_asks_for_a_text_encoder():
+    # the pool's first answer to an encode without a resident encoder makes the client load Gemma;
+    # a prompt the tokenizer cannot take is refused before that, so it never costs a Gemma load
+    from ltx_mgpu.pool.engines import BadInput, JobContext, ModelStore
+    from ltx_mgpu.pool.text_jobs import encode
+
+    ctx = JobContext(0, 1, 0, torch.device("cpu"), None, None, ModelStore(), "j", "encode")
+    with pytest.raises(BadInput, match=r"prompts\[0\] is not valid Unicode text"):
+        encode(ctx, {"prompts": ["caf\udcff"]}, {})
+    with pytest.raises(BadInput, match="no text encoder is loaded"):
+        encode(ctx, {"prompts": ["café"]}, {})
