@@ -17,6 +17,10 @@ Run on one GPU (the issue's numbers come from one H200)::
      per call by the kernel (:mod:`ltx_mgpu.quantized.kernels`);
    * ``Q4_K``: the same layers as random valid Q4_K blocks (no quantizer at hand: the timing does
      not depend on the values; no error is reported for it);
+   * ``nvfp4``, ``int8``, ``int8_convrot``: every block linear in ComfyUI's nvfp4, int8 (a scale
+     per tensor) or int8 with ConvRot (group 256, a scale per row: Kijai's ``int8_convrot``
+     files), quantized on the GPU by comfy-kitchen (``ltx_mgpu.quantized.encode``) and held as
+     packed rows (``ltx_mgpu.quantized.rows``), dequantized per call by the kernels;
    * ``fp8-upcast``: the block linears as e4m3 with a scale per row, upcast per call
      (``Float8Linear``, ``compute="upcast"``: a sharded fp8 file), by the kernel;
    * ``Q8_0-lora384``: ``Q8_0`` with a rank-384 LoRA on every block linear (the size of LTX-2's
@@ -24,17 +28,21 @@ Run on one GPU (the issue's numbers come from one H200)::
      (:class:`~ltx_mgpu.quantized.packed.LoraDelta`, what a LoRA on a GGUF file costs).
 
    Per variant: the median, ``ratio = variant / bf16``, the relative error of the velocities
-   against bf16 (Q8_0, fp8), the weights' bytes and the peak GPU memory of the forward.
+   against bf16 (all but the random Q4_K), the weights' bytes and the peak GPU memory of the
+   forward, and what one rank of 2 and of 4 would hold sharded (FSDP2: a 1/N shard of every
+   weight and two blocks gathered whole; ``ltx_mgpu.denoise.parallel.fsdp.weight_plan``).
 2. **Measured**: one dequant launch on the largest block linear (``ff.net.2``: 4,096 x 16,384),
    median of 50, and its effective bandwidth (packed bytes read + bf16 bytes written per second)
    as a share of the GPU's (``bench_sharded.CARDS``); the eager torch dequant of the same weight
    for comparison.
 3. **On paper**, as ``bench_sharded`` does: LTX-2.3 22B in Q4_K_S (taken as Q4_K's 4.5 bits per
-   value), Q8_0 and bf16 on 2 x 16 GB, 2 x 24 GB and 4 x 16 GB PCIe 4.0 cards, replicated and
+   value), Q8_0, int8 ConvRot, nvfp4 and bf16 on 2 x 16 GB, 2 x 24 GB and 4 x 16 GB PCIe 4.0
+   cards, replicated and
    sharded: fits?, GiB per card, seconds per step at both sizes, from the measured bf16 step
    (scaled to the card's bf16 rate), the dequant time per forward (every block linear's packed
    bytes read and bf16 written at the kernel's measured bandwidth of part 2, scaled by the card's
-   memory bandwidth; the step differences of part 1 are within the run's noise), the gathers of
+   memory bandwidth, or, for ConvRot, by the card's tensor rate where that is slower: its
+   ``q @ H`` is 512 FLOP per value; the step differences of part 1 are within the run's noise), the gathers of
    the packed bytes and Ulysses' all-to-alls over the link (``--link-share``: the share of PCIe
    4.0 x16 the host link achieved in ``sharded_h200.json``), not overlapped (an upper bound).
    ``--on-paper-from`` recomputes it from a saved result without a GPU.
@@ -60,16 +68,27 @@ from ltx_mgpu.denoise.checkpoint import CONNECTORS  # noqa: E402
 from ltx_mgpu.denoise.fp8 import Float8Linear, fp8_weight  # noqa: E402
 from ltx_mgpu.denoise.parallel.fsdp import HEADROOM, weight_plan  # noqa: E402
 from ltx_mgpu.denoise.plan import Fp8Config  # noqa: E402
-from ltx_mgpu.quantized import kernels  # noqa: E402
+from ltx_mgpu.quantized import kernels, rows  # noqa: E402
+from ltx_mgpu.quantized.encode import quantize_layer  # noqa: E402
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES, dequantize  # noqa: E402
-from ltx_mgpu.quantized.packed import LoraDelta, PackedLinear  # noqa: E402
+from ltx_mgpu.quantized.layers import LayerQuant  # noqa: E402
+from ltx_mgpu.quantized.packed import LoraDelta, PackedLinear, dequantize_rows  # noqa: E402
 
 #: Consumer cards of 16 GB for the on-paper part, as ``bench_sharded.CARDS``: dense bf16 tensor
 #: TFLOP/s with FP32 accumulate, GiB, GB/s. Source: NVIDIA Ada GPU architecture whitepaper, RTX 4080
 #: (97.5 with FP32 accumulate, dense; 716.8 GB/s) and RTX 4060 Ti 16 GB (44.1; 288 GB/s).
 CARDS_16GB = {"RTX 4080": (97.5, 16, 716.8), "RTX 4060 Ti 16GB": (44.1, 16, 288.0)}
-#: Bytes per value held for each format of the on-paper part (GGML block sizes; Q4_K_S is mostly Q4_K).
-BYTES_PER_VALUE = {"bf16": 2.0, "Q8_0": 34 / 32, "Q4_K_S": 144 / 256}
+#: Bytes per value held for each format of the on-paper part (GGML block sizes; Q4_K_S is mostly Q4_K;
+#: int8: a byte and a float32 scale per row of 4,096 or more; nvfp4: half a byte and an e4m3 scale per 16).
+BYTES_PER_VALUE = {"bf16": 2.0, "Q8_0": 34 / 32, "Q4_K_S": 144 / 256, "int8_convrot": 1 + 4 / 4096, "nvfp4": 9 / 16}
+#: The kernel of part 2 each on-paper format dequantizes with.
+PAPER_KERNELS = {"bf16": None, "Q8_0": "Q8_0", "Q4_K_S": "Q4_K", "int8_convrot": "int8_convrot", "nvfp4": "nvfp4"}
+#: ComfyUI's formats the bench holds as packed rows: name -> the layer's ``LayerQuant``.
+COMFY_FORMATS = {"nvfp4": LayerQuant("nvfp4"), "int8": LayerQuant("int8_tensorwise"),
+                 "int8_convrot": LayerQuant("int8_tensorwise", 256)}
+#: ConvRot's group and the FLOP its ``q @ H`` costs per value (a multiply-add per group column).
+CONVROT_GROUP = 256
+CONVROT_FLOP_PER_VALUE = 2 * CONVROT_GROUP
 #: The setups of the on-paper part: (card, GPUs).
 SETUPS = (("RTX 4080", 2), ("RTX 4090", 2), ("RTX 4080", 4), ("RTX 4060 Ti 16GB", 4))
 
@@ -131,6 +150,32 @@ def packed_linear(qtype: str, device):
     return make
 
 
+def comfy_rows(weight: torch.Tensor, quant: LayerQuant):
+    """``weight`` in ComfyUI's ``quant`` (comfy-kitchen's quantizer, on its device) as packed rows:
+    ``(rows, tensor_scale, column_scale)`` (:func:`ltx_mgpu.quantized.rows.pack_rows`). comfy-kitchen's
+    Triton backend is turned off first: its nvfp4 quantizer emits Blackwell's e2m1 conversion, which
+    ptxas refuses for Hopper; the eager one computes the same format with torch's operations."""
+    import comfy_kitchen  # deferred: only the ComfyUI formats need it
+
+    comfy_kitchen.disable_backend("triton")
+    parts = quantize_layer(weight.float(), quant)
+    return rows.pack_rows(quant, parts, tuple(weight.shape))
+
+
+def comfy_linear(fmt: str, device):
+    quant = COMFY_FORMATS[fmt]
+
+    def make(old: torch.nn.Linear, i: int) -> PackedLinear:  # noqa: ARG001 - swap's signature
+        layer = PackedLinear(old.in_features, old.out_features, old.bias is not None, old.weight.dtype,
+                             quant.describe(), device=device)
+        with torch.no_grad():
+            layer.set_packed(*comfy_rows(old.weight, quant))
+            if old.bias is not None:
+                layer.bias.copy_(old.bias)
+        return layer
+    return make
+
+
 def fp8_linear(old: torch.nn.Linear, i: int) -> Float8Linear:  # noqa: ARG001 - swap's signature
     layer = Float8Linear(old.in_features, old.out_features, old.bias is not None, old.weight.dtype,
                          Fp8Config("upcast"), device=old.weight.device)
@@ -141,6 +186,15 @@ def fp8_linear(old: torch.nn.Linear, i: int) -> Float8Linear:  # noqa: ARG001 - 
     return layer
 
 
+def sharded_per_rank(model, world: int) -> int:
+    """What one of ``world`` ranks would hold of ``model`` as it is now, sharded: FSDP2's 1/N of every
+    weight plus two blocks gathered whole (``weight_plan``, each parameter at its held bytes)."""
+    held = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    plan = weight_plan(shapes, 2, world, CONNECTORS, lambda key: held[key])
+    return int(plan.per_rank("sharded"))
+
+
 def weight_bytes(model) -> int:
     return int(sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]))
 
@@ -149,23 +203,35 @@ def kernel_bandwidth(device, dtype, peak_gb_per_s: float) -> dict:
     """Part 2 (module doc); ``peak_gb_per_s``: the GPU's memory bandwidth."""
     out, cols = 4096, 16384
     w = torch.randn(out, cols, device=device, dtype=dtype) * cols ** -0.5
-    rows = {}
+    rows_ = {}
     for qtype in ("Q8_0", "Q4_K", "Q6_K", "Q5_K"):
         data = q8_0_blocks(w) if qtype == "Q8_0" else random_k_blocks(qtype, out, cols, device, 0)
         dst = torch.empty(out, cols, dtype=dtype, device=device)
         ms = time_ms(device, lambda d=data, q=qtype, o=dst: kernels.dequantize_ggml(d, q, o), 5, 50)[0]
         eager = time_ms(device, lambda d=data, q=qtype: dequantize(d, q, (out, cols)).to(dtype), 2, 10)[0]
         moved = data.numel() + dst.numel() * dst.element_size()
-        rows[qtype] = {"kernel_ms": ms, "eager_torch_ms": eager, "bytes": moved, "gb_per_s": moved / ms / 1e6,
+        rows_[qtype] = {"kernel_ms": ms, "eager_torch_ms": eager, "bytes": moved, "gb_per_s": moved / ms / 1e6,
                        "share_of_peak": moved / ms / 1e6 / peak_gb_per_s}
+    for fmt, quant in COMFY_FORMATS.items():
+        packed, tensor_scale, column_scale = comfy_rows(w, quant)
+        qtype = quant.describe()
+        ms = time_ms(device, lambda p=packed, q=qtype, t=tensor_scale: dequantize_rows(p, q, cols, dtype, (), None, t),
+                     5, 50)[0]
+        eager = time_ms(device, lambda p=packed, q=qtype, t=tensor_scale: rows.dequantize(p, q, cols, dtype, t), 2,
+                        10)[0]
+        moved = packed.numel() + out * cols * 2
+        rows_[fmt] = {"kernel_ms": ms, "eager_torch_ms": eager, "bytes": moved, "gb_per_s": moved / ms / 1e6,
+                      "share_of_peak": moved / ms / 1e6 / peak_gb_per_s}
+        if fmt == "int8_convrot":
+            rows_[fmt]["tflops"] = out * cols * CONVROT_FLOP_PER_VALUE / ms / 1e9
     e4m3 = (w.float() / 2).to(torch.float8_e4m3fn)
     s = torch.ones(out, device=device)
     ms = time_ms(device, lambda: kernels.upcast_e4m3(e4m3, s, dtype), 5, 50)[0]
     eager = time_ms(device, lambda: (e4m3.float() * s[:, None]).to(dtype), 2, 10)[0]
     moved = e4m3.numel() + s.numel() * 4 + out * cols * 2
-    rows["e4m3"] = {"kernel_ms": ms, "eager_torch_ms": eager, "bytes": moved, "gb_per_s": moved / ms / 1e6,
+    rows_["e4m3"] = {"kernel_ms": ms, "eager_torch_ms": eager, "bytes": moved, "gb_per_s": moved / ms / 1e6,
                     "share_of_peak": moved / ms / 1e6 / peak_gb_per_s}
-    return rows
+    return rows_
 
 
 def on_paper(res: dict, link_share: float) -> list[dict]:
@@ -180,7 +246,9 @@ def on_paper(res: dict, link_share: float) -> list[dict]:
             return int(math.prod(shapes[key]) * pv) if fp8_weight(key, shapes[key], compute=False) else None
 
         plan = weight_plan(shapes, 2, 1, CONNECTORS, stored)
-        kernel = {"bf16": None, "Q8_0": "Q8_0", "Q4_K_S": "Q4_K"}[fmt]
+        kernel = PAPER_KERNELS[fmt]
+        if kernel is not None and kernel not in res["kernels"]:
+            continue  # a saved result from before the format was measured
         values = sum(math.prod(v) for k, v in shapes.items() if fp8_weight(k, v, compute=False))
         dequant_h200 = (0.0 if kernel is None else
                         values * (per_value + 2) * SCALE_22B / (res["kernels"][kernel]["gb_per_s"] * 1e9))
@@ -192,6 +260,8 @@ def on_paper(res: dict, link_share: float) -> list[dict]:
             for size in res["sizes"].values():
                 compute = size["bf16_ms"] / 1e3 * SCALE_22B * (CARDS["H200"][0] / tflops) / world
                 dequant = dequant_h200 * CARDS["H200"][2] / bandwidth
+                if kernel == "int8_convrot":  # q @ H on the tensor cores: the card's rate where it is slower
+                    dequant = max(dequant, dequant_h200 * CARDS["H200"][0] / tflops)
                 a2a = (world - 1) / world * size["tokens"] * 2 * hidden * 2 * 6 * a["layers"] / link
                 gather = (world - 1) / world * (plan.blocks + plan.root) * SCALE_22B / link
                 for weights in ("replicated", "sharded"):
@@ -218,7 +288,7 @@ def main(argv=None) -> int:
     add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--variants", default="Q8_0,Q4_K,fp8-upcast,Q8_0-lora384")
+    ap.add_argument("--variants", default="Q8_0,Q4_K,nvfp4,int8,int8_convrot,fp8-upcast,Q8_0-lora384")
     ap.add_argument("--link-share", type=float, default=None,
                     help="share of PCIe 4.0 x16 the host link achieves (default: from sharded_h200.json)")
     ap.add_argument("--on-paper-from", default=None, help="recompute part 3 from a saved result, without a GPU")
@@ -277,7 +347,8 @@ def main(argv=None) -> int:
     names = block_linears(model)
     for variant in [v for v in a.variants.split(",") if v]:
         originals: dict = {}
-        make = fp8_linear if variant == "fp8-upcast" else packed_linear(variant.split("-")[0], device)
+        make = (fp8_linear if variant == "fp8-upcast" else comfy_linear(variant, device) if variant in COMFY_FORMATS
+                else packed_linear(variant.split("-")[0], device))
         swap(model, names, make, originals)
         if variant.endswith("-lora384"):
             g = torch.Generator(device=device).manual_seed(7)
@@ -293,8 +364,9 @@ def main(argv=None) -> int:
             ms = time_ms(device, lambda s=shape: forward(s), a.warmup, a.runs)[0]
             out = forward(shape)
             row = {"ms": ms, "ratio": ms / res["sizes"][key]["bf16_ms"], "weight_bytes": held,
-                   "peak_bytes": torch.cuda.max_memory_allocated(device)}
-            if variant in ("Q8_0", "fp8-upcast"):
+                   "peak_bytes": torch.cuda.max_memory_allocated(device),
+                   "sharded_bytes_per_rank": {str(w): sharded_per_rank(model, w) for w in (2, 4)}}
+            if variant != "Q4_K":
                 row["rel_error_video"], row["rel_error_audio"] = (rel(o, r) for o, r in zip(out, refs[shape]))
             res["sizes"][key]["variants"][variant] = row
             print(f"{key}: {variant} {ms:.1f} ms ({row['ratio']:.3f}x bf16), weights {held / 2**30:.1f} GiB",

@@ -34,8 +34,9 @@ TRANSFORMER_COMPUTE_DTYPES = {**DTYPE_NAMES, "fp8": "bfloat16"}
 #: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.parallel.fsdp``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")
 #: How a checkpoint stores the transformer blocks' linears: as its dense dtype, as float8 e4m3
-#: (an fp8 file) or as GGML blocks (a GGUF file); read from its header.
-TRANSFORMER_STORAGE = ("dense", "e4m3", "ggml")
+#: (an fp8 file), as GGML blocks (a GGUF file) or as ComfyUI's nvfp4 / int8 layers (a file with
+#: ``comfy_quant`` markers: ``fp4_mixed``, ``int8_convrot``...); read from its header.
+TRANSFORMER_STORAGE = ("dense", "e4m3", "ggml", "comfy_quant")
 #: How an fp8 layer computes (``ltx_mgpu.denoise.fp8``): an upcast weight, or an e4m3 GEMM.
 FP8_COMPUTES = ("upcast", "fp8")
 #: The scale granularity of an e4m3 GEMM: a scale per token and per output channel, or one per tensor.

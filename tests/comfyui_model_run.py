@@ -9,11 +9,14 @@ Used by ``tests/comfyui/test_comfyui_model.py``; run with ComfyUI's Python (``$C
 "guider": "cfg" | "basic" | "dual", "sampler" (a KSamplerSelect name or "SamplerEulerAncestral"
 with "eta"), "sigmas": "basic" (BasicScheduler with "scheduler") | "ltxv" | "manual", "cfg",
 "latent": "av" | "video", "loras": [[file, strength], ...], "seed", "steps", "ranks" (1 or 2),
-"who": ["comfy", "ours"], "stop_after": calls or null, "model": "gguf" | "gguf_sharded"}``; with
-``"gguf": {"dir", "name", "reference"}``, the cases naming a ``model`` run ComfyUI's own model on
-``reference`` (``UNETLoader``'s ``load_diffusion_model``: the float32 file of the GGUF file's
-values) and our Model Loader on ``name``, found in ``dir`` added to ``models/unet``'s folders, as
-ComfyUI-GGUF's users keep it. For each case and each ``who`` it writes
+"who": ["comfy", "ours"], "stop_after": calls or null, "model": "<kind>" | "<kind>_sharded"}``;
+with ``"packed": {kind: {"dir", "name", "reference", "values"}}`` (a GGUF file, ComfyUI-quantized
+files), the cases naming a ``model`` run ComfyUI's own model on ``reference`` (``UNETLoader``'s
+``load_diffusion_model``: the quantized file itself where ComfyUI reads it, else ``values``, the
+float32 file of its values; ``values`` for a case with ``"reference": "values"``) and our Model
+Loader on ``name``, found in ``dir`` added to
+``models/diffusion_models``' folders (which ``models/unet`` is, as ComfyUI-GGUF's users keep
+their files). For each case and each ``who`` it writes
 ``OUT_DIR/<id>.<who>.safetensors`` (the sampled latent parts ``part.0`` / ``part.1``) and
 ``OUT_DIR/report.json``: per case the LoRA warnings ComfyUI logged, the model calls our MODEL
 made, whether Stop interrupted it; and the process's RSS around loading our MODEL.
@@ -71,21 +74,26 @@ def main() -> int:
         report["model_size"] = model.model_size()
         report["vae"] = type(vae).__name__
         models[ranks] = model
-    gguf = spec.get("gguf")
-    theirs_gguf = None
+    packed = spec.get("packed", {})
+    theirs_packed: dict = {}
 
-    def gguf_models():
-        """ComfyUI's model on the GGUF file's values, and ours on the file from models/unet (loaded at
-        the first GGUF case: the pool holds one transformer, so the cases before keep theirs)."""
+    def packed_models(kind: str, which: str):
+        """ComfyUI's model on the ``kind`` file's ``which`` (``reference`` or ``values``), and ours on
+        the file from its folder (loaded at the kind's first case: the pool holds one transformer,
+        so the cases before keep theirs)."""
         import importlib
 
-        folder_paths.add_model_folder_path("diffusion_models", gguf["dir"])
+        entry = packed[kind]
+        if f"{kind}_sharded" in models:
+            return comfy.sd.load_diffusion_model(entry[which], model_options={"dtype": torch.float32})
+        folder_paths.add_model_folder_path("diffusion_models", entry["dir"])
         loader = ours_nodes["LTXMGPU_ModelLoader"]
-        report["gguf_listed"] = gguf["name"] in importlib.import_module(loader.__module__).checkpoint_choices()
+        report.setdefault("listed", {})[kind] = entry["name"] in importlib.import_module(
+            loader.__module__).checkpoint_choices()
         for weights in ("replicated", "sharded"):
-            models["gguf" if weights == "replicated" else "gguf_sharded"] = loader.execute(
-                pools[2], gguf["name"], "fp32", "", 32768, weights)[1]
-        return comfy.sd.load_diffusion_model(gguf["reference"])
+            models[kind if weights == "replicated" else f"{kind}_sharded"] = loader.execute(
+                pools[2], entry["name"], "fp32", "", 32768, weights)[1]
+        return comfy.sd.load_diffusion_model(entry[which], model_options={"dtype": torch.float32})
 
     def conditioning(seed: int):
         t = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(seed))
@@ -199,8 +207,11 @@ def main() -> int:
         for who in case.get("who", ["comfy", "ours"]):
             warnings.clear()
             if "model" in case:
-                theirs_gguf = theirs_gguf or gguf_models()
-                model = theirs_gguf if who == "comfy" else models[case["model"]]
+                kind = case["model"].removesuffix("_sharded")
+                which = case.get("reference", "reference")
+                if (kind, which) not in theirs_packed:
+                    theirs_packed[kind, which] = packed_models(kind, which)
+                model = theirs_packed[kind, which] if who == "comfy" else models[case["model"]]
             else:
                 model = theirs if who == "comfy" else models[case.get("ranks", 2)]
             pool_model = None if who == "comfy" else model.model.diffusion_model.pool_model

@@ -1,6 +1,7 @@
-"""What the GGUF tests share: the tolerance, the relative error, a tiny LTX-2.3 whose block
-linears are whole K-quant blocks wide, its GGUF export in one GGML type and the float32 file of
-the values that GGUF file holds (the dense reference of a GGUF load)."""
+"""What the packed-weight tests share: the tolerance, the relative error, a tiny LTX-2.3 whose block
+linears are whole K-quant blocks wide, its GGUF export in one GGML type or its export in one of
+ComfyUI's quantized formats (nvfp4, int8 ± ConvRot), and the float32 file of the values that file
+holds (the dense reference of its load)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 from sp_harness import build_tiny_model, tiny_config
 
+from ltx_mgpu.assets import comfy_quantized
 from ltx_mgpu.assets.ggml_export import block_linear_types, dequantized_copy, export_gguf
 
 REL = 1e-5
@@ -47,3 +49,17 @@ def gguf_pair(src: Path, directory: Path, qtype: str) -> tuple[Path, Path]:
     directory = Path(directory)
     gguf_path = export_gguf(src, directory / f"{Path(src).stem}-{qtype}.gguf", block_linear_types(qtype))
     return gguf_path, dequantized_copy(gguf_path, directory / f"{Path(src).stem}-{qtype}-reference.safetensors")
+
+
+def comfy_quant_pair(src: Path, directory: Path, fmt: str) -> tuple[Path, Path]:
+    """``src`` exported with its block linears in ComfyUI's ``fmt`` (``comfy_quantized.FORMATS``:
+    nvfp4, int8, int8_convrot, fp8), and the float32 file of the values it holds."""
+    directory = Path(directory)
+    path = comfy_quantized.export_comfy_quant(src, directory / f"{Path(src).stem}-{fmt}.safetensors",
+                                           comfy_quantized.block_linear_formats(fmt))
+    return path, comfy_quantized.dequantized_copy(path, directory / f"{Path(src).stem}-{fmt}-reference.safetensors")
+
+
+def packed_pair(src: Path, directory: Path, kind: str) -> tuple[Path, Path]:
+    """:func:`gguf_pair` for a GGML type (``Q4_K``...), :func:`comfy_quant_pair` for a ComfyUI format."""
+    return (comfy_quant_pair if kind in comfy_quantized.FORMATS else gguf_pair)(src, directory, kind)

@@ -231,8 +231,9 @@ def test_a_12b_shaped_width_is_graphed_by_default():
 
 def test_a_failed_capture_falls_back_to_eager_on_the_callers_stream():
     """A forward that cannot be captured (here: a host sync inside it) disables the graphs with
-    the first error as the reason, leaves the caller's stream current, and encodes eagerly.
-    (Last in this file: it makes CUDA fail a capture on purpose.)"""
+    the first error as the reason, leaves the caller's stream current, and encodes eagerly; the
+    device's random generator works afterwards (a failed capture left it marked as capturing, and
+    the fp8 tests later in this file, which draw random numbers while compiling, failed)."""
     tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
     eager, graphed = _graph_encoders(tower)
     runner = graphed.graphs
@@ -249,6 +250,7 @@ def test_a_failed_capture_falls_back_to_eager_on_the_callers_stream():
     assert runner.disabled and runner.shapes == [] and torch.cuda.current_stream() == before
     for e, g in zip(eager.encode(GRAPH_PROMPTS), graphed.encode(GRAPH_PROMPTS)):
         torch.testing.assert_close(g.tensor, e.tensor, rtol=0.02, atol=0.02)
+    assert torch.randn(4, device="cuda").isfinite().all()  # the generator is out of its capture state
 
 
 def test_the_model_path_on_a_gpu_pool_equals_the_call_in_process():
@@ -523,6 +525,92 @@ def test_a_gguf_transformer_on_the_gpu_equals_its_dequantized_weights(tmp_path):
                                                                                       AV_ODD_CASE)
         for a, b in zip(got, want):
             assert rel(a.cpu(), b.cpu()) <= 1e-5, qtype
+
+
+@needs_triton
+@pytest.mark.parametrize("quant, shape", [(("nvfp4", None, False), (4096, 1024)), (("nvfp4", None, True), (130, 200)),
+                                          (("int8_tensorwise", None, False), (300, 1000)),
+                                          (("int8_tensorwise", 256, False), (512, 4096)),
+                                          (("int8_tensorwise", 16, False), (70, 48))])
+def test_row_kernels_and_the_torch_path_on_the_gpu_equal_comfy_kitchens_values(quant, shape):
+    """ComfyUI's nvfp4 and int8 rows (``ltx_mgpu.quantized.rows``): the kernels give comfy-kitchen's
+    eager values bit for bit in bf16, fp16 and fp32; int8 with ConvRot its exact rotation, within
+    float32's last bits of comfy-kitchen's float32 matmul (and the same bits in the output dtype
+    but where that rounding crosses a tie)."""
+    from ltx_mgpu.quantized import rows
+    from ltx_mgpu.quantized.dequant import dequantize
+    from ltx_mgpu.quantized.encode import quantize_layer
+    from ltx_mgpu.quantized.layers import LayerQuant
+    from ltx_mgpu.quantized.packed import dequantize_rows
+
+    fmt, group, pre = quant
+    layer = LayerQuant(fmt, group, pre_quant_scale=pre)
+    g = torch.Generator().manual_seed(shape[0])
+    parts = quantize_layer(torch.randn(*shape, generator=g) * 0.05, LayerQuant(fmt, group))
+    if pre:
+        parts["pre_quant_scale"] = torch.rand(shape[1], generator=g) + 0.5
+    packed, tensor_scale, column_scale = rows.pack_rows(layer, {k: v.cuda() for k, v in parts.items()}, shape)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = dequantize(layer, parts, dtype, shape)  # comfy-kitchen's eager functions on the CPU
+        torch_path = rows.dequantize(packed, layer.describe(), shape[1], dtype, tensor_scale, column_scale)
+        kernel = dequantize_rows(packed, layer.describe(), shape[1], dtype, (), None, tensor_scale, column_scale)
+        if group is None:
+            assert torch.equal(torch_path.cpu(), want) and torch.equal(kernel.cpu(), want), dtype
+        else:
+            # the exact values, in float64: (q @ H) * s / sqrt(g), H the +-1 Hadamard matrix
+            q = parts["weight"].double().reshape(shape[0], -1, group)
+            h = torch.ones(1, 1, dtype=torch.float64)
+            while h.shape[0] < group:
+                h = torch.kron(h, torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]],
+                                               dtype=torch.float64))
+            exact = ((q @ h).reshape(shape) * parts["weight_scale"].double().reshape(-1, 1) / group ** 0.5)
+            # the kernel rounds to float32 once, then to the dtype: within its unit roundoff (and float32's)
+            bound = (torch.finfo(dtype).eps / 2 + 2.0 ** -24) * exact.abs()
+            assert ((kernel.cpu().double() - exact).abs() <= bound).all(), dtype
+            if dtype != torch.float32:  # comfy-kitchen's float32 sums, rounded to bf16 / fp16: mostly the same
+                assert (kernel.cpu() != want).float().mean() < 0.01, dtype
+
+
+def test_a_bf16_lora_on_a_packed_weight_adds_what_the_float32_product_adds():
+    """``LoraDelta`` with bf16 factors multiplies on the tensor cores into float32: the float32
+    product's values, to float32's accumulation rounding; float32 factors take the float32 path."""
+    from ltx_mgpu.quantized.packed import LoraDelta
+
+    g = torch.Generator().manual_seed(5)
+    up = (torch.randn(512, 64, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(64, 1024, generator=g) * 0.1).bfloat16()
+    delta = LoraDelta.of(up.float(), down.float(), 0.7)
+    assert delta.up.dtype == torch.bfloat16  # exactly bf16 values: kept in bf16
+    assert LoraDelta.of(up.float() + 1e-4, down.float(), 1.0).up.dtype == torch.float32
+    want = 0.7 * (up.double() @ down.double())
+    got = torch.zeros(512, 1024, device="cuda")
+    delta.apply(got)
+    assert (got.cpu().double() - want).abs().max() <= 1e-6 * want.abs().max()
+    rows = torch.zeros(100, 1024, device="cuda")
+    delta.apply(rows, slice(200, 300))
+    assert torch.allclose(rows.cpu(), got.cpu()[200:300], rtol=0, atol=1e-6)
+
+
+@needs_triton
+def test_a_comfy_quantized_transformer_on_the_gpu_equals_its_dequantized_weights(tmp_path):
+    """nvfp4, int8 and int8 ConvRot files on the GPU: the packed rows (the kernels) compute what the
+    float32 file of the same values computes (fp32, 1e-5)."""
+    from gguf_support import AV_ODD_CASE, comfy_quant_pair, rel, wide_file
+    from sp_harness import run_case
+
+    from ltx_mgpu.denoise.model import load_ltx_model
+    from ltx_mgpu.quantized.packed import PackedLinear
+
+    for fmt in ("nvfp4", "int8", "int8_convrot"):
+        path, reference = comfy_quant_pair(wide_file(tmp_path), tmp_path, fmt)
+        packed = load_ltx_model(TransformerPlan(path, dtype="fp32"), "cuda")
+        dense = load_ltx_model(TransformerPlan(reference, dtype="fp32"), "cuda")
+        assert packed.linears == "packed" and any(isinstance(m, PackedLinear) for m in packed.transformer.modules())
+        with torch.no_grad():
+            got, want = run_case(_on_cuda(packed.transformer), AV_ODD_CASE), run_case(_on_cuda(dense.transformer),
+                                                                                      AV_ODD_CASE)
+        for a, b in zip(got, want):
+            assert rel(a.cpu(), b.cpu()) <= 1e-5, fmt
 
 
 def _on_cuda(model):

@@ -16,7 +16,12 @@ What :mod:`ltx_mgpu.denoise.model` builds the denoiser from. Sources
   converters write them: the same DiT keys as tensor names, GGML-quantized weights, the
   ``config`` metadata as a string field when the converter kept it), read with the ``gguf``
   package (:mod:`ltx_mgpu.quantized.ggml`). Its quantized block linears can stay packed
-  (``keep_packed``), the rest is dequantized at load.
+  (``keep_packed``), the rest is dequantized at load;
+* any of the safetensors layouts with **ComfyUI's quantized layers** (a ``comfy_quant`` marker per
+  layer: nvfp4, int8 with or without ConvRot, fp8; :mod:`ltx_mgpu.quantized.layers`, e.g. an
+  ``fp4_mixed`` or ``int8_convrot`` transformer). Its nvfp4 and int8 block linears can stay packed
+  as rows (:mod:`ltx_mgpu.quantized.rows`); every other quantized layer is dequantized at load
+  as ComfyUI computes it (comfy-kitchen, :mod:`ltx_mgpu.quantized.dequant`).
 
 :func:`inspect_checkpoint` reads only the header (keys, shapes, metadata). :class:`StateDictLoader`
 is an ltx-core ``StateDictLoader`` that reads one tensor at a time through safetensors' memory
@@ -49,8 +54,11 @@ from safetensors import safe_open
 
 from ltx_mgpu.denoise.plan import LoraSpec
 from ltx_mgpu.files import safetensors_header
+from ltx_mgpu.quantized import dequant
 from ltx_mgpu.quantized.ggml import READABLE, GGMLFormatError, GGUFFile, dequantize, open_gguf
-from ltx_mgpu.quantized.packed import PACKED_TYPES
+from ltx_mgpu.quantized.layers import LayerQuant, QuantFormatError, read_file_quant
+from ltx_mgpu.quantized.packed import is_packed_type
+from ltx_mgpu.quantized.rows import ROW_FORMATS, RowFormatError, pack_rows
 
 __all__ = [
     "ASSUMED_HEAD_DIMS",
@@ -71,8 +79,9 @@ __all__ = [
 MONOLITH_PREFIX = "model.diffusion_model."
 CONNECTORS = ("video_embeddings_connector", "audio_embeddings_connector")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Per-weight side tensors of the fp8 formats (ComfyUI legacy / ComfyUI quant / ltx-core).
-_AUX_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
+# Per-weight side tensors of the quantized formats (ComfyUI legacy fp8 / ComfyUI quant / ltx-core).
+_AUX_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant", ".weight_scale_2",
+                 ".pre_quant_scale")
 _LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_down.weight": "A", ".lora_B.weight": "B", ".lora_up.weight": "B",
                   ".alpha": "alpha"}
 
@@ -113,6 +122,8 @@ class CheckpointInfo:
         e4m3_keys: the prefix-less keys stored as float8 e4m3 (``F8_E4M3``).
         ggml_types: a GGUF file's prefix-less keys -> GGML type (``Q4_K``, ``F32``...); empty
             for a safetensors file.
+        quant: a safetensors file's prefix-less weight keys -> how ComfyUI quantized them
+            (``comfy_quant`` markers; their ``shapes`` are the logical ones); empty without any.
     """
 
     path: str
@@ -123,6 +134,16 @@ class CheckpointInfo:
     shapes: dict[str, tuple[int, ...]]
     e4m3_keys: frozenset[str] = frozenset()
     ggml_types: dict[str, str] = dataclasses.field(default_factory=dict)
+    quant: dict[str, LayerQuant] = dataclasses.field(default_factory=dict)
+
+    def stored_type(self, key: str) -> str | None:
+        """How the prefix-less ``key`` is stored when it is quantized: its GGML type, or its ComfyUI
+        format (``LayerQuant.describe()``: ``"nvfp4"``, ``"int8_tensorwise+convrot256"``...); None
+        for a plain tensor."""
+        if key in self.ggml_types:
+            return self.ggml_types[key]
+        q = self.quant.get(key)
+        return q.describe() if q is not None else None
 
     @property
     def is_gguf(self) -> bool:
@@ -233,9 +254,10 @@ def _version(tcfg: dict) -> str:
 
 
 def packed_weight(key: str, qtype: str | None) -> bool:
-    """Whether the checkpoint weight ``key`` stored as GGML ``qtype`` is kept packed: a block
-    linear's weight (``transformer_blocks.*.weight``, 2-D) in one of :data:`ltx_mgpu.quantized.packed.PACKED_TYPES`."""
-    return qtype in PACKED_TYPES and key.startswith("transformer_blocks.") and key.endswith(".weight")
+    """Whether the checkpoint weight ``key`` stored as ``qtype`` (:meth:`CheckpointInfo.stored_type`)
+    is kept packed: a block linear's weight (``transformer_blocks.*.weight``, 2-D) in a GGML type of
+    :data:`ltx_mgpu.quantized.packed.PACKED_TYPES` or a ComfyUI row format (nvfp4, int8)."""
+    return is_packed_type(qtype) and key.startswith("transformer_blocks.") and key.endswith(".weight")
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -293,17 +315,24 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         raise FileNotFoundError(f"no checkpoint at {path}")
     types: dict[str, str] = {}
     e4m3: frozenset[str] = frozenset()
+    quant: dict[str, LayerQuant] = {}
     if is_gguf_file(path):
         prefix, shapes, types, meta = _gguf_header(path)
     else:
         keys, meta = safetensors_header(path, CheckpointError, "; give an LTX-2 checkpoint (models/checkpoints or "
                                         "models/diffusion_models)")
+        prefix = _detect_prefix(keys)
+        try:
+            layers = read_file_quant(path, prefix=prefix, hint="; use a bf16, fp8, nvfp4 or int8 file").layers
+        except QuantFormatError as e:
+            raise CheckpointError(str(e)) from None
+        quant = {layer[len(prefix):] + ".weight": q for layer, q in layers.items()}
         with safe_open(path, framework="pt", device="cpu") as f:
-            prefix = _detect_prefix(keys)
             dit = [k for k in keys
                    if k.startswith(prefix) and not k.endswith(_AUX_SUFFIXES) and k[len(prefix):] != "scaled_fp8"]
             shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in dit}
             e4m3 = frozenset(k[len(prefix):] for k in dit if f.get_slice(k).get_dtype() == "F8_E4M3")
+        shapes.update({k: q.logical_shape(shapes[k]) for k, q in quant.items() if k in shapes})
     stored = None
     if "config" in meta:
         try:
@@ -323,7 +352,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         raise CheckpointError(
             f"{path}: caption_projection_first_linear=True is an LTX-2 variant ltx-core 1.0.0 cannot build"
         )
-    return CheckpointInfo(path, prefix, {"transformer": tcfg}, source, _version(tcfg), shapes, e4m3, types)
+    return CheckpointInfo(path, prefix, {"transformer": tcfg}, source, _version(tcfg), shapes, e4m3, types, quant)
 
 
 # --------------------------------------------------------------------------- LoRA
@@ -461,14 +490,6 @@ def load_loras(specs: Sequence[LoraSpec], weight_keys: Sequence[str]) -> dict[st
 # --------------------------------------------------------------------------- state-dict loader
 
 
-def _comfy_quant_format(t: torch.Tensor, key: str) -> str:
-    """The ``format`` of a ComfyUI ``.comfy_quant`` tensor (JSON bytes as uint8)."""
-    try:
-        return str(json.loads(bytes(t.to(torch.uint8).tolist()).decode("utf-8")).get("format", "?"))
-    except (ValueError, AttributeError):
-        raise CheckpointError(f"{key}: unreadable comfy_quant metadata") from None
-
-
 class StateDictLoader:
     """ltx-core ``StateDictLoader`` for an LTX-2 DiT file: mmap reads, fp8 upcast, LoRA fusion.
 
@@ -491,6 +512,13 @@ class StateDictLoader:
     ``uint8`` block rows instead, their LoRAs in ``packed_deltas[key]`` (``up``, ``down``,
     strength) to be merged per call (``ltx_mgpu.quantized.packed``). Every GGUF tensor is checked for
     NaN and infinite values as it is read (a packed one dequantized once for it).
+
+    A ComfyUI nvfp4 or int8 layer (``CheckpointInfo.quant``) in ``keep_packed`` is returned as its
+    packed rows (:func:`ltx_mgpu.quantized.rows.pack`: a shard reads only its rows of the weight),
+    nvfp4's per-tensor and column scales in ``packed_scales[key]``, its LoRAs in
+    ``packed_deltas[key]``; any other quantized layer is dequantized as ComfyUI computes it
+    (:func:`ltx_mgpu.quantized.dequant.dequantize`, in ``dtype``), its LoRAs fused in float32.
+    Their scales (and a dequantized weight) are checked for NaN and infinite values.
     """
 
     def __init__(self, info: CheckpointInfo, dtype: torch.dtype, loras: dict[str, list], exclude: tuple[str, ...] = (),
@@ -502,6 +530,7 @@ class StateDictLoader:
         self.keep_packed = keep_packed
         self.scales: dict[str, torch.Tensor | None] = {}
         self.packed_deltas: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
+        self.packed_scales: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.loaded_keys: list[str] = []
         self.fused: set[str] = set()
         self._gguf: GGUFFile | None = None
@@ -577,15 +606,51 @@ class StateDictLoader:
             self.fused.add(full)
         return w.to(self.dtype)
 
+    def _quantized(self, f, key: str, full: str, quant: LayerQuant, device: torch.device, rows: slice | None,
+                   new: str | None) -> torch.Tensor:
+        """A ComfyUI nvfp4 / int8 layer's weight: packed rows, or dense (class doc)."""
+        stem, shape = key[: -len(".weight")], self.info.shapes[full]
+        packed = new in self.keep_packed
+        part = f.get_slice(key)
+        parts = {"weight": (part[rows.start:rows.stop] if packed and rows is not None else f.get_tensor(key))}
+        parts.update({p: f.get_tensor(f"{stem}.{p}") for p in quant.parts})
+        deltas = self.loras.get(full, ())
+        if packed:
+            try:
+                data, tensor_scale, column_scale = pack_rows(quant, parts, shape, rows, where=key)
+            except RowFormatError as e:
+                raise CheckpointError(f"{self.info.path}: {e}") from None
+            self.packed_scales[new] = (tensor_scale if tensor_scale is None else tensor_scale.to(device),
+                                       column_scale if column_scale is None else column_scale.to(device))
+            if deltas:
+                self.packed_deltas[new] = list(deltas)
+                self.fused.add(full)
+            return data.to(device)
+        try:
+            w = dequant.dequantize(quant, parts, self.dtype, shape, device)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{self.info.path}: {key} ({quant.describe()}) cannot be dequantized: {e}") from None
+        if not bool(torch.isfinite(w).all()):
+            raise CheckpointError(f"{self.info.path}: {key} ({quant.describe()}) holds NaN or infinite values (its "
+                                  "scales); the file is damaged: download it again")
+        if rows is not None:
+            w = w[rows]
+        if not deltas:
+            return w
+        w = w.float()
+        for a, b, s in deltas:
+            up = b.to(device) if rows is None else b.to(device)[rows]
+            w = w + s * torch.mm(up.float(), a.to(device).float()).reshape(w.shape)
+            self.fused.add(full)
+        return w.to(self.dtype)
+
     def _tensor(self, f, names: set, key: str, full: str, device: torch.device, rows: slice | None = None,
                 new: str | None = None) -> torch.Tensor:
+        quant = self.info.quant.get(full)
+        if quant is not None and quant.format in ROW_FORMATS:
+            return self._quantized(f, key, full, quant, device, rows, new)
         t = (f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start:rows.stop]).to(device)
         stem = key[: -len(".weight")] if key.endswith(".weight") else None
-        quant = stem is not None and f"{stem}.comfy_quant" in names
-        if quant and (fmt := _comfy_quant_format(f.get_tensor(f"{stem}.comfy_quant"), key)) not in ("float8_e4m3fn",
-                                                                                                     "float8_e5m2"):
-            raise CheckpointError(f"{key} uses ComfyUI's '{fmt}' quantisation, which ltx_mgpu cannot load; "
-                                  "use a bf16 or fp8 file")
         if not (t.is_floating_point() or t.dtype in _FP8):
             raise CheckpointError(f"{key} is stored as {t.dtype}; ltx_mgpu loads bf16/fp16/fp32 or fp8 weights")
         deltas = self.loras.get(full, ())

@@ -163,10 +163,13 @@ def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device)
 def checkpoint_storage(info: CheckpointInfo) -> str:
     """How the checkpoint stores the blocks' linears: the ``storage`` a
     :class:`~ltx_mgpu.denoise.plan.TransformerPlan` of it resolves to: ``"ggml"`` (a GGUF file
-    whose block linears are quantized, :func:`~ltx_mgpu.quantized.packed.packed_weight`),
-    ``"e4m3"`` (an fp8 file: some are float8 e4m3) or ``"dense"``."""
+    whose block linears are quantized, :func:`~ltx_mgpu.denoise.checkpoint.packed_weight`),
+    ``"comfy_quant"`` (ComfyUI's nvfp4 / int8 block linears), ``"e4m3"`` (an fp8 file: some are
+    float8 e4m3) or ``"dense"``."""
     if any(packed_weight(k, t) for k, t in info.ggml_types.items()):
         return "ggml"
+    if any(packed_weight(k, q.describe()) for k, q in info.quant.items()):
+        return "comfy_quant"
     return "e4m3" if any(fp8_weight(k, info.shapes[k], compute=False) for k in info.e4m3_keys) else "dense"
 
 
@@ -245,7 +248,8 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
     """The transformer built on the meta device, its block linears made :class:`Float8Linear`
     (``fp8.compute`` ``"fp8"``: all of :func:`~ltx_mgpu.denoise.fp8.fp8_linear_names`; ``"upcast"``:
     those the file stores as e4m3; None: none) or, with ``packed``, :class:`PackedLinear` (those a
-    GGUF file stores quantized), sharded over ``group`` (None: whole), then given storage on
+    GGUF file stores quantized, or a file's ComfyUI nvfp4 / int8 layers), sharded over ``group``
+    (None: whole), then given storage on
     ``device`` and filled from the file: a shard reads only its rows, e4m3 weights and GGML blocks
     stay as stored, nothing else is read or materialised."""
     transformer = builder.meta_model(info.config, ()).to(loader.dtype)  # every weight in the compute dtype
@@ -258,9 +262,9 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
         swap_linears(transformer, fp8, fp8_names)
     packed_names = {}
     if packed:
-        packed_names = {name: info.ggml_types[key] for name, m in transformer.named_modules()
+        packed_names = {name: info.stored_type(key) for name, m in transformer.named_modules()
                         if type(m) is torch.nn.Linear and (key := file_keys.get(name + ".weight")) is not None
-                        and packed_weight(key, info.ggml_types.get(key))}
+                        and packed_weight(key, info.stored_type(key))}
         swap_packed_linears(transformer, packed_names)
     if group is not None:
         shard_transformer(transformer, group, device)
@@ -288,10 +292,10 @@ def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoade
                     fused = file_keys.get(name) in loader.loras  # merged with a LoRA: round stochastically
                     transformer.get_submodule(layer).set_weight(sd.pop(name), loader.scales.pop(name, None),
                                                                 stochastic_key=name if fused else None)
-                elif layer in packed_names:  # the file's blocks, its LoRAs merged per call
+                elif layer in packed_names:  # the file's blocks or rows, its LoRAs merged per call
                     module = transformer.get_submodule(layer)
-                    module.packed().copy_(sd.pop(name))
-                    module.loras = tuple(LoraDelta(b, a, s) for a, b, s in loader.packed_deltas.pop(name, ()))
+                    module.set_packed(sd.pop(name), *loader.packed_scales.pop(name, (None, None)))
+                    module.loras = tuple(LoraDelta.of(b, a, s) for a, b, s in loader.packed_deltas.pop(name, ()))
                 else:
                     local_tensor(params[name]).copy_(sd.pop(name))
             del sd

@@ -131,8 +131,9 @@ class TransformerPlan:
         attention_type: ltx-core's attention backend (one of :data:`ltx_mgpu.choices.ATTENTION_TYPES`),
             or None for the checkpoint's own.
         storage: how the checkpoint stores its block linears, one of
-            :data:`ltx_mgpu.choices.TRANSFORMER_STORAGE` (``dense``, or ``e4m3``: an fp8 file),
-            or None until its header is read (:meth:`with_storage`; the loader resolves it).
+            :data:`ltx_mgpu.choices.TRANSFORMER_STORAGE` (``dense``; ``e4m3``: an fp8 file;
+            ``ggml``: a GGUF file; ``comfy_quant``: ComfyUI's nvfp4 / int8 layers), or None until
+            its header is read (:meth:`with_storage`; the loader resolves it).
 
     Raises (at construction):
         ValueError: any field outside its choices or range (the message names the field and
@@ -175,12 +176,12 @@ class TransformerPlan:
     @property
     def linears(self) -> str:
         """How the blocks' large linears run: ``fp8`` (dtype fp8: e4m3 GEMMs), ``packed`` (a GGUF
-        file: its GGML blocks kept on the GPU, and in the shards, dequantized per call), ``upcast``
-        (a sharded fp8 file: e4m3 as stored, gathered at one byte, upcast per call; a replicated
-        one is upcast at load) or ``dense``."""
+        file's GGML blocks or ComfyUI's nvfp4 / int8 layers kept on the GPU, and in the shards, as
+        stored, dequantized per call), ``upcast`` (a sharded fp8 file: e4m3 as stored, gathered at
+        one byte, upcast per call; a replicated one is upcast at load) or ``dense``."""
         if self.dtype == "fp8":
             return "fp8"
-        if self.storage == "ggml":
+        if self.storage in ("ggml", "comfy_quant"):
             return "packed"
         return "upcast" if self.weights == "sharded" and self.storage == "e4m3" else "dense"
 
@@ -194,11 +195,12 @@ class TransformerPlan:
         :data:`ltx_mgpu.choices.TRANSFORMER_STORAGE`, read from its header).
 
         Raises:
-            ValueError: dtype fp8 for a GGUF file (its blocks are dequantized per call; e4m3 GEMMs
-                would re-quantize them).
+            ValueError: dtype fp8 for a GGUF file or a file of ComfyUI's nvfp4 / int8 layers (their
+                blocks are dequantized per call; e4m3 GEMMs would re-quantize them).
         """
-        if storage == "ggml" and self.dtype == "fp8":
-            raise ValueError(f"{os.path.basename(self.checkpoint)} is a GGUF file: its quantized blocks run with "
+        if storage in ("ggml", "comfy_quant") and self.dtype == "fp8":
+            kind = "a GGUF file" if storage == "ggml" else "a file of ComfyUI-quantized (nvfp4 / int8) layers"
+            raise ValueError(f"{os.path.basename(self.checkpoint)} is {kind}: its quantized blocks run with "
                              "dtype bf16, fp16 or fp32 (dequantized per call); choose one of those, or dtype fp8 "
                              "with a bf16 or fp8 .safetensors checkpoint")
         return dataclasses.replace(self, storage=storage)

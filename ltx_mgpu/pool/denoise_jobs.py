@@ -58,7 +58,7 @@ from ltx_mgpu.denoise.patches import PatchError, WeightPatch, apply_patches
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike, is_nested
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
-from ltx_mgpu.quantized.ggml import packed_shape
+from ltx_mgpu.quantized.packed import packed_shape
 from ltx_mgpu.wire import codec
 from ltx_mgpu.wire.messages import MAX_BATCH, MAX_STEPS, MAX_TEXT_TOKENS, NO_PATCHES
 
@@ -183,15 +183,15 @@ def _model_bytes(m: LTXDenoiser) -> int:
 def _weight_plan(info: CheckpointInfo, plan: TransformerPlan, world: int):
     """The :class:`~ltx_mgpu.denoise.parallel.fsdp.WeightPlan` of loading ``info`` as ``plan``
     says: the block linears at one byte per value where they are held as e4m3 (``linears`` fp8:
-    all of them; ``upcast``: those the file stores so), at their GGML blocks' bytes where they
-    stay packed (``packed``)."""
+    all of them; ``upcast``: those the file stores so), at their GGML blocks' or packed rows'
+    bytes where they stay packed (``packed``)."""
     def stored(key: str) -> int | None:
         shape = info.shapes[key]
         if plan.linears == "fp8" and fp8_weight(key, shape):
             return math.prod(shape)
         if plan.linears == "upcast" and key in info.e4m3_keys and fp8_weight(key, shape, compute=False):
             return math.prod(shape)
-        if plan.linears == "packed" and packed_weight(key, qtype := info.ggml_types.get(key)):
+        if plan.linears == "packed" and packed_weight(key, qtype := info.stored_type(key)):
             return math.prod(packed_shape(qtype, shape))
         return None
 

@@ -93,8 +93,9 @@ def dequantize(quant: LayerQuant, parts: Mapping[str, torch.Tensor], dtype: torc
         blocks = p["weight_scale"]
         blocks = blocks.view(torch.float8_e4m3fn) if blocks.dtype == torch.uint8 else blocks
         w = eager.dequantize_nvfp4(q, p["weight_scale_2"].to(torch.float32), blocks, dtype)
-        if quant.pre_quant_scale:
-            w = (w.float() * p["pre_quant_scale"].float()).to(dtype)
+        if quant.pre_quant_scale:  # one per logical column: the padding columns are cut first
+            columns = p["pre_quant_scale"].reshape(-1)
+            w = (w[:, : columns.numel()].float() * columns.float()).to(dtype)
     elif quant.format in ("float8_e4m3fn", "float8_e5m2"):
         scale = p[quant.scale] if quant.scale else torch.ones((), dtype=torch.float32, device=dev)
         w = eager.dequantize_per_tensor_fp8(q, scale, dtype)

@@ -42,7 +42,8 @@ def quantize_layer(weight: torch.Tensor, quant: LayerQuant) -> dict[str, torch.T
 
     Returns:
         ``{"weight": ..., "weight_scale": ..., ["weight_scale_2": ...,] "comfy_quant": marker}``:
-        the names after the layer's ``L.`` prefix, contiguous CPU tensors.
+        the names after the layer's ``L.`` prefix, contiguous tensors on ``weight``'s device (the
+        marker on the CPU).
 
     Raises:
         ValueError: a weight that is not 2-D, ``pre_quant_scale``, or a ConvRot group that does not
@@ -62,7 +63,7 @@ def quantize_layer(weight: torch.Tensor, quant: LayerQuant) -> dict[str, torch.T
         if weight.shape[1] % quant.convrot_groupsize:
             raise ValueError(f"ConvRot group {quant.convrot_groupsize} does not divide {weight.shape[1]} columns")
         kwargs = {"per_channel": True, "convrot": True, "convrot_groupsize": quant.convrot_groupsize}
-    qt = QuantizedTensor.from_float(weight.cpu().contiguous(), LAYOUTS[quant.format], **kwargs)
+    qt = QuantizedTensor.from_float(weight.contiguous(), LAYOUTS[quant.format], **kwargs)
     out = {k: v.contiguous() for k, v in qt.state_dict("weight").items()}
     out["comfy_quant"] = marker_tensor(quant)
     return out

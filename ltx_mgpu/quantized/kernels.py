@@ -1,7 +1,8 @@
 """Triton kernels that dequantize a packed weight in one launch, straight into the compute dtype:
 the GGML legacy 32-value blocks (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``), the K-quant
-super-blocks (``Q2_K`` ... ``Q6_K``) and float8 e4m3 weights with a scale per row (the ``upcast``
-of :mod:`ltx_mgpu.denoise.fp8`).
+super-blocks (``Q2_K`` ... ``Q6_K``), float8 e4m3 weights with a scale per row (the ``upcast``
+of :mod:`ltx_mgpu.denoise.fp8`), and ComfyUI's nvfp4 and int8 (± ConvRot) layers as the packed
+rows of :mod:`ltx_mgpu.quantized.rows`.
 
 Why: dequantizing a weight with torch's eager operations takes one kernel per step (a K-quant
 about twenty, each reading and writing float32 copies of the whole weight), and a packed model
@@ -13,7 +14,13 @@ The arithmetic is :func:`ltx_mgpu.quantized.ggml.dequantize`'s (``gguf.quants``'
 reference) operation by operation in float32, and the kernels are compiled with
 ``enable_fp_fusion=False``, so no multiply and add are contracted into one FMA: the float32
 values are the same bits, and the cast to bf16 / fp16 rounds to nearest even as torch's does.
-The e4m3 upcast is ``(w.float() * scale[:, None]).to(dtype)``, the same way.
+The e4m3 upcast is ``(w.float() * scale[:, None]).to(dtype)``, the same way. nvfp4 follows
+comfy-kitchen's eager ``dequantize_nvfp4`` operation by operation in the output dtype (the two
+scales multiplied and rounded, then the element; both products are exact before their one
+rounding, as torch's are), so it gives the same bits; int8 is ``q * s`` in float32, then cast.
+int8 with ConvRot computes ``q @ H`` on the tensor cores from fp16 operands (integers of at most
+127 times ±1: exact products, sums below 2^24: exact in the float32 accumulator), then multiplies
+by ``s / sqrt(g)`` (a power of two for the power-of-4 groups) and rounds once.
 
 CUDA only; :func:`available` says whether it can run here. Callers fall back to the torch path.
 """
@@ -21,12 +28,14 @@ CUDA only; :func:`available` says whether it can run here. Callers fall back to 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES
 
-__all__ = ["GGML_KERNEL_TYPES", "available", "dequantize_ggml", "upcast_e4m3"]
+__all__ = ["GGML_KERNEL_TYPES", "available", "dequantize_ggml", "dequantize_int8_rows", "dequantize_nvfp4_rows",
+           "upcast_e4m3"]
 
 #: The GGML types the kernels decode, by family: the value of the family's ``KIND`` switch.
 _LEGACY = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4}
@@ -36,6 +45,8 @@ GGML_KERNEL_TYPES = (*_LEGACY, *_K_QUANTS)
 _LEGACY_BLOCKS, _K_BLOCKS, _WARPS = 32, 4, 4
 #: e4m3 upcast tile: rows x columns per program.
 _UPCAST_ROWS, _UPCAST_COLS = 8, 256
+#: ConvRot tiles: rows, output columns and the reduction step of the ``q @ H`` product per program.
+_ROT_ROWS, _ROT_COLS, _ROT_K = 64, 64, 64
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -164,8 +175,79 @@ if HAVE_TRITON:  # the kernels are module-level functions: Triton resolves the h
         tl.store(out + at, (x * s[:, None]).to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=live)
 
 
+    @triton.jit
+    def _row_scale(p, live):
+        """The little-endian float32 at byte pointers ``p``."""
+        b0 = tl.load(p, mask=live, other=0).to(tl.uint32)
+        b1 = tl.load(p + 1, mask=live, other=0).to(tl.uint32)
+        b2 = tl.load(p + 2, mask=live, other=0).to(tl.uint32)
+        b3 = tl.load(p + 3, mask=live, other=0).to(tl.uint32)
+        return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nvfp4_rows(src, tensor_scale, column_scale, out, rows, cols, stored, row_bytes, HAS_COLUMNS: tl.constexpr,
+                    ROUND: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+        live = (r[:, None] < rows) & (c[None, :] < cols)
+        row = src + r[:, None] * row_bytes
+        byte = tl.load(row + c[None, :] // 2, mask=live, other=0).to(tl.int32)
+        code = tl.where(c[None, :] % 2 == 0, byte >> 4, byte & 15)  # the even element in the high nibble
+        e, m = (code >> 1) & 3, (code & 1).to(tl.float32)
+        v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0)))
+        v = tl.where((code & 8) != 0, -v, v)
+        blocks = tl.load(row + stored // 2 + c[None, :] // 16, mask=live, other=0)
+        blocks = blocks.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        dt = out.dtype.element_ty
+        s2 = tl.load(tensor_scale)
+        if ROUND:  # bf16 / fp16: each product rounded to the output dtype, as torch computes it there
+            total = (s2.to(dt, fp_downcast_rounding="rtne").to(tl.float32) * blocks.to(dt).to(tl.float32))
+            total = total.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+            w = (v * total).to(dt, fp_downcast_rounding="rtne")
+        else:
+            w = v * (s2 * blocks)
+        if HAS_COLUMNS:  # pre_quant_scale folded into the columns in float32
+            p = tl.load(column_scale + c, mask=c < cols, other=0.0)
+            w = (w.to(tl.float32) * p[None, :])
+            if ROUND:
+                w = w.to(dt, fp_downcast_rounding="rtne")
+        tl.store(out + r[:, None] * cols + c[None, :], w.to(dt), mask=live)
+
+    @triton.jit
+    def _int8_rows(src, out, rows, cols, row_bytes, ROUND: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+        live = (r[:, None] < rows) & (c[None, :] < cols)
+        row = src + r[:, None] * row_bytes
+        q = tl.load(row + c[None, :], mask=live, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        s = _row_scale(src + r * row_bytes + cols, r < rows)
+        w = q * s[:, None]
+        if ROUND:
+            w = w.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out + r[:, None] * cols + c[None, :], w, mask=live)
+
+    @triton.jit
+    def _int8_convrot_rows(src, hadamard, out, rows, cols, row_bytes, inv_root, G: tl.constexpr,
+                           ROUND: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, K: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        n = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+        start = (tl.program_id(1).to(tl.int64) * COLS // G) * G  # the group's first column (COLS divides G)
+        live = r[:, None] < rows
+        acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+        for k0 in range(0, G, K):
+            k = k0 + tl.arange(0, K)
+            q = tl.load(src + r[:, None] * row_bytes + start + k[None, :], mask=live, other=0)
+            h = tl.load(hadamard + k[:, None] * G + (n - start)[None, :])
+            acc += tl.dot(q.to(tl.int8, bitcast=True).to(tl.float16), h)
+        s = _row_scale(src + r * row_bytes + cols, r < rows) * inv_root
+        w = acc * s[:, None]
+        if ROUND:
+            w = w.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out + r[:, None] * cols + n[None, :], w, mask=live & (n[None, :] < cols))
+
+
 def _kernels():
-    """The three kernels (call only when :data:`HAVE_TRITON`)."""
+    """The kernels (call only when :data:`HAVE_TRITON`)."""
     return _legacy_blocks, _k_blocks, _e4m3_rows
 
 
@@ -225,4 +307,89 @@ def upcast_e4m3(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
         with torch.cuda.device(weight.device):
             e4m3_rows[grid](weight.view(torch.uint8), scale.contiguous(), out, rows, cols, ROWS=_UPCAST_ROWS,
                             COLS=_UPCAST_COLS, num_warps=_WARPS, enable_fp_fusion=False)
+    return out
+
+
+_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _hadamard(group: int, device: torch.device) -> torch.Tensor:
+    """The regular Hadamard matrix of size ``group`` (Kronecker powers of ComfyUI ConvRot's 4 x 4
+    ``[[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]]``, comfy-kitchen's
+    ``_build_hadamard`` before its division by ``sqrt(group)``), fp16 ``[group, group]`` on ``device``."""
+    key = (group, str(device))
+    if key not in _HADAMARD:
+        h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float32)
+        h = h4
+        while h.shape[0] < group:
+            h = torch.kron(h, h4)
+        _HADAMARD[key] = h.to(device=device, dtype=torch.float16).contiguous()
+    return _HADAMARD[key]
+
+
+def _check_rows(packed: torch.Tensor, row_bytes: int, what: str) -> None:
+    if (packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != row_bytes or not packed.is_contiguous()
+            or packed.device.type != "cuda"):
+        raise ValueError(f"{what} rows must be contiguous CUDA uint8 [rows, {row_bytes}]; got {packed.dtype} "
+                         f"{tuple(packed.shape)} on {packed.device}")
+
+
+def dequantize_nvfp4_rows(packed: torch.Tensor, cols: int, stored: int, tensor_scale: torch.Tensor,
+                          column_scale: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """nvfp4 packed rows (``ltx_mgpu.quantized.rows``: ``uint8`` ``[n, stored / 2 + stored / 16]``)
+    into ``out`` (``[n, cols]``, bf16 / fp16 / fp32) in one launch: comfy-kitchen's eager
+    ``dequantize_nvfp4`` in ``out``'s dtype (module doc), ``column_scale`` (float32 ``[cols]``)
+    folded in as ``(w.float() * p).to(dtype)``. Returns ``out``.
+
+    Raises:
+        ValueError: rows, scales or ``out`` of another dtype, shape, layout or device.
+    """
+    _check_rows(packed, stored // 2 + stored // 16, "nvfp4")
+    n = packed.shape[0]
+    _check_out(out, n * cols, packed.device)
+    if (tensor_scale.dtype != torch.float32 or tensor_scale.numel() != 1 or tensor_scale.device != packed.device
+            or (column_scale is not None and (column_scale.dtype != torch.float32 or column_scale.numel() != cols
+                                              or column_scale.device != packed.device))):
+        raise ValueError("nvfp4 rows take a float32 tensor scale and an optional float32 [cols] column scale on their "
+                         "device")
+    if out.numel():
+        grid = (-(-n // _UPCAST_ROWS), -(-cols // _UPCAST_COLS))
+        with torch.cuda.device(packed.device):
+            _nvfp4_rows[grid](packed, tensor_scale, column_scale if column_scale is not None else tensor_scale, out,
+                              n, cols, stored, packed.shape[1], HAS_COLUMNS=column_scale is not None,
+                              ROUND=out.dtype != torch.float32, ROWS=_UPCAST_ROWS, COLS=_UPCAST_COLS,
+                              num_warps=_WARPS, enable_fp_fusion=False)
+    return out
+
+
+def dequantize_int8_rows(packed: torch.Tensor, cols: int, group: int | None, out: torch.Tensor) -> torch.Tensor:
+    """int8 packed rows (``uint8`` ``[n, cols + 4]``: the row's values, then its float32 scale)
+    into ``out`` (``[n, cols]``, bf16 / fp16 / fp32) in one launch: ``q * s``, or with ConvRot of
+    ``group`` (a power of 4 of at least 16 dividing ``cols``) its exact rotation back, ``(q @ H) *
+    s / sqrt(group)`` (module doc). Returns ``out``.
+
+    Raises:
+        ValueError: rows or ``out`` of another dtype, shape, layout or device; a group the kernel
+            does not take.
+    """
+    _check_rows(packed, cols + 4, "int8")
+    n = packed.shape[0]
+    _check_out(out, n * cols, packed.device)
+    if group is not None and (group < 16 or cols % group or group & (group - 1)):
+        raise ValueError(f"the ConvRot kernel takes power-of-4 groups of at least 16 dividing the {cols} columns, got "
+                         f"{group}")
+    if not out.numel():
+        return out
+    rnd = out.dtype != torch.float32
+    with torch.cuda.device(packed.device):
+        if group is None:
+            grid = (-(-n // _UPCAST_ROWS), -(-cols // _UPCAST_COLS))
+            _int8_rows[grid](packed, out, n, cols, packed.shape[1], ROUND=rnd, ROWS=_UPCAST_ROWS, COLS=_UPCAST_COLS,
+                             num_warps=_WARPS, enable_fp_fusion=False)
+        else:
+            tile, k = min(group, _ROT_COLS), min(group, _ROT_K)
+            grid = (-(-n // _ROT_ROWS), cols // tile)
+            _int8_convrot_rows[grid](packed, _hadamard(group, packed.device), out, n, cols, packed.shape[1],
+                                     1.0 / math.sqrt(group), G=group, ROUND=rnd, ROWS=_ROT_ROWS, COLS=tile, K=k,
+                                     num_warps=_WARPS, enable_fp_fusion=False)
     return out

@@ -24,7 +24,12 @@ nodes on both:
 * a GGUF transformer (the tiny checkpoint's blocks in Q8_0 and Q4_0... as ComfyUI-GGUF's converters
   write them) in ``models/unet`` is listed by our Model Loader and, replicated and sharded over 2
   ranks, with and without ``LoraLoaderModelOnly``, equals ComfyUI's own model on the float32 file
-  of the same values (``UNETLoader``);
+  of the same values (``UNETLoader``); so do transformer files of ComfyUI's quantized layers in
+  ``models/diffusion_models``: nvfp4 against ComfyUI's own model on the nvfp4 file itself, int8
+  with ConvRot (which ComfyUI 0.20.1 does not read) against the float32 file of its values. With a
+  LoRA, ComfyUI rounds the merged weight of its own nvfp4 layer back to nvfp4, which the pool does
+  not (it keeps the file's rows and merges the LoRA exactly, per call): there the reference is
+  ComfyUI's model on the float32 file of the values, with the same LoRA;
 * the MODEL is one byte to ComfyUI's model management and ComfyUI's RSS grows by less than
   64 MiB when it loads (the tiny checkpoint; the 19B-shaped header is measured in
   ``benchmarks/bench_model_path.py``).
@@ -43,6 +48,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ltx_mgpu.assets import comfy_quantized
 from ltx_mgpu.assets.ggml_export import dequantized_copy, export_gguf
 from ltx_mgpu.denoise.checkpoint import inspect_checkpoint
 
@@ -58,6 +64,8 @@ SAMPLERS = ("euler", "euler_ancestral", "gradient_estimation", "res_multistep", 
 Q = "diffusion_model.transformer_blocks.0.attn1.to_q"
 K = "diffusion_model.transformer_blocks.1.video_to_audio_attn.to_k"
 REL = 1e-4
+#: The packed transformer files: a GGUF in models/unet, ComfyUI's nvfp4 and int8 ConvRot layers.
+PACKED = ("gguf", "nvfp4", "int8_convrot")
 
 
 def _lora(path: Path, seed: int, unknown: bool = False) -> None:
@@ -116,10 +124,10 @@ def _cases() -> list[dict]:
         {"id": "stop", "sampler": "euler", "cfg": 3.0, "steps": 8, "stop_after": 2, "who": ["ours"]},
         {"id": "after-stop", "sampler": "euler", "cfg": 3.0},
     ]
-    for model in ("gguf", "gguf_sharded"):
+    for model in [k + s for k in PACKED for s in ("", "_sharded")]:
         cases += [{"id": f"{model}-euler", "model": model, "sampler": "euler", "cfg": 3.0},
                   {"id": f"{model}-lora", "model": model, "sampler": "euler", "cfg": 3.0,
-                   "loras": [["a.safetensors", 0.5]]}]
+                   "loras": [["a.safetensors", 0.5]], "reference": "values"}]
     return cases
 
 
@@ -137,10 +145,19 @@ def run(tiny_ltx_23):
     types = {**{k: "Q8_0" for k in _block_linears(tiny_ltx_23, "attn")}, **{k: "Q4_0" for k in _block_linears(
         tiny_ltx_23, "ff")}}
     gguf = export_gguf(tiny_ltx_23, unet / "ltx-2.3-tiny-Q8_0.gguf", types)
-    reference = dequantized_copy(gguf, work / "ltx-2.3-tiny-gguf-values.safetensors")
+    values = str(dequantized_copy(gguf, work / "ltx-2.3-tiny-gguf-values.safetensors"))
+    packed = {"gguf": {"dir": str(unet), "name": gguf.name, "reference": values, "values": values}}
+    diffusion = work / "diffusion_models"
+    diffusion.mkdir()
+    for kind in ("nvfp4", "int8_convrot"):
+        path = comfy_quantized.export_comfy_quant(tiny_ltx_23, diffusion / f"ltx-2.3-tiny-{kind}.safetensors",
+                                               comfy_quantized.block_linear_formats(kind))
+        values = str(comfy_quantized.dequantized_copy(path, work / f"{kind}-values.safetensors"))
+        # ComfyUI 0.20.1 reads nvfp4, not int8: then the values' float32 file
+        packed[kind] = {"dir": str(diffusion), "name": path.name, "values": values,
+                        "reference": str(path) if kind == "nvfp4" else values}
     spec = {"comfyui": str(COMFYUI_DIR), "checkpoint": str(tiny_ltx_23), "loras_dir": str(loras),
-            "runtime_dir": str(work / "rt"), "cases": _cases(),
-            "gguf": {"dir": str(unet), "name": gguf.name, "reference": str(reference)}}
+            "runtime_dir": str(work / "rt"), "cases": _cases(), "packed": packed}
     (work / "rt").mkdir()
     (work / "spec.json").write_text(json.dumps(spec))
     out = work / "out"
@@ -236,10 +253,10 @@ def test_stop_interrupts_sampling_and_the_next_run_works(run):
     assert _rel(_read(out, "after-stop", "comfy"), _read(out, "after-stop", "ours")) <= REL
 
 
-@pytest.mark.parametrize("model", ["gguf", "gguf_sharded"])
-def test_a_gguf_transformer_in_models_unet_equals_comfyuis_own_model_on_its_values(run, model):
+@pytest.mark.parametrize("model", [k + s for k in PACKED for s in ("", "_sharded")])
+def test_a_packed_transformer_file_equals_comfyuis_own_model_on_it(run, model):
     out, report = run
-    assert report["gguf_listed"]
+    assert report["listed"][model.removesuffix("_sharded")]
     plain, lora = (f"{model}-euler", f"{model}-lora")
     for case in (plain, lora):
         assert _rel(_read(out, case, "comfy"), _read(out, case, "ours")) <= REL, case

@@ -59,7 +59,7 @@ def test_the_plan_travels_as_the_load_request_and_comes_back_equal(tmp_path):
     ({"loras": [{"path": 3}]}, r"loras\[0\]\.path must be a file path, got 3"),
     ({"loras": [{"path": "/l", "weight": 1}]}, r"loras\[0\] has unknown field\(s\) \['weight'\]"),
     ({"loras": "a.safetensors"}, "loras must be a list of LoRAs, got str"),
-    ({"storage": "int4"}, "storage must be one of 'dense', 'e4m3' or 'ggml'"),
+    ({"storage": "int4"}, "storage must be one of 'dense', 'e4m3', 'ggml' or 'comfy_quant'"),
 ])
 def test_every_field_is_checked_once_when_the_plan_is_built(fields, match):
     with pytest.raises(ValueError, match=match):
