@@ -239,6 +239,22 @@ class TowerGraphs:
         self._graphs[(b, w)] = g
         return g
 
+    def _end_generator_capture(self) -> None:
+        """After a failed capture, end the CUDA random generator's capture state. A capture marks
+        the device's default generator as capturing at its start and unmarks it only when it ends
+        well (``CUDAGraph::capture_end``: ``cudaStreamEndCapture`` fails first, and the
+        generator's ``capture_epilogue`` is never reached), so every later random number on the
+        device would fail with "Offset increment outside graph capture encountered unexpectedly"
+        (Inductor draws some while it compiles the fp8 layers). One capture that ends well, of a
+        single tiny kernel on the same stream, runs the prologue and the epilogue and clears it."""
+        with torch.cuda.stream(self._stream):
+            probe = torch.zeros(1, device=self.device)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                probe.add_(1)
+        torch.cuda.synchronize(self.device)
+
     def clear(self) -> None:
         """Drop every graph, the shared buffer and the pool (new shapes capture again). Needed
         after changing the model (its kernels and weight addresses are baked into the graphs)."""
@@ -266,8 +282,13 @@ class TowerGraphs:
                     self._pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other threads of the process (ComfyUI's) may keep using CUDA meanwhile
-                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                    self._forward(g)
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool, stream=self._stream,
+                                          capture_error_mode="thread_local"):
+                        self._forward(g)
+                except Exception:
+                    self._end_generator_capture()
+                    raise
             finally:  # a capture that fails inside may leave its stream current
                 torch.cuda.set_stream(current)
         log.info("captured a CUDA graph of Gemma for %d x %d tokens", *g.embeds.shape[:2])
