@@ -58,6 +58,38 @@ def resolve_checkpoint(name: str) -> str:
                                     "models/diffusion_models; pick one from the list") from None
 
 
+#: The ``connectors`` choice that keeps the checkpoint's own text connectors.
+OWN_CONNECTORS = "(the checkpoint's own)"
+
+
+def connector_choices() -> list[str]:
+    """The Model Loader's ``connectors`` choices: the checkpoint's own, then the files that may
+    hold LTX-2's text connectors: ``models/text_encoders`` (where ComfyUI's LTX-2.0
+    embeddings-connector files go, beside Gemma) and ``models/checkpoints``."""
+    seen = [OWN_CONNECTORS]
+    for folder in ("text_encoders", "checkpoints"):
+        seen += [f for f in _comfy.filename_list(folder) if f.endswith(".safetensors") and f not in seen]
+    return seen
+
+
+def resolve_connectors(name: str) -> str | None:
+    """None for :data:`OWN_CONNECTORS`, else the absolute path of a :func:`connector_choices` file.
+
+    Raises:
+        FileNotFoundError: in neither folder.
+    """
+    if name == OWN_CONNECTORS:
+        return None
+    try:
+        return _comfy.full_path("text_encoders", name)
+    except FileNotFoundError:
+        try:
+            return _comfy.full_path("checkpoints", name)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"connectors file {name!r} is in neither models/text_encoders nor "
+                                    "models/checkpoints; pick one from the list") from None
+
+
 def parse_loras(text: str) -> list[tuple[str, float]]:
     """``file[:strength]`` per line (``#`` comments and empty lines skipped) -> ``[(path, strength)]``;
     files are looked up in ``models/loras`` unless absolute; strength defaults to 1.0.
@@ -158,6 +190,12 @@ class LTXMGPUModelLoader(io.ComfyNode):
                     "cfg_ulysses: the positive and negative halves of a CFG batch on two halves of the GPUs, "
                     "each splitting the tokens (less communication). auto: cfg_ulysses whenever the batch and "
                     "the GPU count are even, else ulysses.")),
+                io.Combo.Input("connectors", options=connector_choices(), default=OWN_CONNECTORS, optional=True,
+                               tooltip=(
+                    "Where the text connectors come from. A transformer file without them (the LTX-2.0 GGUF "
+                    "files) needs the file that has them: the embeddings-connector file from "
+                    "models/text_encoders (ltx-2-19b-embeddings_connector_*.safetensors, the one DualCLIPLoader "
+                    "takes beside Gemma) or the full checkpoint.")),
             ],
             outputs=[
                 ModelType.Output("model", tooltip="The LTX-2 transformer resident in the pool; connect it to the SP "
@@ -175,9 +213,10 @@ class LTXMGPUModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
-                weights: str = "replicated", layout: str = "auto") -> io.NodeOutput:
+                weights: str = "replicated", layout: str = "auto", connectors: str = OWN_CONNECTORS) -> io.NodeOutput:
         plan = TransformerPlan(resolve_checkpoint(ckpt_name), dtype=dtype, weights=weights, layout=layout,
-                               loras=parse_loras(loras), max_tokens=int(max_tokens))
+                               loras=parse_loras(loras), max_tokens=int(max_tokens),
+                               connectors=resolve_connectors(connectors))
         handle = ModelHandle(pool, plan)
         with JobWatch(executing_node(cls)) as watch:
             loaded = handle.ensure_loaded(pool.session(), watch)

@@ -138,6 +138,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gemma", help="Gemma 3 12B: HF snapshot dir, ComfyUI single file or NF4 artifact dir")
     p.add_argument("--projection", help="text projection file when --checkpoint has none (transformer-only files)")
     p.add_argument("--vae", help="file with the LTX-2 VAE (vae.*) when --checkpoint has none")
+    p.add_argument("--connectors", help="file with the text connectors when --checkpoint has none (an LTX-2.0 GGUF "
+                                        "transformer: the embeddings-connector file, or the full checkpoint)")
     p.add_argument("--weights", choices=WEIGHTS, default=d.weights, help="Gemma weights (default bf16)")
     p.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
                    help="where Gemma runs in the pool (default single: rank 0)")

@@ -198,7 +198,8 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     info = inspect_checkpoint(models.checkpoint)  # the header only
     world, on_gpus = world_size_for(req, info)
     plan = TransformerPlan(models.checkpoint, dtype=req.dtype or ("bf16" if on_gpus else "fp32"),
-                           weights=req.transformer_weights, layout=req.layout, max_tokens=req.max_tokens)
+                           weights=req.transformer_weights, layout=req.layout, max_tokens=req.max_tokens,
+                           connectors=req.connectors)
     vae = inspect_vae_source(models.vae)
     if not vae.has_video:
         raise ValueError(f"{models.vae} holds no LTX-2 video VAE (vae.decoder.* and a 'vae' config); pass --vae with "

@@ -42,7 +42,8 @@ class GenerateRequest:
         checkpoint: LTX-2 monolith (or transformer-only with ``vae``/``projection``); gemma: Gemma 3
             (HF snapshot dir, ComfyUI single file or NF4 artifact); both None -> embedded default.
         projection: the text projection source (default: ``checkpoint``); vae: the file holding
-            ``vae.*`` (default: ``checkpoint``).
+            ``vae.*`` (default: ``checkpoint``); connectors: the file holding the text connectors
+            when ``checkpoint`` has none (an LTX-2.0 GGUF transformer; default: ``checkpoint``'s own).
         weights, placement: Gemma's weights mode (``bf16``/``nf4``) and placement in the pool.
         dtype: transformer dtype (``bf16``/``fp16``/``fp32``; None: bf16 on GPUs, fp32 on CPU ranks).
         transformer_weights: ``replicated`` (a whole transformer per rank) or ``sharded`` (a 1/N
@@ -73,6 +74,7 @@ class GenerateRequest:
     gemma: str | None = None
     projection: str | None = None
     vae: str | None = None
+    connectors: str | None = None
     weights: str = "bf16"
     placement: str = "single"
     dtype: str | None = None

@@ -68,6 +68,7 @@ __all__ = [
     "CheckpointInfo",
     "StateDictLoader",
     "check_loras",
+    "connector_info",
     "count_blocks",
     "infer_transformer_config",
     "inspect_checkpoint",
@@ -297,6 +298,33 @@ def _gguf_header(path: str) -> tuple[str, dict, dict, dict]:
     types = {k[len(prefix):]: t.qtype for k, t in dit.items()}
     config = f.field("config")
     return prefix, shapes, types, ({"config": config} if isinstance(config, str) else {})
+
+
+def connector_info(path: str | os.PathLike, transformer: CheckpointInfo) -> CheckpointInfo:
+    """The text connectors of ``path`` for ``transformer`` (a transformer file without them): a
+    :class:`CheckpointInfo` of ``path`` holding only its connector keys (``shapes``), with
+    ``transformer``'s config. ``path`` may be an LTX-2 checkpoint or transformer file, or
+    ComfyUI's embeddings-connector file (``ltx-2-19b-embeddings_connector_*.safetensors``: the
+    connectors under ``model.diffusion_model.``, beside the text projection), which is how the
+    LTX-2.0 GGUF transformers ship their connectors.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: not a readable safetensors file, or no LTX-2 text connectors in it.
+    """
+    path = str(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no connectors file at {path}")
+    keys, _ = safetensors_header(path, CheckpointError, "; give a file holding LTX-2's text connectors (the "
+                                 "checkpoint, or an embeddings-connector file)")
+    prefix = next((p for p in (MONOLITH_PREFIX, "") if any(k.startswith(p + CONNECTORS[0] + ".") for k in keys)), None)
+    if prefix is None or not any(k.startswith(prefix + CONNECTORS[1] + ".") for k in keys):
+        raise CheckpointError(f"{path} holds no LTX-2 text connectors ({', '.join(CONNECTORS)}); give the LTX-2 "
+                              "checkpoint or the embeddings-connector file that goes with this transformer")
+    with safe_open(path, framework="pt", device="cpu") as f:
+        shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in keys
+                  if k.startswith(tuple(prefix + c + "." for c in CONNECTORS)) and not k.endswith(_AUX_SUFFIXES)}
+    return CheckpointInfo(path, prefix, transformer.config, "connectors", transformer.version, shapes)
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:

@@ -34,6 +34,7 @@ from ltx_mgpu.denoise.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     StateDictLoader,
+    connector_info,
     count_blocks,
     inspect_checkpoint,
     load_loras,
@@ -179,7 +180,8 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
 
     Args:
         plan: what to load and how (checkpoint, dtype, weights, LoRAs, token budget, attention
-            backend; ``storage`` None is resolved here from the file's header). Its
+            backend, the connectors' file when not the checkpoint's; ``storage`` None is resolved
+            here from the file's header). Its
             ``linears`` decide the block linears (:mod:`ltx_mgpu.denoise.fp8`): ``fp8``: e4m3
             GEMMs, the file's e4m3 weights and scales as stored, other weights quantised per row
             at load after their LoRAs are merged, the blocks compiled (``torch.compile``, one
@@ -210,7 +212,9 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     dtype = getattr(torch, plan.compute_dtype)
     if plan.attention_type is not None:
         info.config["transformer"]["attention_type"] = plan.attention_type
-    deltas = load_loras(plan.loras, [k for k in info.shapes if k.endswith(".weight")])
+    conn_info = connector_info(plan.connectors, info) if plan.connectors is not None else info
+    weight_keys = [k for k in {**info.shapes, **conn_info.shapes} if k.endswith(".weight")]
+    deltas = load_loras(plan.loras, weight_keys)
     loader = StateDictLoader(info, dtype, deltas, exclude=tuple(c + "." for c in CONNECTORS))
     sd_ops = transformer_sd_ops(info)
     builder = SingleGPUModelBuilder(
@@ -232,7 +236,11 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
             f"{'...' if len(extra) > 3 else ''}). Use a file with correct 'config' metadata."
         )
     connectors = (None, None)
-    if info.has_connectors:
+    if conn_info is not info:  # the connectors of another file
+        conn_loader = StateDictLoader(conn_info, dtype, deltas)
+        connectors = tuple(_connector(conn_info, conn_loader, name, device) for name in CONNECTORS)
+        loader.fused |= conn_loader.fused
+    elif info.has_connectors:
         loader.exclude = ()
         connectors = tuple(_connector(info, loader, name, device) for name in CONNECTORS)
     unfused = set(deltas) - loader.fused

@@ -130,6 +130,10 @@ class TransformerPlan:
         max_tokens: the largest video token count one call may have (bounds activation memory).
         attention_type: ltx-core's attention backend (one of :data:`ltx_mgpu.choices.ATTENTION_TYPES`),
             or None for the checkpoint's own.
+        connectors: a file holding the text connectors to use instead of the checkpoint's (made
+            absolute): for a transformer file without them, as the LTX-2.0 GGUF transformers ship
+            (ComfyUI's ``ltx-2-19b-embeddings_connector_*.safetensors``, or the full checkpoint);
+            None: the checkpoint's own.
         storage: how the checkpoint stores its block linears, one of
             :data:`ltx_mgpu.choices.TRANSFORMER_STORAGE` (``dense``; ``e4m3``: an fp8 file;
             ``ggml``: a GGUF file; ``comfy_quant``: ComfyUI's nvfp4 / int8 layers), or None until
@@ -147,13 +151,18 @@ class TransformerPlan:
     loras: tuple[LoraSpec, ...] = ()
     max_tokens: int = DEFAULT_MAX_TOKENS
     attention_type: str | None = None
+    connectors: str | None = None
     storage: str | None = None
 
     def __post_init__(self) -> None:
-        checkpoint = os.fspath(self.checkpoint) if isinstance(self.checkpoint, os.PathLike) else self.checkpoint
-        if not isinstance(checkpoint, str) or not checkpoint:
-            raise ValueError(f"checkpoint must be a file path, got {self.checkpoint!r:.120}")
-        object.__setattr__(self, "checkpoint", os.path.abspath(checkpoint))
+        for name in ("checkpoint", "connectors"):
+            raw = getattr(self, name)
+            if raw is None and name == "connectors":
+                continue
+            path = os.fspath(raw) if isinstance(raw, os.PathLike) else raw
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"{name} must be a file path, got {raw!r:.120}")
+            object.__setattr__(self, name, os.path.abspath(path))
         check_choice(self.dtype, TRANSFORMER_DTYPES, "dtype")
         check_choice(self.weights, TRANSFORMER_WEIGHTS, "weights")
         check_choice(self.layout, SP_LAYOUTS, "layout")
@@ -210,7 +219,7 @@ class TransformerPlan:
         what follows from it."""
         return {"dtype": self.dtype, "compute_dtype": self.compute_dtype, "linears": self.linears,
                 "weights": self.weights, "storage": self.storage, "layout": self.layout,
-                "max_tokens": self.max_tokens, "attention_type": self.attention_type}
+                "max_tokens": self.max_tokens, "attention_type": self.attention_type, "connectors": self.connectors}
 
     # ---- the wire form (the ``load_transformer`` request's params)
 
@@ -221,6 +230,8 @@ class TransformerPlan:
                                   "loras": [{"path": s.path, "strength": s.strength} for s in self.loras]}
         if self.attention_type is not None:
             params["attention_type"] = self.attention_type
+        if self.connectors is not None:
+            params["connectors"] = self.connectors
         return params
 
     @classmethod
@@ -235,8 +246,9 @@ class TransformerPlan:
         unknown = sorted(set(params) - known - {"name"})
         if unknown:
             raise ValueError(f"load_transformer has unknown field(s) {unknown}; known: {sorted(known | {'name'})}")
-        checkpoint = params.get("checkpoint")
-        if not isinstance(checkpoint, str) or not os.path.isabs(checkpoint):
-            raise ValueError("load_transformer.checkpoint must be an absolute path (the pool's working directory is "
-                             f"not yours), got {checkpoint!r:.120}")
+        for name in ("checkpoint", "connectors"):
+            path = params.get(name, "/" if name == "connectors" else None)
+            if not isinstance(path, str) or not os.path.isabs(path):
+                raise ValueError(f"load_transformer.{name} must be an absolute path (the pool's working directory is "
+                                 f"not yours), got {path!r:.120}")
         return cls(**{k: v for k, v in params.items() if k in known})

@@ -45,6 +45,7 @@ from ltx_mgpu.denoise.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     check_loras,
+    connector_info,
     inspect_checkpoint,
     packed_weight,
 )
@@ -251,15 +252,20 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     try:
         info = inspect_checkpoint(path)
         check_world_size(info, ctx.world_size)  # from the config alone: no weight read yet
+        conn_shapes = connector_info(plan.connectors, info).shapes if plan.connectors is not None else {}
     except (CheckpointError, SequenceParallelConfigError) as e:
         raise BadInput(f"{Path(path).name}: {e}") from None
+    except FileNotFoundError as e:
+        raise BadInput(f"{e}; pick the LTX-2 checkpoint or the embeddings-connector file (the path is read by the "
+                       "pool's processes)") from None
     try:
-        check_loras(plan.loras, info.shapes)  # from the LoRA files' headers: no tensor read yet
+        check_loras(plan.loras, {**info.shapes, **conn_shapes})  # from the LoRA files' headers: no tensor read yet
         plan = plan.with_storage(checkpoint_storage(info))
     except (CheckpointError, ValueError) as e:
         raise BadInput(str(e)) from None
     what = f"{Path(path).name} ({plan.dtype})"
     identity = {**dataclasses.asdict(plan), "checkpoint": _file_identity(path),
+                "connectors": _file_identity(plan.connectors) if plan.connectors is not None else None,
                 "loras": [{**_file_identity(s.path), "strength": s.strength} for s in plan.loras]}
     # Everything above is decided by the files alone; what follows depends on this rank's state
     # (resident models, free memory), so the ranks agree on the outcome over the control group.
@@ -273,7 +279,8 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
         clash = clash or _attention_error(plan.attention_type, info, ctx, getattr(torch, plan.compute_dtype))
         if clash is None and ctx.device.type == "cuda":
             other = dataclasses.replace(plan, weights="sharded" if plan.weights == "replicated" else "replicated")
-            needs, other_needs = (_weight_plan(info, p, ctx.world_size) for p in (plan, other))
+            sized = dataclasses.replace(info, shapes={**info.shapes, **conn_shapes})  # the connectors' file's too
+            needs, other_needs = (_weight_plan(sized, p, ctx.world_size) for p in (plan, other))
             free, total = torch.cuda.mem_get_info(ctx.device)
             if isinstance(resident, ResidentTransformer):  # its memory is freed before the new load
                 free += held_bytes(resident.denoiser.transformer)

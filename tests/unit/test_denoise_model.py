@@ -16,7 +16,7 @@ from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 from ltx_core.utils import rms_norm
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, infer_transformer_config, inspect_checkpoint
 from ltx_mgpu.denoise.comfyui.conditioning import run_connector, text_contexts
@@ -242,3 +242,38 @@ def test_connector_registers_follow_comfyui_layout(ckpt, tokens):
             h = block(h, attention_mask=None, pe=pe)
         ref = rms_norm(h)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.3"])
+def test_the_connectors_of_another_file_serve_a_transformer_file_without_them(ckpt, version, tmp_path):
+    """LTX-2.0's GGUF transformers ship without the text connectors, which come in ComfyUI's
+    embeddings-connector file (the connectors under ``model.diffusion_model.`` beside the text
+    projection): a plan naming that file (or the full checkpoint) loads them, and the model is the
+    full checkpoint's; a file without connectors is refused naming the fix."""
+    from ltx_mgpu.assets.ggml_export import export_gguf
+
+    ref = _outputs(load_ltx_model(TransformerPlan(ckpt[version], dtype="fp32")), version)
+    full = load_file(str(ckpt[version]))
+    prefix = "model.diffusion_model."
+    connectors = ("video_embeddings_connector.", "audio_embeddings_connector.")
+    bare = {k[len(prefix):]: v for k, v in full.items()
+            if k.startswith(prefix) and not k[len(prefix):].startswith(connectors)}
+    with safe_open(str(ckpt[version]), "pt") as f:
+        meta = f.metadata()
+    src = tmp_path / "bare.safetensors"
+    save_file(bare, str(src), metadata={"config": meta["config"]})
+    gguf = export_gguf(src, tmp_path / "bare-F16.gguf", lambda key, shape: "F32")  # as a GGUF, like the 2.0 files
+    embeddings = tmp_path / "ltx-2-embeddings_connector.safetensors"
+    save_file({k: v for k, v in full.items() if k.startswith(tuple(prefix + c for c in connectors))
+               or k.startswith("text_embedding_projection.")}, str(embeddings))
+    without = load_ltx_model(TransformerPlan(gguf, dtype="fp32"))
+    assert without.video_connector is None and without.audio_connector is None
+    for source in (embeddings, ckpt[version]):
+        model = load_ltx_model(TransformerPlan(gguf, dtype="fp32", connectors=source))
+        assert model.plan.connectors == str(source)
+        _assert_equal(ref, _outputs(model, version))
+    with pytest.raises(CheckpointError, match="holds no LTX-2 text connectors .* give the LTX-2 checkpoint or the "
+                                              "embeddings-connector file"):
+        load_ltx_model(TransformerPlan(gguf, dtype="fp32", connectors=src))
+    with pytest.raises(FileNotFoundError, match="no connectors file at"):
+        load_ltx_model(TransformerPlan(gguf, dtype="fp32", connectors=tmp_path / "missing.safetensors"))

@@ -22,22 +22,25 @@ def test_a_plan_derives_the_compute_dtype_and_how_the_linears_run():
     assert TransformerPlan("/c", dtype="fp8").linears == "fp8"
     assert TransformerPlan("/c", dtype="fp8").fp8 == Fp8Config("fp8")
     for weights in TRANSFORMER_WEIGHTS:
-        for storage in ("dense", "e4m3", "ggml"):
+        for storage in ("dense", "e4m3", "ggml", "comfy_quant"):
             plan = TransformerPlan("/c", dtype="fp32", weights=weights).with_storage(storage)
-            want = {"ggml": "packed", "e4m3": "upcast" if weights == "sharded" else "dense"}.get(storage, "dense")
+            want = {"ggml": "packed", "comfy_quant": "packed",
+                    "e4m3": "upcast" if weights == "sharded" else "dense"}.get(storage, "dense")
             assert plan.linears == want, (weights, storage)
             assert plan.fp8 == (Fp8Config("upcast") if plan.linears == "upcast" else None)
     with pytest.raises(ValueError, match="c is a GGUF file: its quantized blocks run with dtype bf16, fp16 or fp32"):
         TransformerPlan("/c", dtype="fp8").with_storage("ggml")
     described = TransformerPlan("/c", dtype="fp8", weights="sharded").with_storage("e4m3").describe()
     assert described == {"dtype": "fp8", "compute_dtype": "bfloat16", "linears": "fp8", "weights": "sharded",
-                         "storage": "e4m3", "layout": "auto", "max_tokens": 32768, "attention_type": None}
+                         "storage": "e4m3", "layout": "auto", "max_tokens": 32768, "attention_type": None,
+                         "connectors": None}
 
 
 def test_the_plan_travels_as_the_load_request_and_comes_back_equal(tmp_path):
     lora = tmp_path / "l.safetensors"
     plan = TransformerPlan(tmp_path / "c.safetensors", dtype="fp16", weights="sharded", layout="cfg_ulysses",
-                           loras=[(lora, 0.5), LoraSpec(str(lora), -1)], max_tokens=4096, attention_type="pytorch")
+                           loras=[(lora, 0.5), LoraSpec(str(lora), -1)], max_tokens=4096, attention_type="pytorch",
+                           connectors=tmp_path / "connectors.safetensors")
     assert plan.loras == (LoraSpec(str(lora), 0.5), LoraSpec(str(lora), -1.0))
     params = {**plan.to_params(), "name": "ltx"}
     REQUESTS["load_transformer"].validate(params, "load_transformer")  # the wire takes it as it is
