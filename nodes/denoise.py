@@ -42,20 +42,28 @@ def checkpoint_choices() -> list[str]:
     return seen
 
 
+def _in_folders(name: str, folders: tuple[str, str], what: str) -> str:
+    """Absolute path of ``name`` in the first of the two ComfyUI model ``folders`` that has it.
+
+    Raises:
+        FileNotFoundError: in neither (the message names ``what`` and both folders).
+    """
+    for folder in folders:
+        try:
+            return _comfy.full_path(folder, name)
+        except FileNotFoundError:
+            pass
+    raise FileNotFoundError(f"{what} {name!r} is in neither models/{folders[0]} nor models/{folders[1]}; pick one "
+                            "from the list")
+
+
 def resolve_checkpoint(name: str) -> str:
     """Absolute path of a :func:`checkpoint_choices` entry (checkpoints first) or absolute path.
 
     Raises:
         FileNotFoundError: in neither folder.
     """
-    try:
-        return _comfy.full_path("checkpoints", name)
-    except FileNotFoundError:
-        try:
-            return _comfy.full_path("diffusion_models", name)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"LTX-2 checkpoint {name!r} is in neither models/checkpoints nor "
-                                    "models/diffusion_models; pick one from the list") from None
+    return _in_folders(name, ("checkpoints", "diffusion_models"), "LTX-2 checkpoint")
 
 
 #: The ``connectors`` choice that keeps the checkpoint's own text connectors.
@@ -80,14 +88,7 @@ def resolve_connectors(name: str) -> str | None:
     """
     if name == OWN_CONNECTORS:
         return None
-    try:
-        return _comfy.full_path("text_encoders", name)
-    except FileNotFoundError:
-        try:
-            return _comfy.full_path("checkpoints", name)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"connectors file {name!r} is in neither models/text_encoders nor "
-                                    "models/checkpoints; pick one from the list") from None
+    return _in_folders(name, ("text_encoders", "checkpoints"), "connectors file")
 
 
 def parse_loras(text: str) -> list[tuple[str, float]]:

@@ -103,7 +103,7 @@ def test_object_info_lists_our_nodes_with_tooltips(server):
 
 
 #: File pickers: their options are the model folders of whichever process lists them.
-FILE_PICKERS = {"ckpt_name", "gemma", "projection"}
+FILE_PICKERS = {"ckpt_name", "gemma", "projection", "connectors"}
 
 
 def test_comfyui_reads_each_schema_as_the_stand_in_declares_it(server):
@@ -366,6 +366,25 @@ def test_ui_workflows_load_in_the_frontend_and_convert_to_their_api_twins(server
         assert got["api"] == want, name
     ours = [e for e in errors if "ltx_mgpu" in e or "ltx-mgpu" in e]
     assert not ours, ours
+
+
+def test_a_workflow_saved_before_a_widget_was_added_loads_with_its_default(server):
+    """A workflow saved by an earlier release (``tests/fixtures/workflow_0.1.0_text_to_video.json``:
+    the Model Loader without its later ``connectors`` widget) loads in ComfyUI's frontend unflagged
+    and converts to today's API workflow, the new widget at its default."""
+    chromium = _chromium()
+    old = REPO / "tests" / "fixtures" / "workflow_0.1.0_text_to_video.json"
+
+    async def load(evaluate):
+        return await evaluate(LOAD_AND_CONVERT % (old.read_text(), json.dumps("old")))
+
+    with chromium_page(server.url, chromium) as ws_url:
+        results, _ = asyncio.run(cdp_page(ws_url, [_extension_loaded, load]))
+    got = results[1]
+    assert not got["unknown"] and not got["flagged"], got
+    want = {k: {"class_type": v["class_type"], "inputs": v["inputs"]}
+            for k, v in api_workflow("ltx_mgpu_text_to_video").items()}
+    assert got["api"] == want
 
 
 def test_panel_in_headless_chromium_shows_the_pool(server):
