@@ -17,7 +17,7 @@ Run on one GPU (the issue's numbers come from one H200)::
      per call by the kernel (:mod:`ltx_mgpu.quantized.kernels`);
    * ``Q4_K``: the same layers as random valid Q4_K blocks (no quantizer at hand: the timing does
      not depend on the values; no error is reported for it);
-   * ``nvfp4``, ``int8``, ``int8_convrot``: every block linear in ComfyUI's nvfp4, int8 (a scale
+   * ``nvfp4``, ``mxfp8``, ``int8``, ``int8_convrot``: every block linear in ComfyUI's nvfp4, mxfp8, int8 (a scale
      per tensor) or int8 with ConvRot (group 256, a scale per row: Kijai's ``int8_convrot``
      files), quantized on the GPU by comfy-kitchen (``ltx_mgpu.quantized.encode``) and held as
      packed rows (``ltx_mgpu.quantized.rows``), dequantized per call by the kernels;
@@ -84,7 +84,7 @@ BYTES_PER_VALUE = {"bf16": 2.0, "Q8_0": 34 / 32, "Q4_K_S": 144 / 256, "int8_conv
 #: The kernel of part 2 each on-paper format dequantizes with.
 PAPER_KERNELS = {"bf16": None, "Q8_0": "Q8_0", "Q4_K_S": "Q4_K", "int8_convrot": "int8_convrot", "nvfp4": "nvfp4"}
 #: ComfyUI's formats the bench holds as packed rows: name -> the layer's ``LayerQuant``.
-COMFY_FORMATS = {"nvfp4": LayerQuant("nvfp4"), "int8": LayerQuant("int8_tensorwise"),
+COMFY_FORMATS = {"nvfp4": LayerQuant("nvfp4"), "mxfp8": LayerQuant("mxfp8"), "int8": LayerQuant("int8_tensorwise"),
                  "int8_convrot": LayerQuant("int8_tensorwise", 256)}
 #: ConvRot's group and the FLOP its ``q @ H`` costs per value (a multiply-add per group column).
 CONVROT_GROUP = 256
@@ -274,6 +274,12 @@ def on_paper(res: dict, link_share: float) -> list[dict]:
     return rows
 
 
+def print_kernels(rows: dict) -> None:
+    for q, r in rows.items():
+        print(f"dequant {q} 4096x16384: {r['kernel_ms']:.3f} ms ({r['gb_per_s']:.0f} GB/s, "
+              f"{r['share_of_peak']:.0%} of the H200's peak); eager torch {r['eager_torch_ms']:.3f} ms", flush=True)
+
+
 def print_on_paper(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['format']:7s} {r['gpus']} x {r['card']:17s} {r['weights']:10s} {r['video_tokens']:6d} tokens: "
@@ -288,10 +294,11 @@ def main(argv=None) -> int:
     add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--variants", default="Q8_0,Q4_K,nvfp4,int8,int8_convrot,fp8-upcast,Q8_0-lora384")
+    ap.add_argument("--variants", default="Q8_0,Q4_K,nvfp4,mxfp8,int8,int8_convrot,fp8-upcast,Q8_0-lora384")
     ap.add_argument("--link-share", type=float, default=None,
                     help="share of PCIe 4.0 x16 the host link achieves (default: from sharded_h200.json)")
     ap.add_argument("--on-paper-from", default=None, help="recompute part 3 from a saved result, without a GPU")
+    ap.add_argument("--kernels-only", action="store_true", help="part 2 alone: the dequant kernels' bandwidth")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     share = a.link_share
@@ -313,6 +320,14 @@ def main(argv=None) -> int:
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     torch.cuda.set_device(device)
     dtype = torch.bfloat16
+    if a.kernels_only:
+        warm_gpu(device)
+        res = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+               "kernels": kernel_bandwidth(device, dtype, CARDS["H200"][2])}
+        print_kernels(res["kernels"])
+        if a.out:
+            write_json(a.out, res)
+        return 0
     config = transformer_config(a)
     model = build_model(config, device, dtype)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -381,9 +396,7 @@ def main(argv=None) -> int:
         res["sizes"][key]["bf16_again_ms"] = time_ms(device, lambda s=shape: forward(s), a.warmup, a.runs)[0]
         print(f"{key}: bf16 again {res['sizes'][key]['bf16_again_ms']:.1f} ms", flush=True)
     res["kernels"] = kernel_bandwidth(device, dtype, CARDS["H200"][2])
-    for q, r in res["kernels"].items():
-        print(f"dequant {q} 4096x16384: {r['kernel_ms']:.3f} ms ({r['gb_per_s']:.0f} GB/s, "
-              f"{r['share_of_peak']:.0%} of the H200's peak); eager torch {r['eager_torch_ms']:.3f} ms", flush=True)
+    print_kernels(res["kernels"])
     res["on_paper"] = on_paper(res, share)
     print_on_paper(res["on_paper"])
     if a.out:

@@ -529,11 +529,12 @@ def test_a_gguf_transformer_on_the_gpu_equals_its_dequantized_weights(tmp_path):
 
 @needs_triton
 @pytest.mark.parametrize("quant, shape", [(("nvfp4", None, False), (4096, 1024)), (("nvfp4", None, True), (130, 200)),
+                                          (("mxfp8", None, False), (70, 100)), (("mxfp8", None, False), (1024, 4096)),
                                           (("int8_tensorwise", None, False), (300, 1000)),
                                           (("int8_tensorwise", 256, False), (512, 4096)),
                                           (("int8_tensorwise", 16, False), (70, 48))])
 def test_row_kernels_and_the_torch_path_on_the_gpu_equal_comfy_kitchens_values(quant, shape):
-    """ComfyUI's nvfp4 and int8 rows (``ltx_mgpu.quantized.rows``): the kernels give comfy-kitchen's
+    """ComfyUI's nvfp4, mxfp8 and int8 rows (``ltx_mgpu.quantized.rows``): the kernels give comfy-kitchen's
     eager values bit for bit in bf16, fp16 and fp32; int8 with ConvRot its exact rotation, within
     float32's last bits of comfy-kitchen's float32 matmul (and the same bits in the output dtype
     but where that rounding crosses a tie)."""
@@ -593,7 +594,7 @@ def test_a_bf16_lora_on_a_packed_weight_adds_what_the_float32_product_adds():
 
 @needs_triton
 def test_a_comfy_quantized_transformer_on_the_gpu_equals_its_dequantized_weights(tmp_path):
-    """nvfp4, int8 and int8 ConvRot files on the GPU: the packed rows (the kernels) compute what the
+    """nvfp4, mxfp8, int8 and int8 ConvRot files on the GPU: the packed rows (the kernels) compute what the
     float32 file of the same values computes (fp32, 1e-5)."""
     from gguf_support import AV_ODD_CASE, comfy_quant_pair, rel, wide_file
     from sp_harness import run_case
@@ -601,7 +602,7 @@ def test_a_comfy_quantized_transformer_on_the_gpu_equals_its_dequantized_weights
     from ltx_mgpu.denoise.model import load_ltx_model
     from ltx_mgpu.quantized.packed import PackedLinear
 
-    for fmt in ("nvfp4", "int8", "int8_convrot"):
+    for fmt in ("nvfp4", "mxfp8", "int8", "int8_convrot"):
         path, reference = comfy_quant_pair(wide_file(tmp_path), tmp_path, fmt)
         packed = load_ltx_model(TransformerPlan(path, dtype="fp32"), "cuda")
         dense = load_ltx_model(TransformerPlan(reference, dtype="fp32"), "cuda")

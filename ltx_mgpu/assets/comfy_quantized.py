@@ -1,5 +1,5 @@
 """LTX-2 transformer files in ComfyUI's quantized layouts, for the tests and the benchmarks: the
-block linears of a safetensors DiT written as nvfp4, int8 (± ConvRot) or fp8 layers with ComfyUI's
+block linears of a safetensors DiT written as nvfp4, mxfp8, int8 (± ConvRot) or fp8 layers with ComfyUI's
 ``comfy_quant`` markers (comfy-kitchen's tensors, :func:`ltx_mgpu.quantized.encode.quantize_layer`:
 what ComfyUI's own quantized files hold, e.g. an ``fp4_mixed`` or Kijai's ``int8_convrot``
 transformer), and the float32 file of the values such a file holds (the reference a loader is
@@ -30,7 +30,7 @@ __all__ = ["FORMATS", "block_linear_formats", "dequantized_copy", "export_comfy_
 #: The formats :func:`block_linear_formats` names: ``LayerQuant`` by name (int8 ConvRot of group
 #: 256 where it divides the input width, else the largest of 64 or 16 that does, as ComfyUI's
 #: writers choose for narrow layers).
-FORMATS = ("nvfp4", "int8", "int8_convrot", "fp8")
+FORMATS = ("nvfp4", "mxfp8", "int8", "int8_convrot", "fp8")
 
 
 def block_linear_formats(name: str) -> Callable[[str, tuple[int, ...]], LayerQuant | None]:
@@ -45,6 +45,8 @@ def block_linear_formats(name: str) -> Callable[[str, tuple[int, ...]], LayerQua
             return None
         if name == "nvfp4":  # whole 16 x 16 tiles: no padding (whose rows the header could not tell)
             return LayerQuant("nvfp4") if shape[0] % 16 == 0 and shape[1] % 16 == 0 else None
+        if name == "mxfp8":  # whole 32 x 32 tiles: no padding
+            return LayerQuant("mxfp8") if shape[0] % 32 == 0 and shape[1] % 32 == 0 else None
         if name == "fp8":
             return LayerQuant("float8_e4m3fn")
         if name == "int8":

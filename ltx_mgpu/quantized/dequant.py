@@ -22,6 +22,10 @@ row, ``c`` column, ``dtype`` the output dtype):
   AWQ-style input smoothing, which later ComfyUI versions multiply into the layer's input) is
   folded into the columns: ``w[:, c] *= p[c]`` in fp32, then cast to ``dtype``.
 * ``float8_e4m3fn`` / ``float8_e5m2``: ``w = q.to(dtype) * scale.to(dtype)`` (scale 1 if absent).
+* ``mxfp8`` (OCP's MX FP8: FP8 E4M3 elements, one E8M0 power-of-two scale per 32 consecutive
+  elements of a row, in the same swizzled tiles as nvfp4's): ``w[r, c] = q[r, c] * 2^(e[r, c // 32]
+  - 127)`` in fp32 (an exponent of 0 gives 0, as comfy-kitchen's ``e8m0_to_f32``), then cast to
+  ``dtype``; the padding to multiples of 32 is cut off.
 * ``int8_tensorwise``: ``w = q * scale`` in fp32 (a scalar, or one scale per row); with ConvRot of
   group ``g`` the writer stored ``W @ H^T`` per group of ``g`` input columns, ``H`` the regular
   Hadamard matrix of size ``g`` (Kronecker powers of the 4 x 4 regular Hadamard matrix, divided by
@@ -96,6 +100,8 @@ def dequantize(quant: LayerQuant, parts: Mapping[str, torch.Tensor], dtype: torc
         if quant.pre_quant_scale:  # one per logical column: the padding columns are cut first
             columns = p["pre_quant_scale"].reshape(-1)
             w = (w[:, : columns.numel()].float() * columns.float()).to(dtype)
+    elif quant.format == "mxfp8":
+        w = eager.dequantize_mxfp8(q, p["weight_scale"].view(torch.uint8).view(torch.float8_e8m0fnu), dtype)
     elif quant.format in ("float8_e4m3fn", "float8_e5m2"):
         scale = p[quant.scale] if quant.scale else torch.ones((), dtype=torch.float32, device=dev)
         w = eager.dequantize_per_tensor_fp8(q, scale, dtype)

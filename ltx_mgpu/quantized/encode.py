@@ -24,7 +24,8 @@ __all__ = ["LAYOUTS", "quantize_layer", "marker_tensor"]
 
 #: comfy-kitchen's layout class for each format, as ComfyUI names it (``QUANT_ALGOS``).
 LAYOUTS = {"nvfp4": "TensorCoreNVFP4Layout", "float8_e4m3fn": "TensorCoreFP8Layout",
-           "float8_e5m2": "TensorCoreFP8Layout", "int8_tensorwise": "TensorWiseINT8Layout"}
+           "float8_e5m2": "TensorCoreFP8Layout", "int8_tensorwise": "TensorWiseINT8Layout",
+           "mxfp8": "TensorCoreMXFP8Layout"}
 
 
 def marker_tensor(quant: LayerQuant) -> torch.Tensor:
@@ -64,6 +65,8 @@ def quantize_layer(weight: torch.Tensor, quant: LayerQuant) -> dict[str, torch.T
             raise ValueError(f"ConvRot group {quant.convrot_groupsize} does not divide {weight.shape[1]} columns")
         kwargs = {"per_channel": True, "convrot": True, "convrot_groupsize": quant.convrot_groupsize}
     qt = QuantizedTensor.from_float(weight.contiguous(), LAYOUTS[quant.format], **kwargs)
-    out = {k: v.contiguous() for k, v in qt.state_dict("weight").items()}
+    # E8M0 scales are stored as uint8, as ComfyUI writes and reads them (safetensors has no torch dtype for them)
+    out = {k: (v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v).contiguous()
+           for k, v in qt.state_dict("weight").items()}
     out["comfy_quant"] = marker_tensor(quant)
     return out

@@ -1,8 +1,8 @@
 """Triton kernels that dequantize a packed weight in one launch, straight into the compute dtype:
 the GGML legacy 32-value blocks (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``), the K-quant
 super-blocks (``Q2_K`` ... ``Q6_K``), float8 e4m3 weights with a scale per row (the ``upcast``
-of :mod:`ltx_mgpu.denoise.fp8`), and ComfyUI's nvfp4 and int8 (± ConvRot) layers as the packed
-rows of :mod:`ltx_mgpu.quantized.rows`.
+of :mod:`ltx_mgpu.denoise.fp8`), and ComfyUI's nvfp4, mxfp8 and int8 (± ConvRot) layers as the
+packed rows of :mod:`ltx_mgpu.quantized.rows`.
 
 Why: dequantizing a weight with torch's eager operations takes one kernel per step (a K-quant
 about twenty, each reading and writing float32 copies of the whole weight), and a packed model
@@ -17,7 +17,8 @@ values are the same bits, and the cast to bf16 / fp16 rounds to nearest even as 
 The e4m3 upcast is ``(w.float() * scale[:, None]).to(dtype)``, the same way. nvfp4 follows
 comfy-kitchen's eager ``dequantize_nvfp4`` operation by operation in the output dtype (the two
 scales multiplied and rounded, then the element; both products are exact before their one
-rounding, as torch's are), so it gives the same bits; int8 is ``q * s`` in float32, then cast.
+rounding, as torch's are), so it gives the same bits; int8 is ``q * s`` and mxfp8 ``q * 2^e`` in
+float32, then cast.
 int8 with ConvRot computes ``q @ H`` on the tensor cores from fp16 operands (integers of at most
 127 times ±1: exact products, sums below 2^24: exact in the float32 accumulator), then multiplies
 by ``s / sqrt(g)`` (a power of two for the power-of-4 groups) and rounds once.
@@ -34,8 +35,8 @@ import torch
 
 from ltx_mgpu.quantized.ggml import BLOCK_SHAPES
 
-__all__ = ["GGML_KERNEL_TYPES", "available", "dequantize_ggml", "dequantize_int8_rows", "dequantize_nvfp4_rows",
-           "upcast_e4m3"]
+__all__ = ["GGML_KERNEL_TYPES", "available", "dequantize_ggml", "dequantize_int8_rows", "dequantize_mxfp8_rows",
+           "dequantize_nvfp4_rows", "upcast_e4m3"]
 
 #: The GGML types the kernels decode, by family: the value of the family's ``KIND`` switch.
 _LEGACY = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4}
@@ -214,6 +215,21 @@ if HAVE_TRITON:  # the kernels are module-level functions: Triton resolves the h
         tl.store(out + r[:, None] * cols + c[None, :], w.to(dt), mask=live)
 
     @triton.jit
+    def _mxfp8_rows(src, out, rows, cols, stored, row_bytes, ROUND: tl.constexpr, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+        live = (r[:, None] < rows) & (c[None, :] < cols)
+        row = src + r[:, None] * row_bytes
+        x = tl.load(row + c[None, :], mask=live, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        e = tl.load(row + stored + c[None, :] // 32, mask=live, other=0).to(tl.int32)
+        s = tl.where(e == 0, 0.0, (e << 23).to(tl.float32, bitcast=True))  # 2^(e - 127); 0 for e = 0
+        w = x * s
+        if ROUND:
+            w = w.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out + r[:, None] * cols + c[None, :], w, mask=live)
+
+    @triton.jit
     def _int8_rows(src, out, rows, cols, row_bytes, ROUND: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         c = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
@@ -359,6 +375,26 @@ def dequantize_nvfp4_rows(packed: torch.Tensor, cols: int, stored: int, tensor_s
                               n, cols, stored, packed.shape[1], HAS_COLUMNS=column_scale is not None,
                               ROUND=out.dtype != torch.float32, ROWS=_UPCAST_ROWS, COLS=_UPCAST_COLS,
                               num_warps=_WARPS, enable_fp_fusion=False)
+    return out
+
+
+def dequantize_mxfp8_rows(packed: torch.Tensor, cols: int, stored: int, out: torch.Tensor) -> torch.Tensor:
+    """mxfp8 packed rows (``uint8`` ``[n, stored + stored / 32]``: the row's e4m3 values, then its
+    E8M0 exponents) into ``out`` (``[n, cols]``, bf16 / fp16 / fp32) in one launch: comfy-kitchen's
+    eager ``dequantize_mxfp8``, ``q * 2^(e - 127)`` in float32 (0 for ``e = 0``), then cast.
+    Returns ``out``.
+
+    Raises:
+        ValueError: rows or ``out`` of another dtype, shape, layout or device.
+    """
+    _check_rows(packed, stored + stored // 32, "mxfp8")
+    n = packed.shape[0]
+    _check_out(out, n * cols, packed.device)
+    if out.numel():
+        grid = (-(-n // _UPCAST_ROWS), -(-cols // _UPCAST_COLS))
+        with torch.cuda.device(packed.device):
+            _mxfp8_rows[grid](packed, out, n, cols, stored, packed.shape[1], ROUND=out.dtype != torch.float32,
+                              ROWS=_UPCAST_ROWS, COLS=_UPCAST_COLS, num_warps=_WARPS, enable_fp_fusion=False)
     return out
 
 

@@ -28,10 +28,14 @@ the tensors are comfy-kitchen's layouts, ``comfy_kitchen/tensor/*.py``):
                                         row); the marker's ``convrot`` / ``convrot_groupsize`` (default
                                         256; at the top or under ``params``) say the rows were rotated
                                         by a Hadamard matrix per group of input columns
+  ``mxfp8``             F8 ``[R, C]``   ``weight_scale`` U8 ``[roundup(R, 128), roundup(C/32, 4)]``: an
+                                        E8M0 exponent per 32 elements of a row, in cuBLAS's swizzled
+                                        tiles (ComfyUI stores them as uint8: ``comfy/ops.py``)
   ====================  ==============  ================================================================
 
-  ``R, C`` are the weight's rows and columns, padded to multiples of 16 for nvfp4 (the logical
-  shape, :meth:`LayerQuant.logical_shape`); the formulas are :mod:`ltx_mgpu.quantized.dequant`'s;
+  ``R, C`` are the weight's rows and columns, padded to multiples of 16 for nvfp4 and of 32 for
+  mxfp8 (the logical shape, :meth:`LayerQuant.logical_shape`); the formulas are
+  :mod:`ltx_mgpu.quantized.dequant`'s;
 * ComfyUI's other formats (:data:`UNREADABLE`) raise :class:`QuantFormatError` naming the format.
 """
 
@@ -48,10 +52,9 @@ __all__ = ["READABLE", "UNREADABLE", "AUX_SUFFIXES", "QuantFormatError", "LayerQ
            "read_file_quant", "marker_json"]
 
 #: The formats :mod:`ltx_mgpu.quantized.dequant` turns into dense weights.
-READABLE = ("nvfp4", "float8_e4m3fn", "float8_e5m2", "int8_tensorwise")
+READABLE = ("nvfp4", "float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8")
 #: ComfyUI's other per-layer formats (``comfy/quant_ops.py``, later versions), which are refused.
 UNREADABLE = {
-    "mxfp8": "MXFP8, fp8 with e8m0 block scales",
     "convrot_w4a4": "4-bit weights and activations with a Hadamard rotation",
     "asym_w4a8_int8": "4-bit weights with fp8 group scales for int8 activations",
     "awq_w4a16": "AWQ 4-bit weights with group scales and zero points",
@@ -61,7 +64,8 @@ UNREADABLE = {
 AUX_SUFFIXES = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale", ".pre_quant_scale",
                 ".scale_weight", ".scale_input")
 _HEADER_KEY = "_quantization_metadata"
-_STORED_AS = {"nvfp4": "U8", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int8_tensorwise": "I8"}
+_STORED_AS = {"nvfp4": "U8", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int8_tensorwise": "I8",
+              "mxfp8": "F8_E4M3"}
 _FP8_BY_DTYPE = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
@@ -199,12 +203,13 @@ def _layer(conf: dict, layer: str, keys: set[str], slices: dict, where: str, hin
     if missing:
         raise QuantFormatError(f"{where}: layer {layer} is {fmt!r} but {', '.join(missing)} is missing; the file is "
                                f"incomplete{hint}")
-    if fmt == "nvfp4":
+    if fmt in ("nvfp4", "mxfp8"):
         scales = slices[f"{layer}.weight_scale"]
-        want = [_roundup(shape[0], 128), _roundup(shape[1] * 2 // 16, 4)]
-        if scales.get_dtype() not in ("F8_E4M3", "U8") or list(scales.get_shape()) != want:
+        cols, block, kinds = (shape[1] * 2, 16, ("F8_E4M3", "U8")) if fmt == "nvfp4" else (shape[1], 32, ("U8",))
+        want = [_roundup(shape[0], 128), _roundup(cols // block, 4)]
+        if scales.get_dtype() not in kinds or list(scales.get_shape()) != want:
             raise QuantFormatError(f"{where}: {layer}.weight_scale is {scales.get_dtype()} {scales.get_shape()}; "
-                                   f"nvfp4 block scales of a {list(shape)} weight are F8_E4M3 {want} (cuBLAS's "
+                                   f"{fmt} block scales of a {list(shape)} weight are {kinds[0]} {want} (cuBLAS's "
                                    f"swizzled layout); the file is damaged{hint}")
     return q
 

@@ -133,6 +133,8 @@ def dequantize_rows(packed: torch.Tensor, qtype: str, cols: int, dtype: torch.dt
             if nvfp4:
                 w = kernels.dequantize_nvfp4_rows(packed, cols, -(-cols // 16) * 16, tensor_scale.float(),
                                                   None if column_scale is None else column_scale.float(), out)
+            elif quant.format == "mxfp8":
+                w = kernels.dequantize_mxfp8_rows(packed, cols, -(-cols // 32) * 32, out)
             else:
                 w = kernels.dequantize_int8_rows(packed, cols, group, out)
         else:

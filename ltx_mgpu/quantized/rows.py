@@ -1,4 +1,4 @@
-"""ComfyUI's quantized layers (nvfp4, int8 with or without ConvRot) held as packed rows: each row of
+"""ComfyUI's quantized layers (nvfp4, mxfp8, int8 with or without ConvRot) held as packed rows: each row of
 the weight as its stored elements followed by its own scales, so a layer is one ``uint8``
 ``[rows, row bytes]`` tensor that FSDP2's ``Shard(0)`` splits by rows and gathers as bytes, as a
 GGUF file's GGML blocks are (:mod:`ltx_mgpu.quantized.packed` holds both the same way).
@@ -6,7 +6,8 @@ GGUF file's GGML blocks are (:mod:`ltx_mgpu.quantized.packed` holds both the sam
 A format is named by its :meth:`~ltx_mgpu.quantized.layers.LayerQuant.describe` string (its
 ``qtype`` in :class:`~ltx_mgpu.quantized.packed.PackedLinear`): ``"nvfp4"``,
 ``"nvfp4+pre_quant_scale"``, ``"int8_tensorwise"``, ``"int8_tensorwise+convrot256"``.
-The row layouts (``C`` the stored columns, the weight's columns padded to 16 for nvfp4):
+The row layouts (``C`` the stored columns, the weight's columns padded to 16 for nvfp4, to 32 for
+mxfp8):
 
 ==========================  =======================================================  ==================
 format                      one row's bytes                                          beside the rows
@@ -20,6 +21,8 @@ format                      one row's bytes                                     
                                                                                      ``[C]``, if any
 ``int8_tensorwise``         ``C`` int8 elements, then the row's float32 scale         nothing
                             (little-endian; a per-tensor scale is repeated per row)
+``mxfp8``                   ``C`` float8 e4m3 elements, then ``C / 32`` E8M0          nothing
+                            exponents (out of the swizzled tiles, as nvfp4's)
 ==========================  =======================================================  ==================
 
 :func:`pack_rows` turns a layer's stored tensors (as :func:`ltx_mgpu.quantized.layers.read_file_quant`
@@ -27,7 +30,7 @@ describes them) into these rows; :func:`dequantize` turns rows back into the den
 comfy-kitchen's own eager functions (the row-order block scales put back into the swizzled tiles
 first), so the values are ComfyUI-on-CPU's bit for bit (:mod:`ltx_mgpu.quantized.dequant` gives the
 formulas). On a CUDA device :mod:`ltx_mgpu.quantized.kernels` dequantizes the same rows in one
-launch: nvfp4 and plain int8 to the same bits; int8 with ConvRot as the exact rotation of the
+launch: nvfp4, mxfp8 and plain int8 to the same bits; int8 with ConvRot as the exact rotation of the
 integers (``q @ H`` is exact in float32, then one rounding), where comfy-kitchen's float32 matmul
 of ``q * s`` by ``H`` rounds at every addition: the two agree to float32's last bits, not always
 bit for bit.
@@ -43,7 +46,7 @@ __all__ = ["ROW_FORMATS", "RowFormatError", "dequantize", "is_row_format", "pack
            "split"]
 
 #: The ComfyUI formats held as packed rows (the fp8 ones are held as e4m3 by ``ltx_mgpu.denoise.fp8``).
-ROW_FORMATS = ("nvfp4", "int8_tensorwise")
+ROW_FORMATS = ("nvfp4", "mxfp8", "int8_tensorwise")
 
 
 class RowFormatError(ValueError):
@@ -86,7 +89,8 @@ def is_row_format(qtype: str | None) -> bool:
 
 
 def _stored_columns(fmt: str, cols: int) -> int:
-    return -(-cols // 16) * 16 if fmt == "nvfp4" else cols
+    block = {"nvfp4": 16, "mxfp8": 32}.get(fmt, 1)
+    return -(-cols // block) * block
 
 
 def packed_shape(qtype: str, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -100,12 +104,12 @@ def packed_shape(qtype: str, shape: tuple[int, ...]) -> tuple[int, int]:
         raise RowFormatError(f"a {qtype} weight is 2-D, got shape {tuple(shape)}")
     rows, cols = shape
     c = _stored_columns(quant.format, cols)
-    return rows, (c // 2 + c // 16) if quant.format == "nvfp4" else c + 4
+    return rows, {"nvfp4": c // 2 + c // 16, "mxfp8": c + c // 32}.get(quant.format, c + 4)
 
 
 def _unswizzle(blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """nvfp4 block scales from cuBLAS's 128 x 4 tiles (``[roundup(rows, 128), roundup(cols, 4)]``)
-    into row order ``[rows, cols]``: comfy-kitchen's ``from_blocked``."""
+    """nvfp4 / mxfp8 block scales from cuBLAS's 128 x 4 tiles (``[roundup(rows, 128), roundup(cols,
+    4)]``) into row order ``[rows, cols]``: comfy-kitchen's ``from_blocked``."""
     from comfy_kitchen.float_utils import from_blocked  # deferred: ~2 s import, only quantized files need it
 
     return from_blocked(blocks, num_rows=rows, num_cols=cols)
@@ -173,6 +177,20 @@ def pack_rows(quant: LayerQuant, parts: dict[str, torch.Tensor], shape: tuple[in
                                      "columns")
             column_scale = finite("pre_quant_scale", p).reshape(-1).to(q.device)
         return packed.contiguous(), tensor_scale, column_scale
+    if quant.format == "mxfp8":
+        if q.dtype != torch.float8_e4m3fn or q.dim() != 2 or q.shape[1] != cols:
+            raise RowFormatError(f"{where}.weight is {q.dtype} {list(q.shape)}; mxfp8 of {list(shape)} is float8 e4m3 "
+                                 f"[rows, {cols}]")
+        blocks = parts["weight_scale"].view(torch.uint8)
+        want = [-(-max(shape[0], 1) // 128) * 128, -(-(cols // 32) // 4) * 4]
+        if blocks.dim() != 2 or list(blocks.shape) < want:
+            raise RowFormatError(f"{where}.weight_scale is {list(blocks.shape)}; mxfp8 block scales of a {list(shape)} "
+                                 f"weight are uint8 {want} (cuBLAS's swizzled tiles)")
+        scales = _unswizzle(blocks.to(q.device), shape[0], cols // 32)[r0:r1]
+        if bool((scales == 255).any()):  # E8M0's NaN
+            raise RowFormatError(f"{where}.weight_scale holds NaN or infinite values; the file is damaged: download it "
+                                 "again")
+        return torch.cat([q.view(torch.uint8), scales.contiguous()], dim=1).contiguous(), None, None
     if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] != cols:
         raise RowFormatError(f"{where}.weight is {q.dtype} {list(q.shape)}; int8 of {list(shape)} is int8 "
                              f"[rows, {cols}]")
@@ -191,12 +209,15 @@ def pack_rows(quant: LayerQuant, parts: dict[str, torch.Tensor], shape: tuple[in
 
 def split(packed: torch.Tensor, qtype: str, cols: int) -> dict[str, torch.Tensor]:
     """Packed rows back into their stored parts, row order: ``{"weight", "scales"}`` (nvfp4:
-    uint8 ``[n, C/2]`` and float8 e4m3 ``[n, C/16]``; int8: int8 ``[n, C]`` and float32 ``[n, 1]``)."""
+    uint8 ``[n, C/2]`` and float8 e4m3 ``[n, C/16]``; mxfp8: float8 e4m3 ``[n, C]`` and uint8
+    E8M0 exponents ``[n, C/32]``; int8: int8 ``[n, C]`` and float32 ``[n, 1]``)."""
     quant = parse(qtype)
     c = _stored_columns(quant.format, cols)
     n = packed.shape[0]
     if quant.format == "nvfp4":
         return {"weight": packed[:, : c // 2], "scales": packed[:, c // 2:].contiguous().view(torch.float8_e4m3fn)}
+    if quant.format == "mxfp8":
+        return {"weight": packed[:, :c].contiguous().view(torch.float8_e4m3fn), "scales": packed[:, c:].contiguous()}
     return {"weight": packed[:, :c].contiguous().view(torch.int8),
             "scales": packed[:, c:].contiguous().view(torch.float32).reshape(n, 1)}
 
@@ -207,8 +228,8 @@ def dequantize(packed: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype,
     comfy-kitchen's eager functions (module doc), on ``packed``'s device.
 
     nvfp4 is computed in ``dtype`` as ComfyUI computes it (the two scales multiplied in ``dtype``,
-    then the element), ``column_scale`` folded into the columns in float32; int8 in float32
-    (``q * s``, then the ConvRot rotation), then cast.
+    then the element), ``column_scale`` folded into the columns in float32; mxfp8 and int8 in
+    float32 (``q * 2^e``; ``q * s``, then the ConvRot rotation), then cast.
     """
     from comfy_kitchen.backends import eager  # deferred: ~2 s import, only quantized files need it
     from comfy_kitchen.float_utils import to_blocked  # deferred, as above
@@ -223,6 +244,9 @@ def dequantize(packed: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype,
         if column_scale is not None:
             w = (w.float() * column_scale.float()).to(dtype)
         return w.contiguous()
+    if quant.format == "mxfp8":
+        blocks = to_blocked(parts["scales"], flatten=False).view(torch.float8_e8m0fnu)
+        return eager.dequantize_mxfp8(parts["weight"], blocks, dtype)[:, :cols].contiguous()
     if quant.convrot_groupsize:
         w = eager.dequantize_int8_convrot_weight(parts["weight"], parts["scales"], quant.convrot_groupsize)
     else:

@@ -24,7 +24,7 @@ from ltx_mgpu.quantized.encode import quantize_layer
 from ltx_mgpu.quantized.layers import LayerQuant
 from ltx_mgpu.quantized.packed import STORAGE_DTYPE, LoraDelta, PackedLinear, packed_shape
 
-PACKED = {"nvfp4": "nvfp4", "int8": "int8_tensorwise", "int8_convrot": "int8_tensorwise+convrot256"}
+PACKED = {"nvfp4": "nvfp4", "mxfp8": "mxfp8", "int8": "int8_tensorwise", "int8_convrot": "int8_tensorwise+convrot256"}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,7 @@ def wide(tmp_path_factory):
     (LayerQuant("nvfp4"), (130, 200)),  # padded to 144 x 208 as stored
     (LayerQuant("nvfp4", pre_quant_scale=True), (64, 96)),
     (LayerQuant("nvfp4", pre_quant_scale=True), (30, 200)),  # padded columns and a scale per logical one
+    (LayerQuant("mxfp8"), (70, 100)),  # padded to 96 x 128 as stored
     (LayerQuant("int8_tensorwise"), (33, 64)),
     (LayerQuant("int8_tensorwise", 64), (40, 128)),
     (LayerQuant("int8_tensorwise", 16), (7, 48)),
@@ -57,7 +58,7 @@ def test_packed_rows_dequantize_to_comfy_kitchens_own_values(quant, shape, dtype
     assert torch.equal(shard, packed[part])
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "int8", "int8_convrot"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "int8", "int8_convrot"])
 def test_a_comfy_quantized_transformer_computes_what_its_dequantized_weights_compute(wide, tmp_path, fmt):
     path, reference = comfy_quant_pair(wide, tmp_path, fmt)
     info = inspect_checkpoint(path)
@@ -139,6 +140,7 @@ def test_dtype_fp8_is_refused_for_a_comfy_quantized_file(wide, tmp_path):
 
 @pytest.mark.parametrize("fmt, tensor, value", [("nvfp4", "weight_scale_2", float("nan")),
                                                  ("nvfp4", "weight_scale", float("inf")),
+                                                 ("mxfp8", "weight_scale", float("nan")),
                                                  ("int8_convrot", "weight_scale", float("nan"))])
 @pytest.mark.parametrize("weights", ["replicated", "sharded-rows"])
 def test_a_damaged_scale_is_refused_at_load_naming_the_layer(wide, tmp_path, fmt, tensor, value, weights):
@@ -149,6 +151,9 @@ def test_a_damaged_scale_is_refused_at_load_naming_the_layer(wide, tmp_path, fmt
     if t.dtype == torch.float8_e4m3fn:
         t = t.clone()
         t.view(torch.uint8)[0, 0] = 0x7F  # e4m3's NaN
+    elif t.dtype == torch.uint8:
+        t = t.clone()
+        t[0, 0] = 0xFF  # E8M0's NaN
     else:
         t = t.clone()
         t.reshape(-1)[0] = value
@@ -169,7 +174,7 @@ def test_a_damaged_scale_is_refused_at_load_naming_the_layer(wide, tmp_path, fmt
 def test_row_format_names_and_their_errors():
     assert rows.parse("int8_tensorwise+convrot64") == LayerQuant("int8_tensorwise", 64)
     assert rows.parse("nvfp4+pre_quant_scale") == LayerQuant("nvfp4", pre_quant_scale=True)
-    for bad in ("float8_e4m3fn", "nvfp4+convrot256", "int8_tensorwise+pre_quant_scale", "Q4_K", "mxfp8"):
+    for bad in ("float8_e4m3fn", "nvfp4+convrot256", "int8_tensorwise+pre_quant_scale", "Q4_K", "mxfp8+convrot16"):
         assert not rows.is_row_format(bad)
         with pytest.raises(rows.RowFormatError, match="is not a packed row format"):
             rows.parse(bad)

@@ -149,9 +149,9 @@ def test_weight_scale_and_comfy_quant_fp8_formats(ckpt, tmp_path):
     ref = _outputs(load_ltx_model(TransformerPlan(legacy, dtype="fp32")), "2.3")
     _assert_equal(ref, _outputs(load_ltx_model(TransformerPlan(rewrite("quant.safetensors", "float8_e4m3fn"),
                                                                dtype="fp32")), "2.3"))
-    with pytest.raises(CheckpointError, match=r"is stored as ComfyUI 'mxfp8' \(MXFP8, fp8 with e8m0 block scales\), "
-                                              "which ltx_mgpu cannot read yet"):
-        inspect_checkpoint(rewrite("mxfp8.safetensors", "mxfp8"))
+    with pytest.raises(CheckpointError, match=r"is stored as ComfyUI 'convrot_w4a4' \(4-bit weights and activations "
+                                              r"with a Hadamard rotation\), which ltx_mgpu cannot read yet"):
+        inspect_checkpoint(rewrite("w4a4.safetensors", "convrot_w4a4"))
     with pytest.raises(CheckpointError, match="is marked 'nvfp4', whose weight ComfyUI stores as a 2-D U8 tensor, but"):
         load_ltx_model(TransformerPlan(rewrite("nvfp4.safetensors", "nvfp4"), dtype="fp32"))
 

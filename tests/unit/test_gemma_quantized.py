@@ -240,8 +240,8 @@ def _marked(files, tmp_path, layer_conf=None, drop=(), raw=None):
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"layer_conf": {"format": "mxfp8"}}, r"k_proj is stored as ComfyUI 'mxfp8' \(MXFP8.*cannot read yet.*"
-                                          r"gemma_3_12B_it_fp4_mixed"),
+    ({"layer_conf": {"format": "svdquant_w4a4"}}, r"k_proj is stored as ComfyUI 'svdquant_w4a4' \(SVDQuant.*cannot "
+                                                  r"read yet.*gemma_3_12B_it_fp4_mixed"),
     ({"layer_conf": {"format": "nvfp6"}}, r"unknown quantization format 'nvfp6'.*reads nvfp4, float8_e4m3fn"),
     ({"layer_conf": {"format": "int8_tensorwise"}}, r"marked 'int8_tensorwise'.*I8.*is U8"),
     ({"raw": b"nvfp4"}, r"comfy_quant marker is not ComfyUI's JSON"),
@@ -260,7 +260,7 @@ def test_an_unreadable_format_is_refused_from_the_header_with_the_fix(files, tin
 def test_a_vision_tower_in_another_format_does_not_block_the_text_tower(files, tmp_path):
     tensors = load_file(str(files["nvfp4"]))
     vision = next(k for k in tensors if k.startswith("vision_model.") and k.endswith(".weight"))
-    tensors[vision[: -len(".weight")] + ".comfy_quant"] = torch.tensor(list(b'{"format": "mxfp8"}'),
+    tensors[vision[: -len(".weight")] + ".comfy_quant"] = torch.tensor(list(b'{"format": "awq_w4a16"}'),
                                                                        dtype=torch.uint8)
     ok = _rewrite(files["nvfp4"], tmp_path / "vision.safetensors", tensors)
     assert detect_gemma_format(ok) == "comfy_file"
