@@ -625,14 +625,7 @@ class StateDictLoader:
                 self.packed_deltas[new] = list(deltas)
                 self.fused.add(full)
             return data
-        for a, b, s in deltas:
-            up = b.to(device) if rows is None else b.to(device)[rows]
-            delta = torch.mm(up.float(), a.to(device).float())
-            if delta.numel() != w.numel():
-                raise CheckpointError(f"a LoRA for {full} has shape {tuple(delta.shape)}, the weight {tuple(w.shape)}")
-            w = w + s * delta.reshape(w.shape)
-            self.fused.add(full)
-        return w.to(self.dtype)
+        return self._fused(w, full, rows, device).to(self.dtype)
 
     def _quantized(self, f, key: str, full: str, quant: LayerQuant, device: torch.device, rows: slice | None,
                    new: str | None) -> torch.Tensor:
@@ -663,14 +656,7 @@ class StateDictLoader:
                                   "scales); the file is damaged: download it again")
         if rows is not None:
             w = w[rows]
-        if not deltas:
-            return w
-        w = w.float()
-        for a, b, s in deltas:
-            up = b.to(device) if rows is None else b.to(device)[rows]
-            w = w + s * torch.mm(up.float(), a.to(device).float()).reshape(w.shape)
-            self.fused.add(full)
-        return w.to(self.dtype)
+        return self._fused(w.float(), full, rows, device).to(self.dtype) if deltas else w
 
     def _tensor(self, f, names: set, key: str, full: str, device: torch.device, rows: slice | None = None,
                 new: str | None = None) -> torch.Tensor:
@@ -706,11 +692,20 @@ class StateDictLoader:
                 raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor "
                                       "per-row scaling")
             w = w * (scale.reshape(-1, *([1] * (w.ndim - 1))) if scale.numel() > 1 else scale.reshape(()))
-        for a, b, s in deltas:
+        return self._fused(w, full, rows, device).to(self.dtype)
+
+    def _fused(self, w: torch.Tensor, full: str, rows: slice | None, device: torch.device) -> torch.Tensor:
+        """The float32 weight ``w`` (``rows`` of the whole, for a shard) plus the LoRA deltas of the
+        prefix-less key ``full``, ``strength * up @ down`` each in float32 (module doc).
+
+        Raises:
+            CheckpointError: a delta of another size than the weight.
+        """
+        for a, b, s in self.loras.get(full, ()):
             up = b.to(device) if rows is None else b.to(device)[rows]
-            delta = torch.mm(up, a.to(device))
+            delta = torch.mm(up.float(), a.to(device).float())
             if delta.numel() != w.numel():
                 raise CheckpointError(f"a LoRA for {full} has shape {tuple(delta.shape)}, the weight {tuple(w.shape)}")
             w = w + s * delta.reshape(w.shape)
             self.fused.add(full)
-        return w.to(self.dtype)
+        return w
