@@ -337,9 +337,6 @@ class PoolClient:
         try:
             header = wire.make_request(mtype, rid, params, tensors)
             payload = wire.tensors_to_payload(tensors)
-            if payload is not None and payload.nbytes > wire.Limits().max_payload_bytes:
-                raise wire.ProtocolError(f"the {mtype} request's tensors are {payload.nbytes} bytes, over the "
-                                         f"{wire.Limits().max_payload_bytes}-byte limit of one request")
         except wire.ProtocolError as e:
             raise BadInputError(str(e)) from None
         job = Job(self, rid, mtype, receive)
@@ -351,7 +348,11 @@ class PoolClient:
             with self._send_lock:
                 job.clock["sent"] = time.monotonic()  # before: the pool may read it before send_frame returns
                 wire.send_frame(sock, header, payload)
-        except (OSError, wire.ProtocolError) as e:
+        except wire.ProtocolError as e:  # over the frame's limits: refused before a byte went out
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise BadInputError(f"the {mtype} request: {e}") from None
+        except OSError as e:
             self.mark_dead(f"sending {mtype} failed: {e}", sock=sock)
             raise PoolFatalError(self.with_log(f"sending {mtype} to the pool failed: {e}")) from e
         return job

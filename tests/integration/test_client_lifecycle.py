@@ -83,6 +83,22 @@ def test_a_second_client_attaches_to_the_running_pool(rt):
     assert gone(pool_pids(first)) and not (rt / "cpu-2" / rendezvous.INFO_NAME).exists()
 
 
+def test_a_request_over_the_frame_limit_is_bad_input_and_the_connection_serves_on(rt, monkeypatch):
+    import torch
+
+    from ltx_mgpu.client.errors import BadInputError
+
+    client = connect(rt)
+    try:
+        pid = client.pid
+        monkeypatch.setenv("LTX_MGPU_MAX_PAYLOAD_BYTES", "1024")  # this client's limit; the pool keeps its own
+        with pytest.raises(BadInputError, match=r"the sample request: payload is \d+ bytes, over the 1024-byte limit"):
+            client.request("sample", {"positive": [], "latent": {}}, {"x": torch.zeros(1024)}, timeout=10)
+        assert client.request("selftest", {"steps": 1}, timeout=10)[0]["pid"] == pid  # nothing was sent
+    finally:
+        client.shutdown()
+
+
 def test_a_fatal_error_ends_the_job_and_the_next_request_gets_a_fresh_pool(rt):
     client = connect(rt)
     try:
