@@ -155,10 +155,8 @@ class TransformerPlan:
     storage: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint", "connectors"):
+        for name in ("checkpoint", "connectors") if self.connectors is not None else ("checkpoint",):
             raw = getattr(self, name)
-            if raw is None and name == "connectors":
-                continue
             path = os.fspath(raw) if isinstance(raw, os.PathLike) else raw
             if not isinstance(path, str) or not path:
                 raise ValueError(f"{name} must be a file path, got {raw!r:.120}")
@@ -246,8 +244,8 @@ class TransformerPlan:
         unknown = sorted(set(params) - known - {"name"})
         if unknown:
             raise ValueError(f"load_transformer has unknown field(s) {unknown}; known: {sorted(known | {'name'})}")
-        for name in ("checkpoint", "connectors"):
-            path = params.get(name, "/" if name == "connectors" else None)
+        for name in ("checkpoint", "connectors") if "connectors" in params else ("checkpoint",):
+            path = params.get(name)
             if not isinstance(path, str) or not os.path.isabs(path):
                 raise ValueError(f"load_transformer.{name} must be an absolute path (the pool's working directory is "
                                  f"not yours), got {path!r:.120}")
