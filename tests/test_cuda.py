@@ -440,6 +440,51 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(restored, plain))
 
 
+def test_one_gpu_pool_encodes_with_cuda_graphs_then_samples_with_fp8(tmp_path):
+    """The pool as ``generate`` uses it, in one worker process: prompts encoded by the graphed
+    bf16 Gemma (CUDA graphs captured and replayed), then the transformer loaded with ``dtype:
+    fp8`` (compiled e4m3 blocks) and a latent sampled. The sample equals the in-process fp8
+    sampler's (the same compiled kernels) and the embeddings the in-process graphed encoder's."""
+    from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.client.text import encode_prompts
+    from ltx_mgpu.denoise.comfyui.sampler import sample
+    from ltx_mgpu.denoise.model import load_ltx_model
+    from ltx_mgpu.nested import NestedTensorLike
+
+    encoder = TextEncoderConfig(tiny_gemma_dir(), tiny_ltx_checkpoint("2.3"), dtype="bfloat16")
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
+    proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,
+                           num_layers=tower.num_hidden_states)
+    local_encoder = PromptEncoder(tower, proj)
+    assert local_encoder.graphs is not None  # the pool's encoder is built the same way: graphed
+    want_text = local_encoder.encode(PROMPTS)
+    ckpt = _fp8_sized_checkpoint(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    cond = lambda: [[torch.randn(1, 12, 512, generator=g), {}]]  # noqa: E731 - processed context, this width
+    pos, neg = cond(), cond()
+    latent = {"samples": NestedTensorLike([torch.randn(1, 128, 3, 4, 6, generator=g),
+                                           torch.randn(1, 8, 7, 16, generator=g)]), "type": "audio"}
+    sigmas = torch.tensor([1.0, 0.725, 0.421875, 0.0])
+    local = load_ltx_model(TransformerPlan(ckpt, dtype="fp8"), "cuda")
+    want = sample(local, pos, neg, latent, sigmas=sigmas, cfg=3.0, seed=4)
+    del local
+    base = short_dir()
+    client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
+    try:
+        text, _ = encode_prompts(client, encoder, PROMPTS, cache=None)
+        loaded = remote_load_transformer(client, TransformerPlan(ckpt, dtype="fp8"), timeout=300)
+        assert loaded["plan"]["linears"] == "fp8"
+        got = remote_sample(client, SampleRequest(pos, neg, latent, sigmas=sigmas, cfg=3.0, seed=4), timeout=300)
+    finally:
+        client.shutdown()
+        cleanup(base)
+    for e, w in zip(text, want_text, strict=True):
+        torch.testing.assert_close(e.tensor.float(), w.tensor.float().cpu(), rtol=0.02, atol=0.02)
+    for a, b in zip(got["samples"].tensors, want["samples"].tensors, strict=True):
+        assert torch.isfinite(a).all() and _rel(a, b.to(a.device)) <= 1e-2, _rel(a, b.to(a.device))
+
+
 def test_fp8_is_refused_where_torch_cannot_run_the_rowwise_fp8_gemm(monkeypatch):
     """The load-time probe: a GPU whose cuBLAS / CUTLASS lacks the rowwise-scaled e4m3 GEMM is
     refused before loading, naming the fix; this GPU passes it."""
