@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = {
     "transformers": "takes seconds to import",
     "bitsandbytes": "optional on machines without its kernels; loads CUDA libraries",
-    "ltx_core": "loads the LTX-2 model code (and torchaudio for the audio VAE)",
+    "ltx_core": "loads the LTX-2 model code",
     "triton": "optional (GPU machines only)",
     "av": "only the MP4 writer needs it",
     "accelerate": "only the accelerate placement needs it",
