@@ -234,14 +234,19 @@ def _node_eval(script: str) -> str:
 def test_panel_view_model_shows_state_job_and_one_memory_bar_per_rank(tmp_path):
     status = {"available": True, "message": None, "pools": [
         {"key": "gpu-0-1", "gpus": [0, 1], "nproc": 2, "state": "busy", "error": None,
-         "current": {"type": "sample", "progress": {"phase": "denoise", "step": 3, "total": 20}},
+         "current": {"type": "sample", "progress": {"phase": "denoise", "step": 3, "total": 20}, "elapsed": 41.7},
          "queue": [{"id": "x", "type": "encode", "position": 1}],
          "ranks": [{"rank": 0, "device": "cuda:0", "models": {"ltx": {}, "big": {"bytes": 3 * 2**29,
                                                                                  "plan": {"weights": "sharded"}}},
                     "memory": {"total": 80 * 2**30, "free": 20 * 2**30, "reserved": 50 * 2**30}},
                    {"rank": 1, "device": "cuda:1", "models": {},
                     "memory": {"total": 80 * 2**30, "free": 80 * 2**30, "reserved": 0}}]},
-        {"key": "cpu-2", "gpus": [], "nproc": 2, "state": "not running", "ranks": [], "queue": []}]}
+        {"key": "cpu-2", "gpus": [], "nproc": 2, "state": "not running", "ranks": [], "queue": []},
+        {"key": "cpu-4", "gpus": [], "nproc": 4, "state": "starting", "ranks": [], "queue": [],
+         "current": {"id": None, "type": "start", "progress": {"phase": "pool", "step": 0, "total": 1},
+                     "elapsed": 12.2}},
+        {"key": "gpu-2", "gpus": [2], "nproc": 1, "state": "busy", "ranks": [], "queue": [],
+         "current": {"type": "load_text_encoder", "progress": {"phase": "load_text_encoder", "step": 0, "total": 1}}}]}
     module = tmp_path / "ltx_mgpu_panel.mjs"  # .mjs: an ES module whatever Node's module detection
     module.write_text((REPO / "web" / "ltx_mgpu_panel.js").read_text())
     url = module.as_uri()
@@ -250,9 +255,13 @@ def test_panel_view_model_shows_state_job_and_one_memory_bar_per_rank(tmp_path):
                      f" na: summarize({{available: false, message: 'Linux only'}})}}))")
     got = json.loads(out)
     view = got["v"]
-    assert view["busy"] is True and [p["state"] for p in view["pools"]] == ["busy", "not running"]
+    assert view["busy"] is True
+    assert [p["state"] for p in view["pools"]] == ["busy", "not running", "starting", "busy"]
     gpu = view["pools"][0]
-    assert gpu["title"] == "GPUs 0,1" and gpu["job"] == "sample · denoise 3/20" and gpu["queued"] == 1
+    assert gpu["title"] == "GPUs 0,1" and gpu["job"] == "Sampling (SP Sampler) · denoising 3/20 · 41 s"
+    assert gpu["queued"] == 1
+    assert view["pools"][2]["job"] == "Starting the pool · 12 s"  # the words people read, not the pool's job ids
+    assert view["pools"][3]["job"] == "Loading Gemma"
     assert [b["fraction"] for b in gpu["bars"]] == [0.75, 0] and gpu["bars"][0]["text"] == "60.0 GiB / 80.0 GiB"
     assert gpu["bars"][0]["models"] == ["ltx", "big · 1.5 GiB shard"] and view["pools"][1]["title"] == "CPU × 2"
     assert got["b"] == "1.5 GiB" and got["na"]["message"] == "Linux only" and got["na"]["pools"] == []
