@@ -170,3 +170,45 @@ def test_the_frontend_lists_the_copies_and_converts_each_to_what_ran(installed):
         assert not got["unknown"], (name, got["unknown"])
         want = tiny_api_workflow(api_workflow(name), picks)
         assert got["api"] == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in want.items()}, name
+
+
+def test_browse_templates_gets_thumbnails_the_display_name_and_official_downloads(installed):
+    """What Browse Templates and the missing-models dialog read for this pack: each workflow's
+    ``.jpg`` beside it, the group's title through ComfyUI's i18n (``locales/``), and each
+    ``properties.models`` entry equal to the one ComfyUI's own LTX-2 templates give that file."""
+    import urllib.request
+
+    srv, _ = installed
+    for name in WORKFLOWS:
+        with urllib.request.urlopen(f"{srv.url}/api/workflow_templates/ltx-mgpu/{name}.jpg", timeout=30) as r:
+            assert r.status == 200 and r.read(3) == b"\xff\xd8\xff", name
+    _, i18n = http(f"{srv.url}/i18n")
+    assert i18n["en"]["templateWorkflows"]["category"]["ltx-mgpu"] == "LTX-2 Multi-GPU"
+
+    official = {}
+
+    def collect(value):
+        if isinstance(value, dict):
+            for m in value.get("models") or []:
+                if isinstance(m, dict) and "name" in m:
+                    official.setdefault(m["name"], (m.get("url"), m.get("directory")))
+            for v in value.values():
+                collect(v)
+        elif isinstance(value, list):
+            for v in value:
+                collect(v)
+
+    import importlib.util
+
+    for package in ("comfyui_workflow_templates_media_video", "comfyui_workflow_templates_media_image"):
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            continue
+        for template in Path(spec.origin).parent.glob("templates/*ltx2*.json"):
+            collect(json.loads(template.read_text()))
+    if not official:
+        pytest.skip("ComfyUI's workflow template packages are not installed here")
+    for path in shipped_workflows():
+        for node in json.loads(path.read_text())["nodes"]:
+            for m in node.get("properties", {}).get("models", []):
+                assert (m["url"], m["directory"]) == official[m["name"]], (path.name, m)

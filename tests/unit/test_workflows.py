@@ -199,6 +199,59 @@ def test_api_twin_is_the_ui_workflow_converted(path):
                 assert value in contract["choices"][name], f"{path.stem}: {node_id}.{name}={value!r}"
 
 
+#: The official download of each model file the workflows name, as ComfyUI's own LTX-2 templates
+#: list them (comfyui-workflow-templates 0.9.73: ``video_ltx2_t2v.json`` and its siblings, node
+#: ``properties.models``; ``tests/comfyui/test_comfyui_try_it.py`` checks this table against the
+#: installed template packages).
+OFFICIAL_MODELS = {
+    "ltx-2-19b-dev.safetensors": {
+        "url": "https://huggingface.co/Lightricks/LTX-2/resolve/main/ltx-2-19b-dev.safetensors",
+        "directory": "checkpoints"},
+    "gemma_3_12B_it.safetensors": {
+        "url": "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/gemma_3_12B_it.safetensors",
+        "directory": "text_encoders"},
+}
+#: Model pickers: node type -> widget indices holding a model file (a projection: ``folder/name``).
+MODEL_WIDGETS = {"LTXMGPU_GemmaLoader": (0, 1), "LTXMGPU_ModelLoader": (0,), "LTXVAudioVAELoader": (0,),
+                 "CheckpointLoaderSimple": (0,)}
+
+
+@pytest.mark.parametrize("path", _ui_files(), ids=lambda p: p.stem)
+def test_every_model_a_workflow_names_comes_with_its_official_download(path):
+    """ComfyUI's missing-models dialog offers a download for each file a node lists in
+    ``properties.models`` (name, URL, folder): every model picker's file is listed on its node,
+    with the URL and folder ComfyUI's own templates give it."""
+    ui = json.loads(path.read_text())
+    for node in ui["nodes"]:
+        names = [node["widgets_values"][i].rsplit("/", 1)[-1] for i in MODEL_WIDGETS.get(node["type"], ())]
+        listed = node["properties"].get("models", [])
+        assert [m["name"] for m in listed] == list(dict.fromkeys(names)), (path.name, node["type"])
+        for m in listed:
+            assert {k: m[k] for k in ("url", "directory")} == OFFICIAL_MODELS[m["name"]], (path.name, m["name"])
+
+
+def test_every_workflow_has_a_thumbnail_as_comfyui_serves_custom_templates():
+    """Browse Templates shows ``/api/workflow_templates/<pack>/<name>.jpg`` for a custom node's
+    template: each workflow has a JPEG beside it."""
+    for path in _ui_files():
+        thumb = path.with_suffix(".jpg")
+        assert thumb.is_file(), f"{thumb.name} is missing (make it with: python docs/thumbnails.py)"
+        head = thumb.read_bytes()[:3]
+        assert head == b"\xff\xd8\xff", f"{thumb.name} is not a JPEG"
+
+
+def test_templates_are_grouped_under_the_display_name():
+    """Browse Templates titles a custom node's group by its folder name, through the i18n key
+    ``templateWorkflows.category.<folder>``; the pack's ``locales/en/main.json`` gives the folder
+    names it is installed under (the registry's and the README's clone: the pyproject name) its
+    display name."""
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    categories = json.loads((REPO / "locales" / "en" / "main.json").read_text())["templateWorkflows"]["category"]
+    display = meta["tool"]["comfy"]["DisplayName"]
+    assert categories[meta["project"]["name"]] == display
+    assert set(categories.values()) == {display} and "locales/" in meta["tool"]["comfy"]["includes"]
+
+
 def test_workflows_cover_the_three_use_cases():
     types = {p.stem: {n["type"] for n in json.loads(p.read_text())["nodes"]} for p in _ui_files()}
     t2v = next(t for t in types.values() if "LTXMGPU_SPSampler" in t)
