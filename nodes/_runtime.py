@@ -212,7 +212,8 @@ class JobWatch:
     every :data:`~ltx_mgpu.heartbeat.HEARTBEAT_S` seconds (``_comfy.progress_text``; the words of
     ``ltx_mgpu.client.phases``): the pool starting (this process's client launching it), a phase
     the node names (:meth:`phase`, e.g. a model load, which reports no steps), or the pool's last
-    progress event. :attr:`texts` keeps what was shown (the tests read it).
+    progress event. At the end the text says how it went ("done in 65 s", "stopped after 3 s",
+    "failed after 2 s"). :attr:`texts` keeps the phases shown (the tests read it).
     """
 
     def __init__(self, node_id: str | None, heartbeat: float = HEARTBEAT_S):
@@ -285,8 +286,11 @@ class JobWatch:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._heartbeat.stop()
-        if self.texts and self.node_id is not None:  # the node's text ends with what happened, not a phase
-            _comfy.progress_text("", self.node_id)
+        if self.texts:  # the node's text ends with what happened, not a phase still "running"
+            seconds = int(time.monotonic() - self._heartbeat.started)
+            outcome = "done" if exc is None else "stopped" if self.interrupted else "failed"
+            _comfy.progress_text(f"{outcome} in {seconds} s" if exc is None else f"{outcome} after {seconds} s",
+                                 self.node_id)
         if exc is None or not self.interrupted:
             return False
         from ltx_mgpu.client.errors import JobCancelledError, PoolFatalError
