@@ -34,7 +34,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ltx_mgpu.assets import EMBEDDED_GEMMA, tiny_gemma_dir, tiny_ltx_checkpoint, tiny_ltx_checkpoint_gemma270m
+from ltx_mgpu.assets import (
+    EMBEDDED_GEMMA,
+    comfyui_root,
+    tiny_gemma_dir,
+    tiny_ltx_checkpoint,
+    tiny_ltx_checkpoint_gemma270m,
+)
 from ltx_mgpu.assets.audio import ltx_core_audio_vae
 from ltx_mgpu.assets.gemma270m import gemma_270m_available, gemma_270m_dir
 from ltx_mgpu.assets.weights import init_tensor
@@ -173,10 +179,7 @@ def install_into_comfyui(comfyui: str | os.PathLike, gemma: str = "auto", workfl
         ValueError: an unknown ``gemma``.
         ModuleNotFoundError: ``"gemma-270m"`` without its package.
     """
-    root = Path(comfyui).expanduser().resolve()
-    if not (root / "main.py").is_file() and not (root / "models").is_dir():
-        raise FileNotFoundError(f"--comfyui {comfyui}: not a ComfyUI folder (no main.py or models/ in {root}); give "
-                                "the folder that holds ComfyUI's main.py")
+    root = comfyui_root(comfyui)
     if gemma not in EMBEDDED_GEMMA:
         raise ValueError(f"--gemma must be one of {list(EMBEDDED_GEMMA)}, got {gemma!r}")
     real = gemma == "gemma-270m" or (gemma == "auto" and gemma_270m_available())

