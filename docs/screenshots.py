@@ -156,8 +156,8 @@ QUEUE = """(async () => {
   return __ltxFit([1, 2, 3, 4, 10, 11], panel.right + 20, 150, false); })()"""
 BUSY_WITH_RANKS = """(() => { const p = document.querySelector('.ltx-mgpu-panel .ltx-mgpu-pool[data-state="busy"]');
   const job = p && p.querySelector('.ltx-mgpu-job');
-  return !!job && p.querySelectorAll('.ltx-mgpu-rank').length === 2 && /denoise (\\d+)\\//.test(job.textContent)
-    && Number(job.textContent.match(/denoise (\\d+)\\//)[1]) >= 50; })()"""
+  return !!job && p.querySelectorAll('.ltx-mgpu-rank').length === 2 && /denois\\w* (\\d+)\\//.test(job.textContent)
+    && Number(job.textContent.match(/denois\\w* (\\d+)\\//)[1]) >= 50; })()"""
 
 
 async def take(ws_url: str) -> None:

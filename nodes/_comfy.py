@@ -183,6 +183,30 @@ def progress_bar(total: float, node_id: str | None):
         return cls(total)
 
 
+#: Fallback text hook ``hook(node_id, text)`` (``progress_text``'s twin without ComfyUI's server).
+PROGRESS_TEXT_HOOK: Callable[[str | None, str], Any] | None = None
+
+
+def set_progress_text_hook(hook: Callable[[str | None, str], Any] | None) -> None:
+    """Install the fallback text hook (None removes it); used when ComfyUI's server is absent."""
+    global PROGRESS_TEXT_HOOK
+    PROGRESS_TEXT_HOOK = hook
+
+
+def progress_text(text: str, node_id: str | None) -> None:
+    """Show ``text`` on node ``node_id`` as ComfyUI's own API nodes show their status and elapsed
+    time (``PromptServer.send_progress_text``; the frontend draws it on the node); the fallback
+    hook without ComfyUI's server; nothing without a node id."""
+    if node_id is None:
+        return
+    server = prompt_server()
+    send = getattr(server, "send_progress_text", None)
+    if send is not None:
+        send(text, node_id)
+    elif PROGRESS_TEXT_HOOK is not None:
+        PROGRESS_TEXT_HOOK(node_id, text)
+
+
 def executing_node_id() -> str | None:
     """The id of the node ComfyUI is executing in this thread (``comfy_execution.utils.
     get_executing_context()``), for code that runs inside another node's call (the CLIP's encode

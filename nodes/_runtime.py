@@ -16,15 +16,21 @@ happens.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ltx_mgpu.client.phases import phase_text
+from ltx_mgpu.heartbeat import HEARTBEAT_S, Heartbeat
 
 from . import _comfy
 
 __all__ = ["CATEGORY", "POOL", "TEXT_ENCODER", "MODEL", "PoolType", "TextEncoderType", "ModelType", "JobWatch",
-           "PoolHandle", "executing_node", "known_clients", "pool_specs", "pool_unavailable_reason", "require_pool"]
+           "PoolHandle", "executing_node", "known_clients", "pool_specs", "pool_unavailable_reason", "require_pool",
+           "starting_since"]
 
 CATEGORY = "LTX-2 Multi-GPU"
 #: Custom types passed between our nodes (ids carry the LTXMGPU prefix; core owns LTXV*).
@@ -75,6 +81,16 @@ def known_clients() -> list:
     """The pool clients this process created (one per GPU set), in creation order."""
     with _CLIENTS_LOCK:
         return list(_CLIENTS.values())
+
+
+def starting_since(key: str | None = None) -> float | None:
+    """``time.monotonic()`` when a pool client of this process began starting its pool (the pool of
+    runtime directory ``key``, or any), while it starts; else None."""
+    for client in known_clients():
+        since = getattr(client, "starting_since", None)
+        if since is not None and (key is None or str(client.spec.dir) == key):
+            return since
+    return None
 
 
 @dataclass(frozen=True)
@@ -185,19 +201,59 @@ def pool_specs() -> list:
 
 
 class JobWatch:
-    """Progress bar and Stop handling for the pool calls of one node execution.
+    """Progress bar, phase text and Stop handling for the pool calls of one node execution.
 
     Use as a context manager around the calls and pass ``should_cancel`` / ``on_progress``
     to them. On leaving with ``JobCancelledError`` (the pool confirmed the cancel) or
     ``PoolFatalError`` (the pool was killed after not confirming) while Stop was pressed, it
     raises ComfyUI's interrupt exception instead.
+
+    While it is entered, a heartbeat shows the current phase with its elapsed time on the node
+    every :data:`~ltx_mgpu.heartbeat.HEARTBEAT_S` seconds (``_comfy.progress_text``; the words of
+    ``ltx_mgpu.client.phases``): the pool starting (this process's client launching it), a phase
+    the node names (:meth:`phase`, e.g. a model load, which reports no steps), or the pool's last
+    progress event. At the end the text says how it went ("done in 65 s", "stopped after 3 s",
+    "failed after 2 s"). :attr:`texts` keeps the phases shown (the tests read it).
     """
 
-    def __init__(self, node_id: str | None):
+    def __init__(self, node_id: str | None, heartbeat: float = HEARTBEAT_S):
         self.node_id = node_id
         self.interrupted = False
         self._bar = None
         self._phase: str | None = None
+        self._progress: tuple[str, float, int, int] | None = None  # (phase, since, step, total)
+        self._named: tuple[str, float] | None = None
+        self._heartbeat = Heartbeat(self._beat, heartbeat)
+        self.texts: list[str] = []
+
+    def current_phase(self) -> str | None:
+        """The phase text shown now (``"starting the pool · 12 s"``), or None when there is none."""
+        now = time.monotonic()
+        since = starting_since()
+        if since is not None:
+            return phase_text("pool", now - since)
+        if self._named is not None:
+            return phase_text(self._named[0], now - self._named[1])
+        if self._progress is not None:
+            phase, began, step, total = self._progress
+            return phase_text(phase, now - began, step, total)
+        return None
+
+    def _beat(self, _elapsed: float) -> None:
+        text = self.current_phase()
+        if text is not None and not self.interrupted:
+            self.texts.append(text)
+            _comfy.progress_text(text, self.node_id)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Name the work inside the block (a ``ltx_mgpu.client.phases`` id such as
+        ``"load_transformer"``) for the heartbeat's text."""
+        self._named = (name, time.monotonic())
+        try:
+            yield self
+        finally:
+            self._named = None
 
     def should_cancel(self) -> bool:
         if not self.interrupted and _comfy.processing_interrupted():
@@ -207,6 +263,10 @@ class JobWatch:
     def on_progress(self, phase: str, step: int, total: int) -> None:
         if self.should_cancel():
             return
+        if self._progress is None or self._progress[0] != phase:
+            self._progress = (phase, time.monotonic(), step, total)
+        else:
+            self._progress = (phase, self._progress[1], step, total)
         try:
             if self._bar is None or phase != self._phase:
                 self._bar, self._phase = _comfy.progress_bar(total, self.node_id), phase
@@ -221,9 +281,16 @@ class JobWatch:
             self.on_progress("done", 1, 1)
 
     def __enter__(self) -> JobWatch:
+        self._heartbeat.start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._heartbeat.stop()
+        if self.texts:  # the node's text ends with what happened, not a phase still "running"
+            seconds = int(time.monotonic() - self._heartbeat.started)
+            outcome = "done" if exc is None else "stopped" if self.interrupted else "failed"
+            _comfy.progress_text(f"{outcome} in {seconds} s" if exc is None else f"{outcome} after {seconds} s",
+                                 self.node_id)
         if exc is None or not self.interrupted:
             return False
         from ltx_mgpu.client.errors import JobCancelledError, PoolFatalError

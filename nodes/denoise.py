@@ -127,8 +127,10 @@ class ModelHandle:
         """Load (or keep, when unchanged) the transformer on every rank; the load result."""
         from ltx_mgpu.client.denoise import remote_load_transformer
 
-        return remote_load_transformer(session, self.plan,
-                                       should_cancel=watch.should_cancel if watch is not None else None)
+        if watch is None:
+            return remote_load_transformer(session, self.plan)
+        with watch.phase("load_transformer"):  # a load reports no steps: the node shows its elapsed time
+            return remote_load_transformer(session, self.plan, should_cancel=watch.should_cancel)
 
     def comfy_model(self, loaded: dict):
         """ComfyUI's ``MODEL`` over this transformer (``nodes._model``; ``loaded``: the load's

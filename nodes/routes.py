@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from . import _comfy
-from ._runtime import pool_specs, pool_unavailable_reason
+from ._runtime import pool_specs, pool_unavailable_reason, starting_since
 
 _REGISTERED = False
 
@@ -32,7 +32,9 @@ def status_payload(timeout: float = 5.0) -> dict:
 
         {"available": bool, "message": str | None, "time": unix seconds,
          "pools": [{"key", "gpus", "nproc", "device", "lifetime", "dir",
-                    "state": "not running" | "idle" | "busy" | "error", "error": str | None,
+                    "state": "not running" | "starting" | "idle" | "busy" | "error", "error": str | None,
+                    ("starting" while a node of this process starts the pool: ``current`` is then
+                    ``{"id": None, "type": "start", "progress": {"phase": "pool", ...}, "elapsed"}``)
                     (busy also while ComfyUI's own sampler calls our MODEL on it: ``current``
                     is then ``{"type": "comfy_sampling", ...}``)
                     "ranks": [{"rank", "pid", "device", "memory": {bytes...}, "models": {...}}],
@@ -48,6 +50,13 @@ def status_payload(timeout: float = 5.0) -> dict:
 
     for spec in pool_specs():
         entry = {**_spec_info(spec), "state": "not running", "error": None, "ranks": [], "current": None, "queue": []}
+        since = starting_since(str(spec.dir))
+        if since is not None:  # a node of this process is starting it: it answers nobody yet
+            entry.update(state="starting", current={"id": None, "type": "start",
+                                                    "progress": {"phase": "pool", "step": 0, "total": 1},
+                                                    "elapsed": time.monotonic() - since})
+            out["pools"].append(entry)
+            continue
         try:
             status = pool_status(spec, timeout=timeout)
         except PoolError as e:

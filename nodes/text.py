@@ -44,8 +44,12 @@ def gemma_choices() -> list[str]:
 
 
 def projection_choices() -> list[str]:
-    """``checkpoints/<LTX checkpoint>`` and ``text_encoders/<projection file>`` entries."""
-    return [f"{folder}/{name}" for folder in PROJECTION_FOLDERS for name in _comfy.filename_list(folder)]
+    """``checkpoints/<LTX checkpoint>`` and ``text_encoders/<projection file>`` entries; not the
+    Gemma files beside the projections in ``text_encoders`` (a name with ``gemma`` in it, or a
+    file inside a Gemma snapshot / NF4 directory), which hold no projection."""
+    gemma_dirs = tuple(_comfy.directory_list("text_encoders", GEMMA_DIR_MARKERS))
+    return [f"{folder}/{name}" for folder in PROJECTION_FOLDERS for name in _comfy.filename_list(folder)
+            if folder != "text_encoders" or not ("gemma" in name.lower() or name.startswith(gemma_dirs))]
 
 
 def resolve_projection(choice: str) -> str:

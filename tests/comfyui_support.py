@@ -134,12 +134,13 @@ class Server:
 
 @contextlib.contextmanager
 def comfyui_server(tiny_gemma_dir: Path, tiny_ltx_23: Path, port: int | None = None,
-                   links: dict[str, Path] | None = None):
+                   links: dict[str, Path] | None = None, prepare=None):
     """Start ComfyUI headless on the CPU with this pack and the tiny models; yields a :class:`Server`
     once ``/object_info`` lists our nodes, and stops it (and its pools) on exit. ``links`` adds
     model files as symbolic links, ``{"checkpoints/name.safetensors": target}`` (None: the tiny
     checkpoint with its audio VAE); ``docs/screenshots.py`` gives the tiny models the names the
-    shipped workflows use.
+    shipped workflows use. ``prepare(root)`` runs on the ComfyUI root (``models/``, ``user/``...)
+    before ComfyUI starts.
 
     Raises:
         AssertionError: the tiny audio VAE could not be built, or ComfyUI exited / did not list our
@@ -166,6 +167,8 @@ def comfyui_server(tiny_gemma_dir: Path, tiny_ltx_23: Path, port: int | None = N
     output = root / "output"
     for d in (output, root / "input", root / "temp", root / "user"):
         d.mkdir()
+    if prepare is not None:
+        prepare(root)
     port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LTX_MGPU_RUNTIME_DIR": str(runtime),
            "LTX_MGPU_CACHE_DIR": str(root / "cache"), "PYTHONUNBUFFERED": "1"}

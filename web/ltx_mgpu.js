@@ -1,19 +1,22 @@
 // LTX-2 Multi-GPU: ComfyUI frontend extension.
 // - A sidebar tab (app.extensionManager.registerSidebarTab; a floating panel on frontends
 //   without it) showing each pool's state, current job and a memory bar per rank, from
-//   GET /ltx_mgpu/status; refreshed every 1.5 s while a job runs, every 10 s otherwise, and only
-//   while visible. A Free button posts /ltx_mgpu/free.
+//   GET /ltx_mgpu/status; refreshed every 0.5 s while a job runs, every 10 s otherwise, and only
+//   while visible; also at once (at most every 0.25 s) when ComfyUI reports a node starting, a
+//   progress step or our nodes' phase text, so it keeps pace with ComfyUI's own progress bar.
+//   A Free button posts /ltx_mgpu/free.
 // - Pool Status / Free / Prompt Batch Encode nodes show their report on the node.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { renderPanel } from "./ltx_mgpu_panel.js";
 
 const TAB_ID = "ltx-mgpu-status";
-const FAST_MS = 1500;
+const FAST_MS = 500;
+const SOON_MS = 250;
 const SLOW_MS = 10000;
 const TEXT_NODES = new Set(["LTXMGPU_PoolStatus", "LTXMGPU_Free", "LTXMGPU_PromptBatchEncode"]);
 
-const state = { mode: null, views: new Set(), last: null, timer: null, running: false, executing: false };
+const state = { mode: null, views: new Set(), last: null, timer: null, due: 0, running: false, executing: false };
 
 function addStylesheet() {
   if (document.getElementById("ltx-mgpu-css")) return;
@@ -75,7 +78,13 @@ async function tick() {
 
 function schedule(ms) {
   if (state.timer !== null) clearTimeout(state.timer);
+  state.due = Date.now() + ms;
   state.timer = setTimeout(tick, ms);
+}
+
+/** Refresh within SOON_MS (an event says something changed), unless a refresh is due sooner. */
+function soon() {
+  if (state.timer === null || state.due - Date.now() > SOON_MS) schedule(SOON_MS);
 }
 
 function mount(el) {
@@ -155,7 +164,9 @@ app.registerExtension({
     }
     api.addEventListener("executing", (e) => {
       state.executing = e.detail !== null && e.detail !== undefined;
+      soon();
     });
+    for (const ev of ["progress", "progress_text"]) api.addEventListener(ev, () => state.executing && soon());
     window.ltxMgpu = { mode: () => state.mode, mount, refresh: () => schedule(0), status: () => state.last };
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {

@@ -40,13 +40,45 @@ export function rankBars(pool) {
   });
 }
 
-/** "denoise 3/20" for a pool's current job, or "" when idle. */
+/** What a person reads for each pool job type (the pool's own names are internal). */
+export const JOB_NAMES = {
+  start: "Starting the pool",
+  load_text_encoder: "Loading Gemma",
+  encode: "Encoding prompts",
+  load_transformer: "Loading the LTX-2 transformer",
+  sample: "Sampling (SP Sampler)",
+  text_contexts: "Preparing the prompts for ComfyUI's sampler",
+  forward: "ComfyUI's sampler: a model call",
+  model_patches: "Applying LoRAs",
+  comfy_sampling: "ComfyUI's sampler",
+  unload: "Freeing memory",
+  selftest: "Self-test",
+};
+
+/** The phases of a job (ltx_mgpu/client/phases.py PHASE_LABELS: the same words everywhere). */
+export const PHASE_NAMES = {
+  pool: "starting the pool",
+  convert: "converting the model",
+  load_text_encoder: "loading Gemma",
+  encode: "encoding the prompts",
+  compile: "compiling",
+  load_transformer: "loading the LTX-2 transformer",
+  denoise: "denoising",
+  decode: "decoding",
+  selftest: "self-test",
+};
+
+/** "Sampling (SP Sampler) · denoising 3/20 · 41 s" for a pool's current job, or "" when idle. */
 export function jobText(pool) {
   const cur = pool.current;
   if (!cur) return "";
   const p = cur.progress || {};
-  const step = p.total ? ` ${p.step}/${p.total}` : "";
-  return `${cur.type}${p.phase && p.phase !== cur.type ? ` · ${p.phase}` : ""}${step}`;
+  const name = JOB_NAMES[cur.type] || String(cur.type || "").replace(/_/g, " ");
+  const phase = p.phase ? PHASE_NAMES[p.phase] || p.phase : "";
+  const step = p.total > 1 ? ` ${p.step}/${p.total}` : "";
+  const shown = phase && phase.toLowerCase() !== name.toLowerCase() ? ` · ${phase}${step}` : step;
+  const elapsed = Number.isFinite(cur.elapsed) ? ` · ${Math.max(0, Math.floor(cur.elapsed))} s` : "";
+  return `${name}${shown}${elapsed}`;
 }
 
 /** Plain view model of a status payload (what the panel shows). */
@@ -65,7 +97,7 @@ export function summarize(payload) {
   return {
     message: pools.length ? null : "no pool yet: it starts with the first LTX-2 Multi-GPU job",
     pools,
-    busy: pools.some((p) => p.state === "busy" || p.queued > 0),
+    busy: pools.some((p) => p.state === "busy" || p.state === "starting" || p.queued > 0),
   };
 }
 

@@ -111,6 +111,20 @@ def make_assets(root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED)
     }
 
 
+def comfyui_root(path: str | os.PathLike) -> Path:
+    """``path`` resolved, when it is a ComfyUI folder (``main.py`` or ``models/`` in it); imports nothing,
+    so ``make-assets --comfyui`` refuses a wrong folder at once.
+
+    Raises:
+        FileNotFoundError: not a ComfyUI folder (the message names what was looked for).
+    """
+    root = Path(path).expanduser().resolve()
+    if not (root / "main.py").is_file() and not (root / "models").is_dir():
+        raise FileNotFoundError(f"--comfyui {path}: not a ComfyUI folder (no main.py or models/ in {root}); give "
+                                "the folder that holds ComfyUI's main.py")
+    return root
+
+
 #: Choices for which Gemma the embedded default uses (``--embedded-gemma``).
 EMBEDDED_GEMMA = ("auto", "gemma-270m", "tiny")
 

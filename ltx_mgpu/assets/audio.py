@@ -2,7 +2,7 @@
 
 The real LTX-2 monolith checkpoints carry ``audio_vae.*`` and ``vocoder.*`` next to the
 transformer and the video VAE; so does the tiny LTX-2.3 file, at toy sizes, so that
-``python -m ltx_mgpu generate`` can decode its audio latent (where torchaudio is installed):
+``python -m ltx_mgpu generate`` can decode its audio latent and write it into the MP4:
 
 * ``audio_vae.decoder.*`` + ``audio_vae.per_channel_statistics.*``: ltx-core's ``AudioDecoder``
   (``AudioDecoderConfigurator``): ``ch`` 128 (it must be 128: the decoder's per-channel
@@ -18,17 +18,22 @@ transformer and the video VAE; so does the tiny LTX-2.3 file, at toy sizes, so t
 
 Why the state dict is computed here, not by building the modules: every submodule of
 ``ltx_core.model.audio_vae`` runs that package's ``__init__``, which imports torchaudio at module
-level, and the dev environment must not have torchaudio. So :func:`tiny_audio_shapes` derives
-the key -> shape table from the config with the same rules ltx-core 1.0.0's ``AudioDecoder`` /
-``Vocoder`` constructors follow; ``tests/integration/test_generate_audio.py`` (run where torchaudio is
-installed) checks it against ltx-core's configurators built on the meta device, and the decode
-path's builder refuses weights that leave a parameter unset.
+level, and the generators must not depend on how that import is got past (:func:`ltx_core_audio_vae`,
+for the decode path and the ComfyUI install's audio encoder). So :func:`tiny_audio_shapes` derives
+the key -> shape table from the config
+with the same rules ltx-core 1.0.0's ``AudioDecoder`` / ``Vocoder`` constructors follow;
+``tests/integration/test_generate_audio.py`` checks it against ltx-core's configurators built on
+the meta device, and the decode path's builder refuses weights that leave a parameter unset.
 
 Every tensor is drawn by :func:`ltx_mgpu.assets.weights.init_tensor`, a pure function of
 ``(seed, key, shape)``, so adding these keys leaves every other tensor of the file unchanged.
 """
 
 from __future__ import annotations
+
+import importlib
+import sys
+import types
 
 import torch
 
@@ -171,3 +176,46 @@ def tiny_audio_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
         key: init_tensor(key, torch.Size(shape), seed).to(torch.bfloat16).contiguous()
         for key, shape in tiny_audio_shapes().items()
     }
+
+
+class _TorchaudioMissing(types.ModuleType):
+    """Stands in for torchaudio while ltx-core's audio VAE package is imported without it: any use
+    (only ``AudioProcessor``, the audio encoder's resampling and mel spectrogram) raises."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ModuleNotFoundError(f"torchaudio.{name}: ltx-core's audio encoder (AudioProcessor: resampling, mel "
+                                  "spectrogram) needs torchaudio, which is not installed or does not load beside this "
+                                  "torch; decoding audio does not need it")
+
+
+def ltx_core_audio_vae() -> types.ModuleType:
+    """``ltx_core.model.audio_vae``, imported even where torchaudio is missing or does not load.
+
+    ltx-core 1.0.0 uses torchaudio in one module, ``audio_vae/ops.py``, which imports it at module
+    level for ``AudioProcessor`` (``torchaudio.transforms.MelSpectrogram`` and
+    ``torchaudio.functional.resample``, the audio *encoder*'s input). The decoder path
+    (``AudioDecoder``, ``Vocoder``, ``VocoderWithBWE`` with its own ``MelSTFT``, ``decode_audio``)
+    never touches it. When ``import torchaudio`` fails, the package is imported with a placeholder
+    in ``sys.modules["torchaudio"]`` for the duration of that import only (removed afterwards, so
+    other libraries still see torchaudio as absent); ``ops.py`` keeps the placeholder, whose every
+    attribute raises a ``ModuleNotFoundError`` naming torchaudio. With torchaudio importable this is
+    a plain import.
+    """
+    name = "ltx_core.model.audio_vae"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        import torchaudio  # noqa: F401 - deferred: optional, and heavy when present
+    except (ImportError, OSError):  # OSError: a wheel whose C++ extension does not fit this torch
+        for partial in [m for m in sys.modules if m == "torchaudio" or m.startswith("torchaudio.")]:
+            del sys.modules[partial]
+        placeholder = _TorchaudioMissing("torchaudio")
+        sys.modules["torchaudio"] = placeholder
+        try:
+            return importlib.import_module(name)
+        finally:
+            if sys.modules.get("torchaudio") is placeholder:
+                del sys.modules["torchaudio"]
+    return importlib.import_module(name)

@@ -8,10 +8,13 @@ multi-GPU work).
   ``config`` metadata with a ``"vae"`` section); ``ltx_core.model.video_vae.decode_video`` turns
   a latent ``[1, 128, F', H', W']`` into uint8 frames ``[8(F'-1)+1, 32H', 32W', 3]``, tiled when
   the video is larger than one of ltx-core's default tiles.
-* Audio: ltx-core's ``AudioDecoderConfigurator`` / ``VocoderConfigurator`` and ``decode_audio``.
-  ``ltx_core.model.audio_vae`` imports torchaudio at module level, so audio is decoded only when
-  torchaudio is importable and the checkpoint holds ``audio_vae.decoder.*`` and ``vocoder.*``;
-  :func:`audio_decode_unavailable` says why not otherwise.
+* Audio: ltx-core's ``AudioDecoderConfigurator`` / ``VocoderConfigurator`` and ``decode_audio``,
+  when the checkpoint holds ``audio_vae.decoder.*`` and ``vocoder.*`` (:func:`audio_decode_unavailable`
+  says why not otherwise). ``ltx_core.model.audio_vae`` imports torchaudio at module level, for
+  its audio *encoder* only; decoding never calls it, so ``assets.audio.ltx_core_audio_vae`` imports the
+  package without torchaudio where it is missing or does not load (PyPI's torchaudio wheels are
+  CUDA builds pinned to one torch release: none loads beside the CPU torch of
+  ``scripts/bootstrap.sh``).
 * MP4: H.264 (libx264, yuv420p: even sizes, which multiples of 32 are), or MPEG-4 Part 2 when
   this FFmpeg build has no H.264 encoder; AAC audio when there is audio. Written to a temporary
   file in the target directory and renamed into place.
@@ -20,7 +23,6 @@ multi-GPU work).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as _st_save
 
+from ltx_mgpu.assets.audio import ltx_core_audio_vae
 from ltx_mgpu.files import safetensors_header, umask_mode, write_atomically
 
 __all__ = [
@@ -223,8 +226,6 @@ def decode_video(latent: torch.Tensor, decoder: torch.nn.Module, seed: int = 0) 
 
 def audio_decode_unavailable(source: VaeSource) -> str | None:
     """Why the audio of ``source`` cannot be decoded here, or None when it can."""
-    if importlib.util.find_spec("torchaudio") is None:
-        return "torchaudio is not installed (ltx-core's audio VAE needs it)"
     if not source.has_audio:
         return (f"{Path(source.path).name} has no audio VAE (audio_vae.decoder.* + vocoder.* and their "
                 "'audio_vae' / 'vocoder' config)")
@@ -246,23 +247,18 @@ def decode_audio(latent: torch.Tensor, path: str | os.PathLike, device: torch.de
     if reason is not None:
         raise MediaError(f"cannot decode audio: {reason}")
     from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
-    from ltx_core.model.audio_vae import (
-        AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
-        VOCODER_COMFY_KEYS_FILTER,
-        AudioDecoderConfigurator,
-        VocoderConfigurator,
-    )
-    from ltx_core.model.audio_vae import decode_audio as ltx_decode_audio
 
+    audio_vae = ltx_core_audio_vae()
     device = torch.device(device)
-    decoder = _check_built(SingleGPUModelBuilder(AudioDecoderConfigurator, source.path,
-                                                 AUDIO_VAE_DECODER_COMFY_KEYS_FILTER).build(device=device, dtype=dtype),
+    decoder = _check_built(SingleGPUModelBuilder(audio_vae.AudioDecoderConfigurator, source.path,
+                                                 audio_vae.AUDIO_VAE_DECODER_COMFY_KEYS_FILTER
+                                                 ).build(device=device, dtype=dtype),
                            "audio VAE", source.path)
-    vocoder = _check_built(SingleGPUModelBuilder(VocoderConfigurator, source.path,
-                                                 VOCODER_COMFY_KEYS_FILTER).build(device=device, dtype=dtype),
+    vocoder = _check_built(SingleGPUModelBuilder(audio_vae.VocoderConfigurator, source.path,
+                                                 audio_vae.VOCODER_COMFY_KEYS_FILTER).build(device=device, dtype=dtype),
                            "vocoder", source.path)
     with torch.inference_mode():
-        audio = ltx_decode_audio(latent.to(device=device, dtype=dtype), decoder, vocoder)
+        audio = audio_vae.decode_audio(latent.to(device=device, dtype=dtype), decoder, vocoder)
     waveform = audio.waveform.float().cpu()
     if waveform.ndim == 1:
         waveform = waveform.unsqueeze(0)

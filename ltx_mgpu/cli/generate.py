@@ -15,28 +15,48 @@ import threading
 from ltx_mgpu.assets import EMBEDDED_GEMMA
 from ltx_mgpu.choices import PLACEMENTS, SP_LAYOUTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
 from ltx_mgpu.cli.request import DEFAULT_NEGATIVE, GenerateRequest
+from ltx_mgpu.heartbeat import HEARTBEAT_S, Heartbeat
 
 __all__ = ["ProgressBars", "StopOnInterrupt", "register"]
 
 
 class ProgressBars:
     """A ``(phase, step, total)`` callback drawing one tqdm bar per phase on stderr; a bar closes
-    when its phase reaches ``total``. ``enabled=False`` draws nothing."""
+    when its phase reaches ``total``. ``enabled=False`` draws nothing.
+
+    An open bar is redrawn every ``refresh`` seconds by a heartbeat thread, so its elapsed time
+    moves while its phase reports nothing (a pool start, a model load: one step in all).
+    """
 
     LABELS = {"pool": "pool", "load_text_encoder": "load Gemma", "encode": "encode",
               "load_transformer": "load LTX-2", "denoise": "denoise", "decode": "decode"}
     UNITS = {"denoise": "step", "decode": "frame"}
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, refresh: float = HEARTBEAT_S):
         self.enabled = enabled
         self.bars: dict = {}
+        self._lock = threading.Lock()
+        self._heartbeat = Heartbeat(self._redraw, refresh) if enabled else None
+        self.redraws = 0
+
+    def _redraw(self, _elapsed: float) -> None:
+        with self._lock:
+            for bar in self.bars.values():
+                bar.refresh()
+                self.redraws += 1
 
     def __call__(self, phase: str, step: int, total: int) -> None:
+        with self._lock:
+            self._update(phase, step, total)
+        if self._heartbeat is not None and not self._heartbeat.started_once:
+            self._heartbeat.start()
+
+    def _update(self, phase: str, step: int, total: int) -> None:
         from tqdm import tqdm
 
         bar = self.bars.get(phase)
         if bar is None or bar.total != total or step < bar.n:
-            self.close(phase)
+            self._close(phase)
             unit = self.UNITS.get(phase)
             # a rate only where there is one (steps, frames): "1/1 34663 it/s" for a load said nothing
             fmt = None if unit else "{desc}: {n_fmt}/{total_fmt} [{elapsed}]"
@@ -45,10 +65,16 @@ class ProgressBars:
                                           disable=not self.enabled, dynamic_ncols=True)
         bar.update(step - bar.n)
         if step >= total:
-            self.close(phase)
+            self._close(phase)
 
     def close(self, phase: str | None = None) -> None:
-        """Close ``phase``'s bar, or every bar."""
+        """Close ``phase``'s bar, or every bar (and then stop redrawing)."""
+        with self._lock:
+            self._close(phase)
+        if phase is None and self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    def _close(self, phase: str | None) -> None:
         for name in [phase] if phase is not None else list(self.bars):
             bar = self.bars.pop(name, None)
             if bar is not None:

@@ -20,9 +20,10 @@ Order of work (each step fails early with a message that names the fix):
    zeros with N as ComfyUI's ``LTXVEmptyLatentAudio`` computes it) sequence-parallel over the
    pool's ranks (``remote_sample``, LTX-2 scheduler sigmas from ``steps``);
 5. stop the pool if this run started it, then decode in this process: the video with ltx-core's
-   video VAE from the checkpoint's ``vae.*``, the audio with its audio VAE when torchaudio is
-   importable and the checkpoint has one (otherwise video only, with a notice); write the MP4
-   and ``<out>.latents.safetensors`` beside it.
+   video VAE from the checkpoint's ``vae.*``, the audio with its audio VAE and vocoder when the
+   checkpoint has them (ltx-core's decoder, no torchaudio needed: ``assets.audio.ltx_core_audio_vae``;
+   otherwise video only, with a notice); write the MP4 (H.264 + AAC) and
+   ``<out>.latents.safetensors`` beside it.
 
 Without model paths the embedded default runs: the tiny LTX-2.3 checkpoint and the real Gemma 3
 270M when its package is installed (with the tiny checkpoint variant whose text projection fits
@@ -83,7 +84,8 @@ class GenerateReport:
         pool_pid, pool_started: the pool (torchrun's pid) and whether this run started it (then
             it was stopped at the end). pool_models: the models resident in the pool after
             sampling (rank 0's view).
-        audio: whether the MP4 has an audio track; audio_note: why not.
+        audio: whether the MP4 has an audio track; audio_note: why not. audio_rate (Hz) and
+            audio_channels: the track's, when there is one.
         seconds: wall time per phase (``validate``, ``pool`` (start or attach), ``encode``, ``load``,
             ``denoise``, ``decode``).
         embedded: the embedded default ran (its output is noise).
@@ -114,11 +116,20 @@ class GenerateReport:
     codec: str
     seconds: dict[str, float]
     embedded: bool
+    audio_rate: int | None = None
+    audio_channels: int = 0
 
     def _text_encoder_state(self) -> str:
         if self.text_encoder_loaded:
             return "loaded"
         return "already resident in the pool" if self.cache_misses else "not loaded"
+
+    def _track(self) -> str:
+        if not self.audio:
+            return "video only"
+        layout = {1: "mono", 2: "stereo"}.get(self.audio_channels, f"{self.audio_channels} channels")
+        rate = f"{self.audio_rate / 1000:g} kHz " if self.audio_rate else ""
+        return f"with audio: AAC {rate}{layout}"
 
     def summary(self) -> str:
         """A few lines for the terminal."""
@@ -126,8 +137,7 @@ class GenerateReport:
         times = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
         lines = [
             f"wrote {self.video_path} ({plural(self.frames, 'frame')}, {self.width}x{self.height} @ "
-            f"{self.fps:g} fps, {self.codec}{', with audio' if self.audio else ', video only'}) and "
-            f"{self.latents_path}",
+            f"{self.fps:g} fps, {self.codec} {self._track()}) and {self.latents_path}",
             f"  tokens: video {self.video_tokens}, audio {self.audio_tokens}",
             f"  denoise: {plural(self.steps, 'step')}, cfg {self.cfg:g}, seed {self.seed}, "
             f"{self.seconds_per_step:.3f} s/step, world size {self.world_size} "
@@ -282,7 +292,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     check()
     t = time.perf_counter()
     video_out, audio_out = denoised["samples"].tensors
-    codec, has_audio, audio_note = _write_outputs(req, models, video_out, audio_out, audio_note, progress, notify)
+    codec, track, audio_note = _write_outputs(req, models, video_out, audio_out, audio_note, progress, notify)
     seconds["decode"] = time.perf_counter() - t
     return GenerateReport(
         video_path=Path(req.out), latents_path=req.latents_path, frames=req.frames, width=req.width,
@@ -290,13 +300,15 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
         cfg=req.cfg, seed=req.seed, seconds_per_step=seconds["denoise"] / req.steps, world_size=world,
         device="cuda" if on_gpus else "cpu", cache_hits=cache_report.hits, cache_misses=cache_report.misses,
         text_encoder_loaded=text_loaded, pool_pid=pool_pid, pool_started=started, pool_models=pool_models,
-        audio=has_audio, audio_note=audio_note, codec=codec, seconds=seconds, embedded=models.embedded)
+        audio=track is not None, audio_note=audio_note, codec=codec, seconds=seconds, embedded=models.embedded,
+        audio_rate=track[0] if track else None, audio_channels=track[1] if track else 0)
 
 
 def _write_outputs(req: GenerateRequest, models: ResolvedModels, video: torch.Tensor, audio: torch.Tensor,
                    audio_note: str | None, progress: ProgressCallback,
-                   notify: Callable[[str], None]) -> tuple[str, bool, str | None]:
-    """Save the latents, decode (audio first, when possible), write the MP4: ``(codec, has audio, note)``."""
+                   notify: Callable[[str], None]) -> tuple[str, tuple[int, int] | None, str | None]:
+    """Save the latents, decode (audio first, when possible), write the MP4: ``(codec, (audio rate Hz,
+    channels) or None, note)``."""
     from ltx_mgpu.cli.decode import Mp4Writer, decode_audio, decode_video, load_video_decoder, save_latents
     from ltx_mgpu.files import make_parent
 
@@ -326,4 +338,4 @@ def _write_outputs(req: GenerateRequest, models: ResolvedModels, video: torch.Te
                                "(a bug in ltx_mgpu)")
         if waveform is not None:
             writer.write_audio(waveform, rate)
-    return writer.codec, waveform is not None, audio_note
+    return writer.codec, None if waveform is None else (int(rate), int(waveform.shape[0])), audio_note

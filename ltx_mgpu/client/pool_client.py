@@ -86,6 +86,9 @@ class PoolClient:
         self._reader: threading.Thread | None = None
         self._closing = threading.Event()  # set by close(): a reader sweeping a dead pool's files stops
         self.pool: dict = {}
+        #: ``time.monotonic()`` when this client began starting its pool, while it starts; else None
+        #: (the node's phase text and the panel show the start as it happens).
+        self.starting_since: float | None = None
 
     @classmethod
     def connect(cls, gpus: str | Sequence[int] | None = None, nproc: int | None = None,
@@ -162,9 +165,13 @@ class PoolClient:
                 if not self.start:
                     raise PoolError(f"no pool runs in {self.dir}; start one with `python -m ltx_mgpu pool start`")
                 owner = os.getpid() if self.spec.lifetime == "with-owner" else None
-                self._launched = launch.launch(self.spec, owner_pid=owner, master_port=self.master_port,
-                                               startup_timeout=self.startup_timeout)
-                self._open()
+                self.starting_since = time.monotonic()
+                try:
+                    self._launched = launch.launch(self.spec, owner_pid=owner, master_port=self.master_port,
+                                                   startup_timeout=self.startup_timeout)
+                    self._open()
+                finally:
+                    self.starting_since = None
 
     def _attach(self, info: rendezvous.PoolInfo) -> bool:
         """Connect to the live pool ``info``, retrying with backoff while it runs: a burst of

@@ -212,8 +212,8 @@ def infer_transformer_config(shapes: Mapping[str, Sequence[int]]) -> dict:
     missing = [k for k in need if k not in shapes]
     if missing:
         raise CheckpointError(
-            f"not an LTX-2 audio-video transformer: missing {', '.join(missing)} (after the key prefix). "
-            "Pick an LTX-2 / LTX-2.3 checkpoint."
+            "not an LTX-2 audio-video transformer: pick an LTX-2 / LTX-2.3 checkpoint (this file lacks "
+            f"{', '.join(missing)} after the key prefix)"
         )
     cfg = dict(_LTX2_FIXED)
     vin, ain = shapes["patchify_proj.weight"][0], shapes["audio_patchify_proj.weight"][0]

@@ -318,10 +318,13 @@ class JobContext:
 
 
 def failure_message(error: BaseException, what: str | None = None) -> str:
-    """``"<what> failed: <Type>: <text>"`` (``"<Type>: <text>"`` without ``what``) for a client,
-    after printing the exception's traceback to stderr (the pool's ``pool.log``)."""
+    """``"<what> failed: <text> (<Type>)"`` (``"<text> (<Type>)"`` without ``what``; ``<Type>`` alone
+    for an exception without text) for a client, after printing the exception's traceback to stderr
+    (the pool's ``pool.log``). The words come first, the exception's class last: ComfyUI shows the
+    message in its error pop-up."""
     traceback.print_exception(error)
-    text = f"{type(error).__name__}: {error}"
+    words = str(error).strip()
+    text = f"{words} ({type(error).__name__})" if words else type(error).__name__
     return f"{what} failed: {text}" if what else text
 
 

@@ -68,9 +68,9 @@ def test_every_rank_raises_the_first_failing_ranks_message(tmp_path):
     assert all(rep == reports[0] for rep in reports), reports  # identical on every rank
     assert reports[0] == {
         "all_well": None,
-        "one_exception": "loading the text encoder failed: RuntimeError: weights truncated (on rank 1)",
+        "one_exception": "loading the text encoder failed: weights truncated (RuntimeError) (on rank 1)",
         "two_messages": "first (on rank 1 and 1 more)",
-        "exception_without_what": "RuntimeError: no memory (on rank 0)",
+        "exception_without_what": "no memory (RuntimeError) (on rank 0)",
         "type_error": "agree() takes an exception, a message or None, not int",
     }
     assert "Traceback" in logs[1] and "weights truncated" in logs[1]  # the full story goes to the rank's log

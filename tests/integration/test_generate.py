@@ -61,6 +61,10 @@ def test_generate_writes_the_video_and_a_second_run_is_served_by_the_cache(tmp_p
     assert "output is noise" in err  # the embedded default says so
     assert "denoise" in err and f"{STEPS}/{STEPS}" in err  # the per-step bar, fed by the pool
     assert _video_frames(tmp_path / "fox.mp4") == (FRAMES, WIDTH, HEIGHT)
+    with av.open(str(tmp_path / "fox.mp4")) as f:  # the set-up's venv has no torchaudio, and the file has sound
+        (audio,) = f.streams.audio
+        assert (audio.codec_context.name, audio.rate, audio.channels) == ("aac", 24000, 2)
+    assert "with audio: AAC 24 kHz stereo" in out and "video only" not in out + err
     first = load_file(tmp_path / "fox.latents.safetensors")
     n_audio = math.ceil(FRAMES / 25 * 25)
     assert first["video"].shape == (1, 128, (FRAMES - 1) // 8 + 1, HEIGHT // 32, WIDTH // 32)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = {
     "transformers": "takes seconds to import",
     "bitsandbytes": "optional on machines without its kernels; loads CUDA libraries",
-    "ltx_core": "loads the LTX-2 model code (and torchaudio for the audio VAE)",
+    "ltx_core": "loads the LTX-2 model code",
     "triton": "optional (GPU machines only)",
     "av": "only the MP4 writer needs it",
     "accelerate": "only the accelerate placement needs it",
@@ -41,7 +41,7 @@ HEAVY = {
 #: dependency-free leaves the node definitions need (choices, the text encoder's config), and the
 #: GGUF reader (ComfyUI's model detection reads a GGUF transformer's header).
 NODE_ROOMS = ("ltx_mgpu.client", "ltx_mgpu.wire", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.settings",
-              "ltx_mgpu.text.config", "ltx_mgpu.denoise.plan", "ltx_mgpu.quantized.ggml")
+              "ltx_mgpu.text.config", "ltx_mgpu.denoise.plan", "ltx_mgpu.quantized.ggml", "ltx_mgpu.heartbeat")
 #: Top-level names of ComfyUI's own modules (the engine never imports them).
 COMFY_MODULES = {"comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "server", "execution",
                  "latent_preview", "node_helpers"}
@@ -56,7 +56,7 @@ FORBIDDEN = {
 }
 #: The leaf utilities: they import no other ltx_mgpu module but each other.
 LEAVES = ("ltx_mgpu.files", "ltx_mgpu.identity", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.cancellation",
-          "ltx_mgpu.settings", "ltx_mgpu.shards")
+          "ltx_mgpu.settings", "ltx_mgpu.shards", "ltx_mgpu.heartbeat")
 
 
 @dataclass(frozen=True)

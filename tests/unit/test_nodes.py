@@ -89,8 +89,7 @@ def test_bad_pool_settings_name_the_fix():
 def test_file_pickers_list_comfyui_model_folders(env, tiny_ltx_23):
     gemma = {i.id: i for i in NODES["LTXMGPU_GemmaLoader"].define_schema().inputs}
     assert gemma["gemma"].options == ["tiny-gemma/", "tiny-gemma-comfy.safetensors"]  # the snapshot's shards hidden
-    assert gemma["projection"].options == ["checkpoints/tiny-ltx-2.3.safetensors",
-                                           "text_encoders/tiny-gemma-comfy.safetensors"]
+    assert gemma["projection"].options == ["checkpoints/tiny-ltx-2.3.safetensors"]  # no Gemma file offered
     loader = {i.id: i for i in NODES["LTXMGPU_ModelLoader"].define_schema().inputs}
     assert loader["ckpt_name"].options == ["tiny-ltx-2.3.safetensors"]
     assert (bridge.full_path("checkpoints", "tiny-ltx-2.3.safetensors")
@@ -195,3 +194,19 @@ def test_fallback_nested_tensor_behaves_like_comfyuis():
     assert bridge.is_nested(nt) and nt.shape == v.shape and nt.dtype == v.dtype and nt.unbind()[1] is a
     assert [t.dtype for t in nt.to(torch.float16).tensors] == [torch.float16] * 2
     assert not bridge.is_nested(v) and math.isnan(NODES["LTXMGPU_PoolStatus"].fingerprint_inputs())
+
+
+def test_the_projection_picker_lists_checkpoints_and_projection_files_not_gemma(tmp_path, monkeypatch):
+    """A projection comes from an LTX-2 checkpoint or a projection file; the Gemma files beside
+    them in ``text_encoders`` (by name, or inside a Gemma snapshot directory) are not offered."""
+    text = sys.modules[f"{PACK_MODULE.__name__}.nodes.text"]
+    models = tmp_path / "models"
+    for rel in ("checkpoints/ltx-2.3-22b-dev.safetensors", "text_encoders/gemma_3_12B_it_fp4_mixed.safetensors",
+                "text_encoders/ltx-2-19b-embeddings_connector_dev_bf16.safetensors",
+                "text_encoders/my-snapshot/model.safetensors", "text_encoders/my-snapshot/config.json"):
+        (models / rel).parent.mkdir(parents=True, exist_ok=True)
+        (models / rel).write_bytes(b"")
+    monkeypatch.setenv("LTX_MGPU_MODELS_DIR", str(models))
+    assert text.projection_choices() == ["checkpoints/ltx-2.3-22b-dev.safetensors",
+                                         "text_encoders/ltx-2-19b-embeddings_connector_dev_bf16.safetensors"]
+    assert "gemma_3_12B_it_fp4_mixed.safetensors" in text.gemma_choices() and "my-snapshot/" in text.gemma_choices()

@@ -199,6 +199,59 @@ def test_api_twin_is_the_ui_workflow_converted(path):
                 assert value in contract["choices"][name], f"{path.stem}: {node_id}.{name}={value!r}"
 
 
+#: The official download of each model file the workflows name, as ComfyUI's own LTX-2 templates
+#: list them (comfyui-workflow-templates 0.9.73: ``video_ltx2_t2v.json`` and its siblings, node
+#: ``properties.models``; ``tests/comfyui/test_comfyui_try_it.py`` checks this table against the
+#: installed template packages).
+OFFICIAL_MODELS = {
+    "ltx-2-19b-dev.safetensors": {
+        "url": "https://huggingface.co/Lightricks/LTX-2/resolve/main/ltx-2-19b-dev.safetensors",
+        "directory": "checkpoints"},
+    "gemma_3_12B_it.safetensors": {
+        "url": "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/gemma_3_12B_it.safetensors",
+        "directory": "text_encoders"},
+}
+#: Model pickers: node type -> widget indices holding a model file (a projection: ``folder/name``).
+MODEL_WIDGETS = {"LTXMGPU_GemmaLoader": (0, 1), "LTXMGPU_ModelLoader": (0,), "LTXVAudioVAELoader": (0,),
+                 "CheckpointLoaderSimple": (0,)}
+
+
+@pytest.mark.parametrize("path", _ui_files(), ids=lambda p: p.stem)
+def test_every_model_a_workflow_names_comes_with_its_official_download(path):
+    """ComfyUI's missing-models dialog offers a download for each file a node lists in
+    ``properties.models`` (name, URL, folder): every model picker's file is listed on its node,
+    with the URL and folder ComfyUI's own templates give it."""
+    ui = json.loads(path.read_text())
+    for node in ui["nodes"]:
+        names = [node["widgets_values"][i].rsplit("/", 1)[-1] for i in MODEL_WIDGETS.get(node["type"], ())]
+        listed = node["properties"].get("models", [])
+        assert [m["name"] for m in listed] == list(dict.fromkeys(names)), (path.name, node["type"])
+        for m in listed:
+            assert {k: m[k] for k in ("url", "directory")} == OFFICIAL_MODELS[m["name"]], (path.name, m["name"])
+
+
+def test_every_workflow_has_a_thumbnail_as_comfyui_serves_custom_templates():
+    """Browse Templates shows ``/api/workflow_templates/<pack>/<name>.jpg`` for a custom node's
+    template: each workflow has a JPEG beside it."""
+    for path in _ui_files():
+        thumb = path.with_suffix(".jpg")
+        assert thumb.is_file(), f"{thumb.name} is missing (make it with: python docs/thumbnails.py)"
+        head = thumb.read_bytes()[:3]
+        assert head == b"\xff\xd8\xff", f"{thumb.name} is not a JPEG"
+
+
+def test_templates_are_grouped_under_the_display_name():
+    """Browse Templates titles a custom node's group by its folder name, through the i18n key
+    ``templateWorkflows.category.<folder>``; the pack's ``locales/en/main.json`` gives the folder
+    names it is installed under (the registry's and the README's clone: the pyproject name) its
+    display name."""
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    categories = json.loads((REPO / "locales" / "en" / "main.json").read_text())["templateWorkflows"]["category"]
+    display = meta["tool"]["comfy"]["DisplayName"]
+    assert categories[meta["project"]["name"]] == display
+    assert set(categories.values()) == {display} and "locales/" in meta["tool"]["comfy"]["includes"]
+
+
 def test_workflows_cover_the_three_use_cases():
     types = {p.stem: {n["type"] for n in json.loads(p.read_text())["nodes"]} for p in _ui_files()}
     t2v = next(t for t in types.values() if "LTXMGPU_SPSampler" in t)
@@ -234,14 +287,19 @@ def _node_eval(script: str) -> str:
 def test_panel_view_model_shows_state_job_and_one_memory_bar_per_rank(tmp_path):
     status = {"available": True, "message": None, "pools": [
         {"key": "gpu-0-1", "gpus": [0, 1], "nproc": 2, "state": "busy", "error": None,
-         "current": {"type": "sample", "progress": {"phase": "denoise", "step": 3, "total": 20}},
+         "current": {"type": "sample", "progress": {"phase": "denoise", "step": 3, "total": 20}, "elapsed": 41.7},
          "queue": [{"id": "x", "type": "encode", "position": 1}],
          "ranks": [{"rank": 0, "device": "cuda:0", "models": {"ltx": {}, "big": {"bytes": 3 * 2**29,
                                                                                  "plan": {"weights": "sharded"}}},
                     "memory": {"total": 80 * 2**30, "free": 20 * 2**30, "reserved": 50 * 2**30}},
                    {"rank": 1, "device": "cuda:1", "models": {},
                     "memory": {"total": 80 * 2**30, "free": 80 * 2**30, "reserved": 0}}]},
-        {"key": "cpu-2", "gpus": [], "nproc": 2, "state": "not running", "ranks": [], "queue": []}]}
+        {"key": "cpu-2", "gpus": [], "nproc": 2, "state": "not running", "ranks": [], "queue": []},
+        {"key": "cpu-4", "gpus": [], "nproc": 4, "state": "starting", "ranks": [], "queue": [],
+         "current": {"id": None, "type": "start", "progress": {"phase": "pool", "step": 0, "total": 1},
+                     "elapsed": 12.2}},
+        {"key": "gpu-2", "gpus": [2], "nproc": 1, "state": "busy", "ranks": [], "queue": [],
+         "current": {"type": "load_text_encoder", "progress": {"phase": "load_text_encoder", "step": 0, "total": 1}}}]}
     module = tmp_path / "ltx_mgpu_panel.mjs"  # .mjs: an ES module whatever Node's module detection
     module.write_text((REPO / "web" / "ltx_mgpu_panel.js").read_text())
     url = module.as_uri()
@@ -250,9 +308,13 @@ def test_panel_view_model_shows_state_job_and_one_memory_bar_per_rank(tmp_path):
                      f" na: summarize({{available: false, message: 'Linux only'}})}}))")
     got = json.loads(out)
     view = got["v"]
-    assert view["busy"] is True and [p["state"] for p in view["pools"]] == ["busy", "not running"]
+    assert view["busy"] is True
+    assert [p["state"] for p in view["pools"]] == ["busy", "not running", "starting", "busy"]
     gpu = view["pools"][0]
-    assert gpu["title"] == "GPUs 0,1" and gpu["job"] == "sample · denoise 3/20" and gpu["queued"] == 1
+    assert gpu["title"] == "GPUs 0,1" and gpu["job"] == "Sampling (SP Sampler) · denoising 3/20 · 41 s"
+    assert gpu["queued"] == 1
+    assert view["pools"][2]["job"] == "Starting the pool · 12 s"  # the words people read, not the pool's job ids
+    assert view["pools"][3]["job"] == "Loading Gemma"
     assert [b["fraction"] for b in gpu["bars"]] == [0.75, 0] and gpu["bars"][0]["text"] == "60.0 GiB / 80.0 GiB"
     assert gpu["bars"][0]["models"] == ["ltx", "big · 1.5 GiB shard"] and view["pools"][1]["title"] == "CPU × 2"
     assert got["b"] == "1.5 GiB" and got["na"]["message"] == "Linux only" and got["na"]["pools"] == []
