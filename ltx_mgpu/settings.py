@@ -22,7 +22,7 @@ __all__ = [
     "HOME", "CACHE_DIR", "RUNTIME_DIR", "MODELS_DIR",
     "TICK_SECONDS", "COLLECTIVE_TIMEOUT", "HELLO_TIMEOUT", "MAX_PAYLOAD_BYTES", "MASTER_PORT", "CUDA_ALLOC_CONF",
     "PROFILE_JOBS", "SHM", "SHM_MIN_BYTES", "SHM_MAX_BYTES", "SHM_IDLE_SECONDS", "SHM_OWN_MIN_BYTES",
-    "CUDA_GRAPHS", "NO_COMPILE",
+    "CUDA_GRAPHS", "NO_COMPILE", "COMPILE_CACHE", "COMPILE_CACHE_DIR",
 ]
 
 _OFF = ("0", "off", "false", "no")
@@ -181,10 +181,17 @@ CUDA_GRAPHS = Setting("LTX_MGPU_CUDA_GRAPHS", "flag", True, "the encoding proces
                       "replay Gemma batches of up to 1024 tokens as CUDA graphs")
 NO_COMPILE = Setting("LTX_MGPU_NO_COMPILE", "flag", False, "the encoding process (the pool's ranks)",
                      "run the LTX-2 feature extractor eagerly on a GPU (on: no torch.compile)")
+# --------------------------------------------------------------------------- compiling the transformer
+COMPILE_CACHE = Setting("LTX_MGPU_COMPILE_CACHE", "flag", True, "pool",
+                        "keep the fp8 transformer blocks' torch.compile artifacts across pool restarts (off: "
+                        "every pool compiles each size again)")
+COMPILE_CACHE_DIR = Setting("LTX_MGPU_COMPILE_CACHE_DIR", "directory", None, "pool",
+                            "where the compile artifacts are kept (a private directory: they are executed code); "
+                            "default `<home>/compile`")
 
 #: Every setting, by variable name.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     HOME, CACHE_DIR, RUNTIME_DIR, MODELS_DIR, TICK_SECONDS, COLLECTIVE_TIMEOUT, HELLO_TIMEOUT, MAX_PAYLOAD_BYTES,
     MASTER_PORT, CUDA_ALLOC_CONF, PROFILE_JOBS, SHM, SHM_MIN_BYTES, SHM_MAX_BYTES, SHM_IDLE_SECONDS,
-    SHM_OWN_MIN_BYTES, CUDA_GRAPHS, NO_COMPILE)}
+    SHM_OWN_MIN_BYTES, CUDA_GRAPHS, NO_COMPILE, COMPILE_CACHE, COMPILE_CACHE_DIR)}
 

@@ -40,6 +40,7 @@ from ltx_mgpu.denoise.checkpoint import (
     load_loras,
     packed_weight,
 )
+from ltx_mgpu.denoise.compiling import CompileCache, CompileWatch, graph_key
 from ltx_mgpu.denoise.fp8 import (
     compile_blocks,
     fp8_linear_names,
@@ -82,6 +83,9 @@ class LTXDenoiser:
         plan: the :class:`~ltx_mgpu.denoise.plan.TransformerPlan` it was loaded by, its storage
             resolved from the file; ``max_tokens``, ``source``, ``loras``, ``weights`` and
             ``linears`` are its.
+        compiles: with compiled blocks (``linears`` fp8), what announces and persists their
+            compiles (:class:`~ltx_mgpu.denoise.compiling.CompileWatch`; set its ``on_compile`` to
+            report them); else None.
     """
 
     transformer: LTXModel
@@ -92,6 +96,7 @@ class LTXDenoiser:
     dtype: torch.dtype
     device: torch.device
     plan: TransformerPlan
+    compiles: CompileWatch | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -221,6 +226,7 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
         model_class_configurator=LTXModelConfigurator, model_path=info.path, model_sd_ops=sd_ops, model_loader=loader
     )
     expected = set(builder.meta_model(info.config, ()).state_dict())
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if plan.weights == "sharded" or plan.linears != "dense":
         group = (group if group is not None else dist.group.WORLD) if plan.weights == "sharded" else None
         transformer = _assembled_transformer(builder, info, loader, sd_ops, device, group, plan.fp8,
@@ -246,9 +252,14 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     unfused = set(deltas) - loader.fused
     if unfused:  # only weights outside the DiT and connectors could be left; never drop them silently
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
+    compiles = None
     if plan.linears == "fp8":
         compile_blocks(transformer, dynamic=False)
-    return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device, plan)
+        cache = CompileCache.open(graph_key(transformer, device, layout=plan.layout, world_size=world))
+        if cache is not None:
+            cache.load_all()
+        compiles = CompileWatch(transformer, cache, world)
+    return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device, plan, compiles)
 
 
 def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, device: torch.device,

@@ -112,7 +112,16 @@ def resident_transformer(ctx: JobContext, name: str, key: str | None = None) -> 
     if key is not None and key != resident.key:
         raise BadInput(f"the pool's '{name}' is another model now ({Path(resident.denoiser.source).name}); "
                        "load this one again", reason="no_model")
+    if resident.denoiser.compiles is not None:  # this job reports a first call's compile
+        resident.denoiser.compiles.on_compile = lambda text, cached: announce_compile(ctx, text)
     return resident
+
+
+def announce_compile(ctx: JobContext, text: str) -> None:
+    """A compile of the transformer blocks begins: ``text`` in the log and the ``compile`` phase
+    (:func:`ltx_mgpu.denoise.compiling.compile_message`), until the job's next phase."""
+    ctx.log(text)
+    ctx.progress("compile", 0, 1)
 
 
 def set_weight_patches(ctx: JobContext, name: str, resident: ResidentTransformer,
@@ -315,8 +324,9 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     ctx.log(f"loaded LTX-{m.version} transformer '{name}' from {m.source} ({plan.dtype}, {plan.weights}, "
             f"{len(m.loras)} LoRA(s), world size {ctx.world_size}, {_model_bytes(m) / 2**30:.2f} GiB on this rank)")
     if m.linears == "fp8":
-        ctx.log("dtype fp8: the first call at each token count compiles the transformer blocks (torch.compile), "
-                "which takes minutes; later calls at that size run compiled")
+        ctx.log("dtype fp8: the first call at each size compiles the transformer blocks (torch.compile); later "
+                "calls at that size run compiled, and later pools load the compile from the compile cache "
+                "($LTX_MGPU_COMPILE_CACHE_DIR)")
     return _describe(name, resident, ctx.world_size, reused=False), {}
 
 
