@@ -228,7 +228,8 @@ class CompileCache:
         for path in sorted(self.artifacts.glob(f"{self.key[:32]}-*.bin")):
             try:
                 payload = self._read(path)
-                torch.compiler.load_cache_artifacts(payload)
+                if torch.compiler.load_cache_artifacts(payload) is None:  # torch logs why, and returns None
+                    raise ValueError("torch could not read it")
             except Exception as e:  # noqa: BLE001 - any damage means: ignore it and compile
                 _warn(self.log, f"compile cache file {path} ignored and removed ({str(e)[:200]}); "
                                 "that size compiles again")
