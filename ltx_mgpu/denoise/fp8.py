@@ -36,7 +36,8 @@ stochastically instead (:func:`quantize_rows`), as ComfyUI rounds its fp8 merges
 
 Compiling (:func:`compile_blocks`, FP8 compute): the first call at each token count compiles
 the blocks before it runs, and a Stop is seen only after that call; later calls at the size
-run compiled.
+run compiled. The loader keeps the compiles across pools and announces a first one
+(:mod:`ltx_mgpu.denoise.compiling`).
 """
 
 from __future__ import annotations
