@@ -40,7 +40,6 @@ connectors unfused. Fusion is deterministic, so every rank builds bit-identical 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -53,7 +52,7 @@ from ltx_core.loader.sd_ops import SDOps
 from safetensors import safe_open
 
 from ltx_mgpu.denoise.plan import LoraSpec
-from ltx_mgpu.files import safetensors_header
+from ltx_mgpu.files import json_metadata, safetensors_header
 from ltx_mgpu.quantized import dequant
 from ltx_mgpu.quantized.ggml import READABLE, GGMLFormatError, GGUFFile, dequantize, open_gguf
 from ltx_mgpu.quantized.layers import LayerQuant, QuantFormatError, read_file_quant
@@ -361,12 +360,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
             shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in dit}
             e4m3 = frozenset(k[len(prefix):] for k in dit if f.get_slice(k).get_dtype() == "F8_E4M3")
         shapes.update({k: q.logical_shape(shapes[k]) for k, q in quant.items() if k in shapes})
-    stored = None
-    if "config" in meta:
-        try:
-            stored = json.loads(meta["config"]).get("transformer")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise CheckpointError(f"{path}: the 'config' metadata is not a JSON object ({e})") from None
+    stored = (json_metadata(meta, "config", path, CheckpointError, "; give the file its 'config' metadata again, or "
+                            "remove it (the config is then inferred from the shapes)") or {}).get("transformer")
+    if stored is not None and not isinstance(stored, dict):
+        raise CheckpointError(f"{path}: the 'config' metadata's 'transformer' is a {type(stored).__name__}, not an "
+                              "object; give the file its 'config' metadata again, or remove it")
     if stored:
         tcfg, source = dict(stored), "metadata"
         if "num_layers" not in tcfg:
