@@ -12,6 +12,7 @@ still answer ``status`` and that a good request of the same kind still works. Th
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from pool_support import pool_pids, raw_connect, raw_hello, read_answer, running
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ltx_mgpu import wire
 from ltx_mgpu.client import launch
@@ -411,6 +412,32 @@ def test_the_command_line_with_a_non_utf8_prompt_gets_a_message(pool, tmp_path):
                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0 and "prompts[0] is not valid Unicode text" in out.stderr, out.stderr
     assert "send the prompt as UTF-8 text" in out.stderr
+    pool.assert_held()
+    ensure_text_encoder(pool.client, pool.encoder, pool.key, timeout=60)
+    _encodes_well(pool)
+
+
+def test_encode_with_damaged_weights_writes_no_nan_to_the_output_or_the_cache(pool, tmp_path):
+    """``encode --pool`` with a Gemma snapshot whose decoder layer 1 holds a NaN weight (a file
+    nothing checks at load: transformers reads it): before, the command exited 0 and wrote NaN
+    embeddings to ``--out`` and to the cache, so every later hit returned NaN; now the pool's
+    encode fails naming the prompt and the layer, nothing is written, and the pool serves on."""
+    gemma = tmp_path / "gemma-nan"
+    shutil.copytree(pool.encoder.gemma, gemma)
+    weights = load_file(str(gemma / "model.safetensors"))
+    weights["language_model.model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, str(gemma / "model.safetensors"), metadata={"format": "pt"})
+    cache, out_file = tmp_path / "cache", tmp_path / "out.safetensors"
+    args = [sys.executable, "-m", "ltx_mgpu", "encode", "--pool", "--gpus", "cpu", "--nproc", "2",
+            "--runtime-dir", str(pool.base), "--placement", "batch_parallel", "--dtype", "float32",
+            "--gemma", str(gemma), "--projection", str(pool.encoder.projection), "--cache", str(cache),
+            "--no-progress", "--out", str(out_file), "--prompt", "a cat"]
+    out = subprocess.run(args, cwd=launch.repo_root(), capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert ("prompt 0 ('a cat'): its embedding holds NaN or infinite values, from Gemma's hidden state 2 (the output "
+            "of decoder layer 1, float32) on") in out.stderr, out.stderr
+    assert not out_file.exists() and not [p for p in cache.rglob("*") if p.is_file()]
     pool.assert_held()
     ensure_text_encoder(pool.client, pool.encoder, pool.key, timeout=60)
     _encodes_well(pool)
