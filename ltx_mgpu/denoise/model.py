@@ -252,7 +252,9 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
         ``LTXDenoiser`` in eval mode, its ``plan`` with the storage resolved.
     Raises:
         FileNotFoundError: no checkpoint. CheckpointError: see ``inspect_checkpoint`` and
-        LoRA errors, or weights that do not fit the config (missing/unexpected keys).
+        LoRA errors, weights that do not fit the config (missing/unexpected keys, a shape that
+        differs: checked before any weight is read), or a tensor holding NaN or infinite values
+        (``StateDictLoader``: checked as it is read).
         ValueError: ``linears`` ``fp8`` on a device without FP8 tensor cores (the message names
         the fix).
     """
@@ -273,7 +275,9 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     builder = SingleGPUModelBuilder(
         model_class_configurator=LTXModelConfigurator, model_path=info.path, model_sd_ops=sd_ops, model_loader=loader
     )
-    expected = set(builder.meta_model(info.config, ()).state_dict())
+    meta = builder.meta_model(info.config, ()).state_dict()
+    _check_shapes(info, meta)
+    expected = set(meta)
     if plan.weights == "sharded" or plan.linears != "dense":
         group = (group if group is not None else dist.group.WORLD) if plan.weights == "sharded" else None
         transformer = _assembled_transformer(builder, info, loader, sd_ops, device, group, plan.fp8,
@@ -302,6 +306,21 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     if plan.linears == "fp8":
         compile_blocks(transformer, dynamic=False)
     return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device, plan)
+
+
+def _check_shapes(info: CheckpointInfo, params: dict) -> None:
+    """Raise ``CheckpointError`` naming the first weight of the file whose (logical) shape is not
+    the one its parameter has in the model ``info.config`` builds (``params``: the meta model's
+    state dict), before any weight is read: a replicated load would fail in ltx-core's
+    ``load_state_dict``, a sharded one copying a rank's rows, neither naming the fix."""
+    file_keys = {transformer_key(info, k): k for k in info.shapes}
+    for name, p in params.items():
+        key = file_keys.get(name)
+        if key is not None and tuple(info.shapes[key]) != tuple(p.shape):
+            raise CheckpointError(
+                f"{info.path}: {info.prefix}{key} is {list(info.shapes[key])}; the {info.config_source} "
+                f"LTX-{info.version} config makes it {list(p.shape)}: the file is damaged or its weights belong to "
+                "another model than its config (download it again, or use a file with correct 'config' metadata)")
 
 
 def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, device: torch.device,

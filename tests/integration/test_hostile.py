@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from pool_support import pool_pids, raw_connect, raw_hello, read_answer, running
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu import wire
@@ -32,6 +33,7 @@ from ltx_mgpu.client.errors import BadInputError, JobCancelledError, PoolError, 
 from ltx_mgpu.client.model import PoolModel
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.text import ensure_text_encoder, pool_key
+from ltx_mgpu.denoise.model import export_transformer_only
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
 from ltx_mgpu.text.config import TextEncoderConfig
@@ -378,6 +380,39 @@ def test_a_bad_lora_is_bad_input_naming_the_file(pool, tmp_path, kind):
     assert path.name in message
     pool.assert_held()
     assert "lora" not in pool.client.status()["ranks"][0]["models"]
+
+
+def _lying_fp8(pool: Pool, path: Path, how: str) -> str:
+    """The module's checkpoint as ComfyUI scaled fp8, with one block weight that lies: a NaN e4m3
+    byte in its last row (under ``weights: sharded`` only rank 1 reads it) or a row short."""
+    fp8 = export_transformer_only(pool.ckpt, path.with_name("fp8.safetensors"), fp8="scaled")
+    sd = load_file(str(fp8))
+    key = "model.diffusion_model.transformer_blocks.1.attn1.to_q.weight"
+    if how == "nan":
+        sd[key].view(torch.uint8)[-1, -1] = 0x7F  # e4m3's NaN
+    else:
+        sd[key] = sd[key][:-1].contiguous()
+    with safe_open(str(fp8), "pt") as f:
+        save_file(sd, str(path), metadata=f.metadata())
+    return str(path)
+
+
+@pytest.mark.parametrize("how, match", [
+    ("nan", r"transformer_blocks\.1\.attn1\.to_q\.weight holds NaN or infinite values; the file is damaged: download "
+            r"it again"),
+    ("short", r"transformer_blocks\.1\.attn1\.to_q\.weight is \[31, 32\]; the metadata LTX-2\.3 config makes it "
+              r"\[32, 32\]: the file is damaged"),
+])
+@pytest.mark.parametrize("weights", ["replicated", "sharded"])
+def test_an_fp8_file_that_lies_is_refused_at_load_naming_the_key(pool, tmp_path, how, match, weights):
+    """Before: the NaN file loaded (both ways) and the forward returned NaN velocities; the short
+    weight failed the sharded load with a raw size error naming nothing."""
+    path = _lying_fp8(pool, tmp_path / f"{how}.safetensors", how)
+    plan = TransformerPlan(path, dtype="fp32", weights=weights)
+    refused(lambda: remote_load_transformer(pool.client, plan, name="liar", timeout=120), match)
+    pool.assert_held()
+    assert "liar" not in pool.client.status()["ranks"][0]["models"]
+    _loads_well(pool)
 
 
 def test_lora_lists_and_strengths_are_checked(pool, tmp_path):

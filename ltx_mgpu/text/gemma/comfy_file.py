@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ltx_mgpu.finite import is_finite
 from ltx_mgpu.quantized.dequant import dequantize, load_decoder
 from ltx_mgpu.quantized.layers import AUX_SUFFIXES, FileQuant
 from ltx_mgpu.text.gemma.sources import GemmaWeightsError, comfy_file_quant, comfy_text_config
@@ -79,7 +80,7 @@ class ComfyGemmaFile:
                 parts = {"weight": f.get_tensor(key), **{p: f.get_tensor(f"{layer}.{p}") for p in quant.parts}}
         if quant is not None:
             w = dequantize(quant, parts, dtype, device=device)
-        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+        if not is_finite(w):
             stored = f" ({quant.describe()}: its scales or values)" if quant is not None else ""
             raise GemmaWeightsError(f"{self.path}: {key}{stored} holds NaN or infinite values; the file is damaged: "
                                     "download it again")
