@@ -35,7 +35,7 @@ from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.placement import read_gemma_shape
 from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
-from ltx_mgpu.text.gemma.sources import GemmaFormatError, detect_gemma_format, gemma_identity
+from ltx_mgpu.text.gemma.sources import GemmaFormatError, GemmaWeightsError, detect_gemma_format, gemma_identity
 from ltx_mgpu.text.nf4.artifact import read_manifest
 from ltx_mgpu.text.nf4.model import nf4_linears
 from ltx_mgpu.text.nf4.quantize import quantize_nf4, quantize_tensor
@@ -313,19 +313,22 @@ def test_a_non_finite_scale_is_refused_at_load_naming_the_layer(files, tmp_path,
             quantize_nf4(bad, tmp_path / "nf4", device="cpu")
 
 
-@pytest.mark.parametrize(("value", "match"), [
-    ("{not json", r"'ltx_mgpu_gemma_config' metadata is not JSON"),
-    ("[" * 100_000, r"'ltx_mgpu_gemma_config' metadata is not JSON"),
-    ('["a list"]', r"'ltx_mgpu_gemma_config' metadata is not a JSON object"),
-    (json.dumps({"hidden_size": "wide"}), r"'ltx_mgpu_gemma_config' metadata does not describe a Gemma 3 text model"),
-    (json.dumps({"hidden_size": 4096}), r"'ltx_mgpu_gemma_config' metadata says hidden_size 4096, the weights 64"),
-    (json.dumps({"x": "y" * (90 << 20)}), r"'ltx_mgpu_gemma_config' metadata is 94371849 bytes, more than 1048576"),
+@pytest.mark.parametrize(("value", "error", "match"), [
+    ("{not json", GemmaFormatError, r"'ltx_mgpu_gemma_config' metadata is not JSON"),
+    ("[" * 100_000, GemmaFormatError, r"'ltx_mgpu_gemma_config' metadata is not JSON"),
+    ('["a list"]', GemmaFormatError, r"'ltx_mgpu_gemma_config' metadata is not a JSON object"),
+    (json.dumps({"hidden_size": "wide"}), GemmaFormatError,
+     r"'ltx_mgpu_gemma_config' metadata does not describe a Gemma 3 text model"),
+    (json.dumps({"hidden_size": 4096}), GemmaWeightsError,
+     r"'ltx_mgpu_gemma_config' metadata says hidden_size 4096, the weights 64"),
+    (json.dumps({"x": "y" * (90 << 20)}), GemmaFormatError,
+     r"'ltx_mgpu_gemma_config' metadata is 94371849 bytes, more than 1048576"),
 ], ids=["malformed", "deep", "list", "wrong_type", "contradicts_weights", "90_mb"])
-def test_a_malformed_config_in_the_header_is_refused_naming_it(files, tmp_path, value, match):
+def test_a_malformed_config_in_the_header_is_refused_naming_it(files, tmp_path, value, error, match):
     with safe_open(str(files["nvfp4"]), "pt") as f:
         meta = dict(f.metadata())
     bad = _rewrite(files["nvfp4"], tmp_path / "meta.safetensors", metadata={**meta, "ltx_mgpu_gemma_config": value})
     for check in (read_gemma_shape, load_gemma_text_tower):
-        with pytest.raises(GemmaFormatError, match=match) as e:
+        with pytest.raises(error, match=match) as e:
             check(bad)
         assert str(bad) in str(e.value)

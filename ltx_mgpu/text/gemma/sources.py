@@ -436,8 +436,9 @@ def comfy_text_config(meta: dict[str, str], shapes: dict[str, tuple[int, ...]], 
 
     Raises:
         GemmaFormatError: a tensor needed for the inference is missing; the stored config is
-            over ``ltx_mgpu.files.MAX_JSON_METADATA`` bytes, not a JSON object, not a Gemma 3 text
-            config, or contradicts the tensors' shapes (names the field).
+            over ``ltx_mgpu.files.MAX_JSON_METADATA`` bytes, not a JSON object, or not a Gemma 3
+            text config.
+        GemmaWeightsError: the stored config contradicts the tensors' shapes (names the field).
     """
     from transformers import Gemma3TextConfig
 
@@ -455,7 +456,7 @@ def comfy_text_config(meta: dict[str, str], shapes: dict[str, tuple[int, ...]], 
                                f"model ({type(e).__name__}: {str(e).splitlines()[0][:160]}){hint}") from None
     for field, value in dims.items():
         if getattr(cfg, field, None) != value:
-            raise GemmaFormatError(f"{path}: the '{COMFY_CONFIG_METADATA_KEY}' metadata says {field} "
+            raise GemmaWeightsError(f"{path}: the '{COMFY_CONFIG_METADATA_KEY}' metadata says {field} "
                                    f"{getattr(cfg, field, None)!r:.40}, the weights {value}: the header does not "
                                    f"describe these weights{hint}")
     return cfg
