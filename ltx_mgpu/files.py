@@ -1,8 +1,9 @@
-"""Files the user names or receives: reading a ``.safetensors`` header with an error that says
-which file, and writing an output atomically."""
+"""Files the user names or receives: reading a ``.safetensors`` header (and a JSON value of its
+metadata) with an error that says which file, and writing an output atomically."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -29,6 +30,40 @@ def safetensors_header(path: str | os.PathLike, error: type[Exception] = ValueEr
             return list(f.keys()), dict(f.metadata() or {})
     except Exception as exc:  # noqa: BLE001 - any header failure means an unreadable file
         raise error(f"{path}: not a readable .safetensors file ({exc}){hint}") from None
+
+
+#: The largest JSON metadata value read from a file's header (bytes): a model config is a few KB.
+MAX_JSON_METADATA = 1 << 20
+
+
+def json_metadata(meta: dict[str, str], key: str, where: str, error: type[Exception] = ValueError,
+                  hint: str = "", limit: int = MAX_JSON_METADATA) -> dict | None:
+    """The JSON object stored under ``key`` in a file's header metadata, or None when absent.
+
+    Args:
+        meta: the header's string metadata (:func:`safetensors_header`).
+        where: the file, for messages. error, hint: as :func:`safetensors_header`.
+        limit: the largest value read, in bytes (UTF-8).
+    Raises:
+        error: ``"<where>: the '<key>' metadata ..."``: larger than ``limit``, not JSON (nested too
+            deeply for Python's parser included), or not a JSON object.
+    """
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    size = len(raw.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise error(f"{where}: the '{key}' metadata is {size} bytes, more than {limit} (a config is a few KB); the "
+                    f"file's header is damaged or not what it claims{hint}")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise error(f"{where}: the '{key}' metadata is not JSON ({type(e).__name__}: {str(e)[:120]}); the file's "
+                    f"header is damaged{hint}") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: the '{key}' metadata is not a JSON object (got a {type(value).__name__}); the file's "
+                    f"header is damaged{hint}")
+    return value
 
 
 def write_atomically(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> Path:

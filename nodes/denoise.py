@@ -181,8 +181,8 @@ class LTXMGPUModelLoader(io.ComfyNode):
                     "omitted); fused into the weights at load.")),
                 io.Int.Input("max_tokens", default=DEFAULT_MAX_TOKENS, min=64, max=1 << 20, step=64, tooltip=(
                     "Largest number of video latent tokens the sampler accepts ((frames-1)/8+1) x (height/32) x "
-                    "(width/32); 121 frames at 1280x704 are 14080. A larger latent is refused with a clear "
-                    "message.")),
+                    "(width/32); 121 frames at 1280x704 are 14080. It bounds the audio tokens too (25 per second, "
+                    "reference audio included). A larger latent is refused with a clear message.")),
                 io.Combo.Input("weights", options=list(TRANSFORMER_WEIGHTS), default="replicated", optional=True,
                                tooltip=(
                     "replicated: every GPU holds the whole transformer (fastest). sharded: each GPU holds 1/N of "

@@ -92,6 +92,53 @@ def test_sequence_parallel_sampling_on_two_gpus_equals_the_in_process_sampler(gp
     gpu_pool.request("unload", {"names": None}, timeout=120)
 
 
+@pytest.mark.parametrize("weights", ["replicated", "sharded"])
+def test_a_forward_cancelled_between_blocks_on_two_gpus_leaves_the_model_as_it_was(gpu_pool, tmp_path, weights):
+    """A MODEL-path forward long enough to cancel midway (an 8-block, 1024-wide model, 131,072
+    video tokens over NCCL, bf16) stops at a block boundary on both GPUs (``JobCancelledError``);
+    with FSDP2-sharded weights and their CUDA streams, the next call gives what a call gave before
+    (the CPU suite checks the same on gloo: ``test_hostile.py``)."""
+    import json
+    import time
+    import uuid
+
+    from safetensors.torch import save_file
+    from sp_harness import build_tiny_model, tiny_config
+
+    from ltx_mgpu.client.errors import JobCancelledError
+    from ltx_mgpu.client.model import PoolModel
+
+    shape = {"num_layers": 8, "num_attention_heads": 8, "attention_head_dim": 128, "cross_attention_dim": 1024}
+    path = tmp_path / "medium.safetensors"
+    model = build_tiny_model(**shape)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),
+              metadata={"config": json.dumps(tiny_config(**shape))})
+    del model
+    plan = TransformerPlan(str(path), dtype="bf16", weights=weights, max_tokens=1 << 17)
+    loaded = remote_load_transformer(gpu_pool, plan, name="medium", timeout=600)
+    pm = PoolModel(lambda: gpu_pool, lambda: None, "medium", key=loaded["key"])
+    g = torch.Generator().manual_seed(3)
+    widths = loaded["context_widths"]
+    ctx = torch.randn(1, 16, sum(widths), generator=g).to(torch.bfloat16)
+    small = torch.randn(1, 128, 2, 4, 4, generator=g).to(torch.bfloat16)
+    t = (torch.full((1,), 0.7), torch.full((1,), 0.7))
+    before = pm.forward(small, t, ctx)
+    big = torch.randn(1, 128, 32, 64, 64, generator=g).to(torch.bfloat16)  # 131,072 tokens
+    params = {"model": "medium", "key": loaded["key"], "context_id": uuid.uuid4().hex[:16], "frame_rate": 25.0,
+              "av_timestep": "scaled", "patches": "none", "kwargs": []}
+    job = gpu_pool.submit("forward", params, {"x.0": big, "t.0": t[0], "t.1": t[1], "context": ctx})
+    deadline = time.monotonic() + 120
+    while (gpu_pool.status(timeout=10)["current"] or {}).get("id") != job.id:
+        assert time.monotonic() < deadline, "the forward never started"
+        time.sleep(0.01)
+    job.cancel()
+    with pytest.raises(JobCancelledError, match=r"cancelled after \d step boundaries"):
+        job.wait(timeout=300)
+    after = pm.forward(small, t, ctx)
+    assert torch.equal(after, before)
+    gpu_pool.request("unload", {"names": ["medium"]}, timeout=120)
+
+
 def test_generate_on_two_gpus_writes_the_video(tmp_path, capsys):
     runtime = short_dir()
     try:

@@ -40,7 +40,6 @@ connectors unfused. Fusion is deterministic, so every rank builds bit-identical 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -53,7 +52,8 @@ from ltx_core.loader.sd_ops import SDOps
 from safetensors import safe_open
 
 from ltx_mgpu.denoise.plan import LoraSpec
-from ltx_mgpu.files import safetensors_header
+from ltx_mgpu.files import json_metadata, safetensors_header
+from ltx_mgpu.finite import FiniteCheck, is_finite
 from ltx_mgpu.quantized import dequant
 from ltx_mgpu.quantized.ggml import READABLE, GGMLFormatError, GGUFFile, dequantize, open_gguf
 from ltx_mgpu.quantized.layers import LayerQuant, QuantFormatError, read_file_quant
@@ -361,12 +361,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
             shapes = {k[len(prefix):]: tuple(f.get_slice(k).get_shape()) for k in dit}
             e4m3 = frozenset(k[len(prefix):] for k in dit if f.get_slice(k).get_dtype() == "F8_E4M3")
         shapes.update({k: q.logical_shape(shapes[k]) for k, q in quant.items() if k in shapes})
-    stored = None
-    if "config" in meta:
-        try:
-            stored = json.loads(meta["config"]).get("transformer")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise CheckpointError(f"{path}: the 'config' metadata is not a JSON object ({e})") from None
+    stored = (json_metadata(meta, "config", path, CheckpointError, "; give the file its 'config' metadata again, or "
+                            "remove it (the config is then inferred from the shapes)") or {}).get("transformer")
+    if stored is not None and not isinstance(stored, dict):
+        raise CheckpointError(f"{path}: the 'config' metadata's 'transformer' is a {type(stored).__name__}, not an "
+                              "object; give the file its 'config' metadata again, or remove it")
     if stored:
         tcfg, source = dict(stored), "metadata"
         if "num_layers" not in tcfg:
@@ -547,6 +546,12 @@ class StateDictLoader:
     ``packed_deltas[key]``; any other quantized layer is dequantized as ComfyUI computes it
     (:func:`ltx_mgpu.quantized.dequant.dequantize`, in ``dtype``), its LoRAs fused in float32.
     Their scales (and a dequantized weight) are checked for NaN and infinite values.
+
+    Every tensor read (weights and scales of every format, the connectors' included) and every
+    weight computed from it (upcast by its scale, fused with its LoRAs) is checked finite
+    (:class:`ltx_mgpu.finite.FiniteCheck`: one reduction each, read back once per ``load``), and
+    ``load`` raises ``CheckpointError`` naming the first key that is not: a file that lies is
+    refused, never loaded to give NaN velocities.
     """
 
     def __init__(self, info: CheckpointInfo, dtype: torch.dtype, loras: dict[str, list], exclude: tuple[str, ...] = (),
@@ -562,11 +567,20 @@ class StateDictLoader:
         self.loaded_keys: list[str] = []
         self.fused: set[str] = set()
         self._gguf: GGUFFile | None = None
+        self._finite = FiniteCheck()
 
     def metadata(self, path: str) -> dict:  # noqa: ARG002 - the protocol passes the path
         return self.info.config
 
     def load(self, path, sd_ops: SDOps | None = None, device: torch.device | None = None) -> StateDict:
+        sd = self._load(path, sd_ops, device)
+        bad = self._finite.first()
+        if bad is not None:
+            raise CheckpointError(f"{self.info.path}: {bad} holds NaN or infinite values; the file is damaged: "
+                                  "download it again")
+        return sd
+
+    def _load(self, path, sd_ops: SDOps | None = None, device: torch.device | None = None) -> StateDict:
         device = device or torch.device("cpu")
         paths = path if isinstance(path, (list, tuple)) else [path]
         prefix, sd, dtypes, size = self.info.prefix, {}, set(), 0
@@ -616,7 +630,7 @@ class StateDictLoader:
         w = dequantize(data, info.qtype, shape)
         if len(info.shape) == 1 and rows is not None:
             w = w[rows]
-        if not bool(torch.isfinite(w).all()):
+        if not is_finite(w):
             raise CheckpointError(f"{self.info.path}: tensor {key} holds NaN or infinite values; the file is damaged: "
                                   "download it again")
         deltas = self.loras.get(full, ())
@@ -641,6 +655,8 @@ class StateDictLoader:
                 data, tensor_scale, column_scale = pack_rows(quant, parts, shape, rows, where=key)
             except RowFormatError as e:
                 raise CheckpointError(f"{self.info.path}: {e}") from None
+            if quant.format == "mxfp8":  # its elements are e4m3, which has NaN codes (the scales: pack_rows)
+                self._finite.add(key, parts["weight"].view(torch.float8_e4m3fn))
             self.packed_scales[new] = (tensor_scale if tensor_scale is None else tensor_scale.to(device),
                                        column_scale if column_scale is None else column_scale.to(device))
             if deltas:
@@ -651,12 +667,16 @@ class StateDictLoader:
             w = dequant.dequantize(quant, parts, self.dtype, shape, device)
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{self.info.path}: {key} ({quant.describe()}) cannot be dequantized: {e}") from None
-        if not bool(torch.isfinite(w).all()):
+        if not is_finite(w):
             raise CheckpointError(f"{self.info.path}: {key} ({quant.describe()}) holds NaN or infinite values (its "
                                   "scales); the file is damaged: download it again")
         if rows is not None:
             w = w[rows]
-        return self._fused(w.float(), full, rows, device).to(self.dtype) if deltas else w
+        if not deltas:
+            return w
+        w = self._fused(w.float(), full, rows, device).to(self.dtype)
+        self._finite.add(f"{key} (with its LoRAs)", w)
+        return w
 
     def _tensor(self, f, names: set, key: str, full: str, device: torch.device, rows: slice | None = None,
                 new: str | None = None) -> torch.Tensor:
@@ -667,11 +687,14 @@ class StateDictLoader:
         stem = key[: -len(".weight")] if key.endswith(".weight") else None
         if not (t.is_floating_point() or t.dtype in _FP8):
             raise CheckpointError(f"{key} is stored as {t.dtype}; ltx_mgpu loads bf16/fp16/fp32 or fp8 weights")
+        self._finite.add(key, t)
         deltas = self.loras.get(full, ())
         scale = None
         if t.dtype in _FP8 and stem is not None:
             sk = next((s for s in (f"{stem}.weight_scale", f"{stem}.scale_weight") if s in names), None)
             scale = f.get_tensor(sk).to(device=device, dtype=torch.float32) if sk else None
+            if scale is not None:
+                self._finite.add(sk, scale)
             whole = f.get_slice(key).get_shape()[0] if t.ndim else 1
             if scale is not None and scale.numel() not in (1, whole):
                 raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor "
@@ -683,6 +706,8 @@ class StateDictLoader:
             return t.clone() if t.device.type == "cpu" else t
         if scale is None and not deltas:
             out = t.to(self.dtype)
+            if self.dtype == torch.float16 and t.dtype not in (torch.float16, *_FP8):  # may overflow its range
+                self._finite.add(f"{key} (cast to float16)", out)
             # safetensors hands out CPU tensors over arbitrarily aligned buffers; a fresh allocation
             # keeps kernels (and so results) independent of the file's byte layout.
             return out.clone() if out.data_ptr() == t.data_ptr() else out
@@ -692,7 +717,10 @@ class StateDictLoader:
                 raise CheckpointError(f"{key}: a {tuple(scale.shape)} fp8 scale fits neither per-tensor nor "
                                       "per-row scaling")
             w = w * (scale.reshape(-1, *([1] * (w.ndim - 1))) if scale.numel() > 1 else scale.reshape(()))
-        return self._fused(w, full, rows, device).to(self.dtype)
+        w = self._fused(w, full, rows, device).to(self.dtype)
+        self._finite.add(f"{key} ({'upcast by its scale' if scale is not None else 'with its LoRAs'}, in "
+                         f"{str(self.dtype).removeprefix('torch.')})", w)
+        return w
 
     def _fused(self, w: torch.Tensor, full: str, rows: slice | None, device: torch.device) -> torch.Tensor:
         """The float32 weight ``w`` (``rows`` of the whole, for a shard) plus the LoRA deltas of the

@@ -13,9 +13,12 @@ ComfyUI's ``preprocess_text_embeds``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,6 +60,7 @@ from ltx_mgpu.quantized.packed import LoraDelta, swap_packed_linears
 from ltx_mgpu.shards import local_rows, local_tensor
 
 __all__ = [
+    "STOP_CHECKS",
     "LTXDenoiser",
     "check_world_size",
     "export_transformer_only",
@@ -68,6 +72,10 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- the denoiser
+
+#: How many times one transformer call asks whether to stop (:meth:`LTXDenoiser.stoppable`): at
+#: every ``ceil(blocks / STOP_CHECKS)``-th block, so a call stops within that many blocks.
+STOP_CHECKS = 8
 
 
 @dataclasses.dataclass
@@ -100,7 +108,7 @@ class LTXDenoiser:
 
     @property
     def max_tokens(self) -> int:
-        """The largest video token count one call may have."""
+        """The largest video (and audio) token count one call may have."""
         return self.plan.max_tokens
 
     @property
@@ -133,6 +141,51 @@ class LTXDenoiser:
         if t.get("caption_proj_before_connector", False):
             return int(t["cross_attention_dim"]), int(t["audio_cross_attention_dim"])
         return int(t["caption_channels"]), int(t["caption_channels"])
+
+    @property
+    def latent_widths(self) -> tuple[int, int | None]:
+        """(video, audio) values per latent token the transformer takes (its patchify
+        projections' inputs: LTX-2's 128 video VAE channels, and 8 audio channels x 16 mel bins);
+        audio None for a model without audio."""
+        audio = getattr(self.transformer, "audio_patchify_proj", None)
+        return self.transformer.patchify_proj.in_features, (audio.in_features if audio is not None else None)
+
+    @contextlib.contextmanager
+    def stoppable(self, should_stop: Callable[[], bool]) -> Iterator[Callable[[], bool]]:
+        """Within the block, a transformer call can stop midway: every
+        ``ceil(blocks / STOP_CHECKS)``-th transformer block first calls ``should_stop()``; once it
+        says True, that block and every later one of the call return their inputs unchanged
+        (their module hooks still run: FSDP2 gathers and frees a sharded block's weights as
+        usual, so its state stays in step), the call ends at once with meaningless outputs, and
+        the yielded ``stopped()`` is True: the caller discards them. In a pool ``should_stop``
+        is the cancel decision, a collective every rank reaches at the same blocks (every rank
+        runs every block of a call, under any layout). The blocks' own ``forward`` (compiled or
+        not) is restored on leaving."""
+        blocks = list(self.transformer.transformer_blocks)
+        stride = max(1, math.ceil(len(blocks) / STOP_CHECKS))
+        state = {"stopped": False}
+        saved = []
+        for i, block in enumerate(blocks):
+            own = block.__dict__.get("forward")  # torch.compile'd forward (compile_blocks), or None
+
+            def forward(*args, _run=own or block.forward, _check=i % stride == 0, **kwargs):
+                if not state["stopped"] and _check and should_stop():
+                    state["stopped"] = True
+                if state["stopped"]:
+                    return kwargs.get("video", args[0] if args else None), kwargs.get("audio", args[1] if len(args) > 1
+                                                                                     else None)
+                return _run(*args, **kwargs)
+
+            saved.append((block, own))
+            block.forward = forward
+        try:
+            yield lambda: state["stopped"]
+        finally:
+            for block, own in saved:
+                if own is None:
+                    block.__dict__.pop("forward", None)
+                else:
+                    block.forward = own
 
     def velocity_model(self, group=None):
         """The transformer behind ltx_mgpu's sequence-parallel wrapper (world size 1: plain
@@ -204,7 +257,9 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
         ``LTXDenoiser`` in eval mode, its ``plan`` with the storage resolved.
     Raises:
         FileNotFoundError: no checkpoint. CheckpointError: see ``inspect_checkpoint`` and
-        LoRA errors, or weights that do not fit the config (missing/unexpected keys).
+        LoRA errors, weights that do not fit the config (missing/unexpected keys, a shape that
+        differs: checked before any weight is read), or a tensor holding NaN or infinite values
+        (``StateDictLoader``: checked as it is read).
         ValueError: ``linears`` ``fp8`` on a device without FP8 tensor cores (the message names
         the fix).
     """
@@ -225,7 +280,9 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     builder = SingleGPUModelBuilder(
         model_class_configurator=LTXModelConfigurator, model_path=info.path, model_sd_ops=sd_ops, model_loader=loader
     )
-    expected = set(builder.meta_model(info.config, ()).state_dict())
+    meta = builder.meta_model(info.config, ()).state_dict()
+    _check_shapes(info, meta)
+    expected = set(meta)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if plan.weights == "sharded" or plan.linears != "dense":
         group = (group if group is not None else dist.group.WORLD) if plan.weights == "sharded" else None
@@ -260,6 +317,21 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
             cache.load_all()
         compiles = CompileWatch(transformer, cache, world)
     return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device, plan, compiles)
+
+
+def _check_shapes(info: CheckpointInfo, params: dict) -> None:
+    """Raise ``CheckpointError`` naming the first weight of the file whose (logical) shape is not
+    the one its parameter has in the model ``info.config`` builds (``params``: the meta model's
+    state dict), before any weight is read: a replicated load would fail in ltx-core's
+    ``load_state_dict``, a sharded one copying a rank's rows, neither naming the fix."""
+    file_keys = {transformer_key(info, k): k for k in info.shapes}
+    for name, p in params.items():
+        key = file_keys.get(name)
+        if key is not None and tuple(info.shapes[key]) != tuple(p.shape):
+            raise CheckpointError(
+                f"{info.path}: {info.prefix}{key} is {list(info.shapes[key])}; the {info.config_source} "
+                f"LTX-{info.version} config makes it {list(p.shape)}: the file is damaged or its weights belong to "
+                "another model than its config (download it again, or use a file with correct 'config' metadata)")
 
 
 def _assembled_transformer(builder, info: CheckpointInfo, loader: StateDictLoader, sd_ops, device: torch.device,

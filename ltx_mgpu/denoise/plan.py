@@ -127,7 +127,8 @@ class TransformerPlan:
             1/N shard per rank gathered block by block (FSDP2).
         layout: one of :data:`ltx_mgpu.choices.SP_LAYOUTS`: how a model call is split over the ranks.
         loras: the LoRAs merged at load (``(path, strength)`` pairs are taken too; paths made absolute).
-        max_tokens: the largest video token count one call may have (bounds activation memory).
+        max_tokens: the largest video token count one call may have, and the largest audio token count
+            (reference audio included) (bounds activation memory).
         attention_type: ltx-core's attention backend (one of :data:`ltx_mgpu.choices.ATTENTION_TYPES`),
             or None for the checkpoint's own.
         connectors: a file holding the text connectors to use instead of the checkpoint's (made

@@ -381,10 +381,7 @@ def _check_sizes(m: LTXDenoiser, params: dict, tensors: dict, latent: dict, cond
                        "sample with fewer steps")
     video, audio = _token_counts(latent)
     check_token_budget(video, m.max_tokens)
-    if audio > m.max_tokens:
-        raise SequenceParallelConfigError(
-            f"the audio latent has {audio} tokens (latent frames), more than max_tokens={m.max_tokens}; use a "
-            "shorter clip, or raise the budget when loading the model (load_transformer's max_tokens)")
+    check_token_budget(audio, m.max_tokens, "audio")
 
 
 @register_engine("sample")

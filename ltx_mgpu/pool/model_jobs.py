@@ -27,8 +27,11 @@ adapter id the pool does not hold with ``unknown_adapter``, a model that is not 
 ``no_model``: the client remedies and retries (:mod:`ltx_mgpu.client.model`).
 
 Errors: every input is checked before any work, identically on every rank (the same request
-tensors reach every rank); a failure inside the transformer call (out of memory on one rank) is
-fatal, as in ``sample``.
+tensors reach every rank; :func:`ltx_mgpu.denoise.comfyui.forward.check_call`: the latents'
+widths against the model's, video and audio tokens against its ``max_tokens``, timesteps in
+``0..1``, the guides and reference audio against the latent); a failure inside the transformer
+call (out of memory on one rank) is fatal, as in ``sample``. A cancel is honoured between
+transformer blocks (``LTXDenoiser.stoppable``), so a long call stops within a few blocks.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ltx_mgpu.denoise.comfyui.latents import LatentFormatError
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError
 from ltx_mgpu.denoise.patches import PATCH_KINDS, WeightPatch
 from ltx_mgpu.pool.denoise_jobs import ResidentTransformer, resident_transformer, set_weight_patches
-from ltx_mgpu.pool.engines import BadInput, JobContext, register_engine
+from ltx_mgpu.pool.engines import BadInput, JobCancelled, JobContext, register_engine
 from ltx_mgpu.wire import codec
 from ltx_mgpu.wire.messages import FORWARD_TENSORS, MAX_BATCH, MAX_TEXT_TOKENS, NO_PATCHES
 
@@ -129,7 +132,10 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     Raises:
         BadInput: reasons ``no_model`` / ``stale_patches`` / ``unknown_context`` (module doc);
             tensors of the wrong names, shapes or values; ComfyUI keyword arguments outside
-            ``FORWARD_KWARGS``; more video or audio tokens than the model's ``max_tokens``.
+            ``FORWARD_KWARGS``; more video or audio tokens (reference audio included) than the
+            model's ``max_tokens``; latents, timesteps, guides or reference audio that do not fit
+            the model or the latent (``check_call``).
+        JobCancelled: cancelled between transformer blocks (on every rank together).
     """
     name = params.get("model", codec.DEFAULT_MODEL)
     resident = resident_transformer(ctx, name, params.get("key"))
@@ -166,18 +172,26 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     resident.contexts.move_to_end(cid)
     conds = _extra_conds(kwargs, guides, tensors)
     frame_rate = float(params.get("frame_rate", 25.0))
-    # On the model's device first: patchifying and the positions then run there, and the
-    # velocities stay there until they are copied out once.
-    parts = [p.to(m.device, non_blocking=True) for p in parts]
     video = parts[0]
-    steps = [t.to(m.device, non_blocking=True) for t in steps]
+    def cancelled() -> bool:  # the cancel decision: a collective every rank reaches at the same blocks
+        try:
+            ctx.check_cancel()
+        except JobCancelled:
+            return True
+        return False
+
     try:
-        with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")):
+        # comfy_forward checks every input against the model (check_call) before it moves the
+        # latents to the model's device (patchifying and the positions run there)
+        with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")), \
+                m.stoppable(cancelled) as stopped:
             out = comfy_forward(m, resident.velocity, parts if len(parts) == 2 else video, tuple(steps), context,
                                 frame_rate=frame_rate, conds=conds)
     except (ForwardError, ExtraCondsError, LatentFormatError, SequenceParallelConfigError) as e:
         # raised before the transformer's first collective, from the request alone (every rank)
         raise BadInput(str(e)) from None
+    if stopped():  # cancelled between blocks, on every rank together: the outputs are discarded
+        raise JobCancelled(f"job {ctx.job_id} cancelled during the forward")
     if not ctx.is_main:
         return {}, {}
     outs = list(out) if isinstance(out, list) else [out]

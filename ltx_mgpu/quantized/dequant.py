@@ -21,7 +21,8 @@ row, ``c`` column, ``dtype`` the output dtype):
   the padding of the weight to multiples of 16 is cut off. A ``pre_quant_scale`` (ModelOpt's
   AWQ-style input smoothing, which later ComfyUI versions multiply into the layer's input) is
   folded into the columns: ``w[:, c] *= p[c]`` in fp32, then cast to ``dtype``.
-* ``float8_e4m3fn`` / ``float8_e5m2``: ``w = q.to(dtype) * scale.to(dtype)`` (scale 1 if absent).
+* ``float8_e4m3fn`` / ``float8_e5m2``: ``w = q.to(dtype) * scale.to(dtype)`` (scale 1 if absent; one
+  per row when it has a value per row, as an int8 scale).
 * ``mxfp8`` (OCP's MX FP8: FP8 E4M3 elements, one E8M0 power-of-two scale per 32 consecutive
   elements of a row, in the same swizzled tiles as nvfp4's): ``w[r, c] = q[r, c] * 2^(e[r, c // 32]
   - 127)`` in fp32 (an exponent of 0 gives 0, as comfy-kitchen's ``e8m0_to_f32``), then cast to
@@ -104,6 +105,8 @@ def dequantize(quant: LayerQuant, parts: Mapping[str, torch.Tensor], dtype: torc
         w = eager.dequantize_mxfp8(q, p["weight_scale"].view(torch.uint8).view(torch.float8_e8m0fnu), dtype)
     elif quant.format in ("float8_e4m3fn", "float8_e5m2"):
         scale = p[quant.scale] if quant.scale else torch.ones((), dtype=torch.float32, device=dev)
+        if scale.numel() == q.shape[0] > 1:
+            scale = scale.reshape(-1, 1)  # one scale per row, stored flat or [R, 1]
         w = eager.dequantize_per_tensor_fp8(q, scale, dtype)
     else:
         scale = p[quant.scale].to(torch.float32)

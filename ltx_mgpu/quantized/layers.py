@@ -42,6 +42,7 @@ the tensors are comfy-kitchen's layouts, ``comfy_kitchen/tensor/*.py``):
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,10 @@ _HEADER_KEY = "_quantization_metadata"
 _STORED_AS = {"nvfp4": "U8", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int8_tensorwise": "I8",
               "mxfp8": "F8_E4M3"}
 _FP8_BY_DTYPE = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_2", ".pre_quant_scale")
+#: The dtypes a per-tensor, per-row or per-column scale may be stored in (nvfp4's and mxfp8's block
+#: scales have their own, checked with their layout).
+_SCALE_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 class QuantFormatError(ValueError):
@@ -156,7 +161,7 @@ def marker_json(data: bytes, where: str) -> dict:
     """
     try:
         conf = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         conf = None
     if not isinstance(conf, dict) or not isinstance(conf.get("format"), str):
         raise QuantFormatError(f"{where}: the comfy_quant marker is not ComfyUI's JSON {{\"format\": ...}} "
@@ -170,6 +175,35 @@ def _power_of_4(n: object) -> bool:
 
 def _roundup(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def _check_scales(q: LayerQuant, layer: str, shape: tuple[int, ...], slices: dict, where: str, hint: str) -> None:
+    """The shapes of a layer's per-tensor, per-row and per-column scales (the table in the module
+    doc): an fp8 or int8 ``weight_scale`` is one number or one per row (``[R]`` or ``[R, 1]``),
+    nvfp4's ``weight_scale_2`` one number, its ``pre_quant_scale`` one per input column (``[C]``;
+    the padding columns may be left out)."""
+    rows = shape[0]
+    wants: list[tuple[str, str, bool]] = []
+    if q.format in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise") and q.scale:
+        article = "an" if q.format.startswith("int8") else "a"
+        wants.append((q.scale, f"{article} {q.format} weight scale is one number or one per row ([{rows}] or "
+                               f"[{rows}, 1])", False))
+    if q.format == "nvfp4":
+        wants.append(("weight_scale_2", "nvfp4's weight_scale_2 is one number", False))
+        if q.pre_quant_scale:
+            wants.append(("pre_quant_scale", f"nvfp4's pre_quant_scale is one per input column ([{shape[1] * 2}])",
+                          True))
+    for part, want, columns in wants:
+        sl = slices[f"{layer}.{part}"]
+        got, dtype = [int(n) for n in sl.get_shape()], sl.get_dtype()
+        n = math.prod(got)
+        if columns:
+            ok = len(got) == 1 and shape[1] * 2 - 16 < n <= shape[1] * 2
+        else:
+            ok = n == 1 or (n == rows and got in ([rows], [rows, 1]))
+        if not ok or dtype not in _SCALE_DTYPES:
+            raise QuantFormatError(f"{where}: {layer}.{part} is {dtype} {got}; {want}, float; the file is damaged "
+                                   f"(download it again){hint}")
 
 
 def _layer(conf: dict, layer: str, keys: set[str], slices: dict, where: str, hint: str) -> LayerQuant:
@@ -203,6 +237,7 @@ def _layer(conf: dict, layer: str, keys: set[str], slices: dict, where: str, hin
     if missing:
         raise QuantFormatError(f"{where}: layer {layer} is {fmt!r} but {', '.join(missing)} is missing; the file is "
                                f"incomplete{hint}")
+    _check_scales(q, layer, shape, slices, where, hint)
     if fmt in ("nvfp4", "mxfp8"):
         scales = slices[f"{layer}.weight_scale"]
         cols, block, kinds = (shape[1] * 2, 16, ("F8_E4M3", "U8")) if fmt == "nvfp4" else (shape[1], 32, ("U8",))
@@ -241,12 +276,12 @@ def read_file_quant(path: str | os.PathLike, prefix: str = "", hint: str = "") -
                 header = json.loads(meta[_HEADER_KEY])
                 layers = header["layers"]
                 assert isinstance(layers, dict)
-            except (ValueError, KeyError, TypeError, AssertionError):
+            except (ValueError, KeyError, TypeError, AssertionError, RecursionError):
                 raise QuantFormatError(f"{where}: the header's {_HEADER_KEY} is not ComfyUI's "
                                        f"{{\"layers\": {{...}}}} JSON; the file is damaged{hint}") from None
             for layer, conf in layers.items():
                 confs[layer] = marker_json(json.dumps(conf).encode(), f"{where}: {_HEADER_KEY}[{layer!r}]")
-        slices = {k: f.get_slice(k) for k in keys if k.endswith((".weight", ".weight_scale"))}
+        slices = {k: f.get_slice(k) for k in keys if k.endswith((".weight", *_SCALE_SUFFIXES))}
         out: dict[str, LayerQuant] = {}
         for layer, conf in confs.items():
             if layer.startswith(prefix) and f"{layer}.weight" in keys:
@@ -257,4 +292,5 @@ def read_file_quant(path: str | os.PathLike, prefix: str = "", hint: str = "") -
                     and sl.get_dtype() in _FP8_BY_DTYPE):
                 scale = next((s for s in ("weight_scale", "scale_weight") if f"{layer}.{s}" in keys), None)
                 out[layer] = LayerQuant(_FP8_BY_DTYPE[sl.get_dtype()], scale=scale)
+                _check_scales(out[layer], layer, tuple(sl.get_shape()), slices, where, hint)
     return FileQuant(out)

@@ -12,6 +12,7 @@ still answer ``status`` and that a good request of the same kind still works. Th
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -22,14 +23,17 @@ from pathlib import Path
 import pytest
 import torch
 from pool_support import pool_pids, raw_connect, raw_hello, read_answer, running
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from ltx_mgpu import wire
 from ltx_mgpu.client import launch
 from ltx_mgpu.client.denoise import SampleRequest, remote_load_transformer, remote_sample
 from ltx_mgpu.client.errors import BadInputError, JobCancelledError, PoolError, PoolFatalError
+from ltx_mgpu.client.model import PoolModel
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.text import ensure_text_encoder, pool_key
+from ltx_mgpu.denoise.model import export_transformer_only
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
 from ltx_mgpu.text.config import TextEncoderConfig
@@ -378,6 +382,39 @@ def test_a_bad_lora_is_bad_input_naming_the_file(pool, tmp_path, kind):
     assert "lora" not in pool.client.status()["ranks"][0]["models"]
 
 
+def _lying_fp8(pool: Pool, path: Path, how: str) -> str:
+    """The module's checkpoint as ComfyUI scaled fp8, with one block weight that lies: a NaN e4m3
+    byte in its last row (under ``weights: sharded`` only rank 1 reads it) or a row short."""
+    fp8 = export_transformer_only(pool.ckpt, path.with_name("fp8.safetensors"), fp8="scaled")
+    sd = load_file(str(fp8))
+    key = "model.diffusion_model.transformer_blocks.1.attn1.to_q.weight"
+    if how == "nan":
+        sd[key].view(torch.uint8)[-1, -1] = 0x7F  # e4m3's NaN
+    else:
+        sd[key] = sd[key][:-1].contiguous()
+    with safe_open(str(fp8), "pt") as f:
+        save_file(sd, str(path), metadata=f.metadata())
+    return str(path)
+
+
+@pytest.mark.parametrize("how, match", [
+    ("nan", r"transformer_blocks\.1\.attn1\.to_q\.weight holds NaN or infinite values; the file is damaged: download "
+            r"it again"),
+    ("short", r"transformer_blocks\.1\.attn1\.to_q\.weight is \[31, 32\]; the metadata LTX-2\.3 config makes it "
+              r"\[32, 32\]: the file is damaged"),
+])
+@pytest.mark.parametrize("weights", ["replicated", "sharded"])
+def test_an_fp8_file_that_lies_is_refused_at_load_naming_the_key(pool, tmp_path, how, match, weights):
+    """Before: the NaN file loaded (both ways) and the forward returned NaN velocities; the short
+    weight failed the sharded load with a raw size error naming nothing."""
+    path = _lying_fp8(pool, tmp_path / f"{how}.safetensors", how)
+    plan = TransformerPlan(path, dtype="fp32", weights=weights)
+    refused(lambda: remote_load_transformer(pool.client, plan, name="liar", timeout=120), match)
+    pool.assert_held()
+    assert "liar" not in pool.client.status()["ranks"][0]["models"]
+    _loads_well(pool)
+
+
 def test_lora_lists_and_strengths_are_checked(pool, tmp_path):
     good = str(_lora(tmp_path / "good.safetensors"))
     params = {"checkpoint": pool.ckpt, "dtype": "fp32", "name": "lora",
@@ -415,11 +452,173 @@ def test_the_command_line_with_a_non_utf8_prompt_gets_a_message(pool, tmp_path):
     _encodes_well(pool)
 
 
+def test_encode_with_damaged_weights_writes_no_nan_to_the_output_or_the_cache(pool, tmp_path):
+    """``encode --pool`` with a Gemma snapshot whose decoder layer 1 holds a NaN weight (a file
+    nothing checks at load: transformers reads it): before, the command exited 0 and wrote NaN
+    embeddings to ``--out`` and to the cache, so every later hit returned NaN; now the pool's
+    encode fails naming the prompt and the layer, nothing is written, and the pool serves on."""
+    gemma = tmp_path / "gemma-nan"
+    shutil.copytree(pool.encoder.gemma, gemma)
+    weights = load_file(str(gemma / "model.safetensors"))
+    weights["language_model.model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, str(gemma / "model.safetensors"), metadata={"format": "pt"})
+    cache, out_file = tmp_path / "cache", tmp_path / "out.safetensors"
+    args = [sys.executable, "-m", "ltx_mgpu", "encode", "--pool", "--gpus", "cpu", "--nproc", "2",
+            "--runtime-dir", str(pool.base), "--placement", "batch_parallel", "--dtype", "float32",
+            "--gemma", str(gemma), "--projection", str(pool.encoder.projection), "--cache", str(cache),
+            "--no-progress", "--out", str(out_file), "--prompt", "a cat"]
+    out = subprocess.run(args, cwd=launch.repo_root(), capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert ("prompt 0 ('a cat'): its embedding holds NaN or infinite values, from Gemma's hidden state 2 (the output "
+            "of decoder layer 1, float32) on") in out.stderr, out.stderr
+    assert not out_file.exists() and not [p for p in cache.rglob("*") if p.is_file()]
+    pool.assert_held()
+    ensure_text_encoder(pool.client, pool.encoder, pool.key, timeout=60)
+    _encodes_well(pool)
+
+
 def test_a_selftest_sleep_is_bounded(pool):
     refused(lambda: pool.client.request("selftest", {"steps": 1, "step_seconds": 1e300}, timeout=30),
             r"selftest step_seconds must be in 0\.\.60", fast=True)
     pool.assert_held()
     assert pool.client.request("selftest", {"steps": 1, "step_seconds": 0.01}, timeout=30)[0]["allreduce_ok"]
+
+
+# --------------------------------------------------------------------------- forward (the MODEL path)
+
+
+def _pool_model(pool: Pool, name: str = "ltx", **plan) -> PoolModel:
+    """ComfyUI's MODEL as the Model Loader makes it, over the module's pool (its model, or one
+    loaded under ``name`` with ``plan``'s options)."""
+    def load():
+        return remote_load_transformer(pool.client, TransformerPlan(pool.ckpt, dtype="fp32", **plan), name=name,
+                                       timeout=120)
+
+    return PoolModel(lambda: pool.client, load, name=name, key=load()["key"])
+
+
+def _forward_inputs(video=(1, 128, 3, 3, 5), audio=(1, 8, 7, 16), t=(0.7, 0.7)):
+    g = torch.Generator().manual_seed(11)
+    x = [torch.randn(*video, generator=g), torch.randn(*audio, generator=g)]
+    return x, tuple(torch.full((video[0],), v) if isinstance(v, float) else v for v in t)
+
+
+def _guide_conds(**change):
+    """ComfyUI's keyword arguments of a call with one keyframe guide on the last latent frame
+    (strength 0.5, its first row masked out), ``change`` applied."""
+    hh, ww = torch.meshgrid(torch.arange(3) * 32, torch.arange(5) * 32, indexing="ij")
+    start = torch.stack([torch.full((3, 5), 8), hh, ww]).reshape(3, -1)
+    kf = torch.stack([start, start + torch.tensor([1, 32, 32]).view(3, 1)], dim=-1).unsqueeze(0)
+    mask = torch.ones(1, 128, 3, 3, 5)
+    mask[:, :, 2] = 0.5
+    mask[:, :, 2, 0] = -1.0
+    entry = {"pre_filter_count": 15, "strength": 0.5, "pixel_mask": None, "latent_shape": [1, 3, 5]}
+    entry.update(change.pop("entry", {}))
+    return {"keyframe_idxs": kf, "denoise_mask": mask, "guide_attention_entries": [entry], **change}
+
+
+@pytest.fixture(scope="module")
+def model_call(pool):
+    """The module's model as ComfyUI's MODEL, a processed text context, and one good call's
+    velocities (what every call must still give after a refused one)."""
+    pm = _pool_model(pool)
+    ctx = pm.text_contexts(torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(1)), True)
+    x, t = _forward_inputs()
+    return pm, ctx, pm.forward(x, t, ctx)
+
+
+def _forwards_well(model_call) -> None:
+    pm, ctx, want = model_call
+    x, t = _forward_inputs()
+    assert all(torch.equal(a, b) for a, b in zip(pm.forward(x, t, ctx), want, strict=True))
+
+
+@pytest.mark.parametrize("inputs, match", [
+    (_forward_inputs(video=(1, 7, 3, 3, 5)), r"x\[0\] \(the video latent\) has 7 channels; this model takes 128"),
+    (_forward_inputs(audio=(1, 3, 7, 16)), r"x\[1\] \(the audio latent\) is \[1, 3, 7, 16\]: 3 channels x 16 mel bins"),
+    (_forward_inputs(audio=(1, 8, 7, 7)), r"x\[1\] \(the audio latent\) is \[1, 8, 7, 7\]: .* this model takes 128"),
+    (_forward_inputs(t=(-1.0, 0.7)), r"timestep\[0\] \(video\) holds from -1 to -1 .* 0\.\.1"),
+    (_forward_inputs(t=(1e30, 0.7)), r"timestep\[0\] \(video\) holds from 1e\+30 to 1e\+30"),
+    (_forward_inputs(t=(-1e30, 0.7)), r"timestep\[0\] \(video\) holds from -1e\+30 to -1e\+30"),
+    (_forward_inputs(t=(0.7, -5.0)), r"timestep\[1\] \(audio\) holds from -5 to -5"),
+], ids=["video_channels", "audio_channels", "audio_width", "t_minus_1", "t_1e30", "t_minus_1e30", "audio_t_minus_5"])
+def test_a_forward_that_does_not_fit_the_model_is_bad_input(pool, model_call, inputs, match):
+    pm, ctx, _ = model_call
+    refused(lambda: pm.forward(*inputs, ctx), match, fast=True)
+    pool.assert_held()
+    _forwards_well(model_call)
+
+
+@pytest.mark.parametrize("conds, match", [
+    (_guide_conds(keyframe_idxs=_guide_conds()["keyframe_idxs"].expand(7, -1, -1, -1)),
+     r"keyframe_idxs .*batch 7; the latent's batch is 1"),
+    (_guide_conds(denoise_mask=-torch.ones(1, 128, 3, 3, 5)), r"denoise_mask is negative in every video token"),
+    (_guide_conds(keyframe_idxs=_guide_conds()["keyframe_idxs"] + 10 ** 9), r"keyframe_idxs .*time coordinates from "
+                                                                            r"1000000000.*0\.\.24 pixel frames"),
+    (_guide_conds(keyframe_idxs=_guide_conds()["keyframe_idxs"] - 10 ** 9), r"keyframe_idxs .*time coordinates from "
+                                                                            r"-1000000000"),
+    (_guide_conds(keyframe_idxs=_guide_conds()["keyframe_idxs"] - 10 ** 6), r"keyframe_idxs .*from -999992"),
+    (_guide_conds(entry={"pixel_mask": torch.ones(1, 3, 1, 96, 160)}), r"guide_attention_entries\[0\] .*pixel_mask "
+                                                                        r"is \[1, 3, 1, 96, 160\]"),
+    (_guide_conds(entry={"pixel_mask": torch.ones(1, 1, 1, 2, 2)}), r"pixel_mask is \[1, 1, 1, 2, 2\].*at least the "
+                                                                     r"guide latent's 3 x 5"),
+    (_guide_conds(entry={"latent_shape": [1, 2 ** 40, 2 ** 40]}), r"latent_shape \[1, 1099511627776, 1099511627776\]"
+                                                                   r" .*more than its pre_filter_count 15"),
+], ids=["keyframe_batch_7", "denoise_mask_all_negative", "keyframes_plus_1e9", "keyframes_minus_1e9",
+        "keyframes_minus_1e6", "pixel_mask_channels", "pixel_mask_small", "latent_shape_huge"])
+def test_guides_that_do_not_fit_the_latent_are_bad_input(pool, model_call, conds, match):
+    pm, ctx, _ = model_call
+    x, t = _forward_inputs()
+    refused(lambda: pm.forward(x, t, ctx, conds=conds), match, fast=True)
+    pool.assert_held()
+    good = _guide_conds()
+    assert all(bool(torch.isfinite(v).all()) for v in pm.forward(x, t, ctx, conds=good))
+    _forwards_well(model_call)
+
+
+def test_audio_and_reference_audio_tokens_are_bounded_up_front(pool, model_call):
+    pm, ctx, _ = model_call
+    x, t = _forward_inputs(audio=(1, 8, 32769, 16))
+    refused(lambda: pm.forward(x, t, ctx), r"the audio latent has 32769 tokens.*max_tokens=32768", fast=True)
+    x, t = _forward_inputs()
+    ref = {"tokens": torch.zeros(1, 32762, 128)}
+    refused(lambda: pm.forward(x, t, ctx, conds={"ref_audio": ref}),
+            r"the audio latent has 32769 tokens \(7 \+ 32762 of the reference audio\).*max_tokens=32768", fast=True)
+    pool.assert_held()
+    _forwards_well(model_call)
+
+
+def _submit_forward(pm: PoolModel, client: PoolClient, x, t, ctx):
+    """A forward request as PoolModel sends it (context included), submitted without waiting."""
+    params = {"model": pm.name, "key": pm.key, "context_id": uuid.uuid4().hex[:16], "frame_rate": 25.0,
+              "av_timestep": "scaled", "patches": "none", "kwargs": []}
+    tensors = {"x.0": x[0], "x.1": x[1], "t.0": t[0], "t.1": t[1], "context": ctx}
+    return client.submit("forward", params, tensors)
+
+
+@pytest.mark.parametrize("weights", ["replicated", "sharded"])
+def test_a_long_forward_stops_on_cancel_between_blocks(pool, model_call, weights):
+    """A forward of 16384 audio tokens (within max_tokens: seconds per block on the CPU) is
+    cancelled once it runs: it stops at the next transformer block (before the fix it ran to the
+    end, ignoring the cancel), on replicated and FSDP-sharded weights alike, and the next call
+    gives what it gave before (a sharded model's gathers stayed in step)."""
+    pm = model_call[0] if weights == "replicated" else _pool_model(pool, "shard", weights="sharded")
+    ctx = model_call[1]
+    x, t = _forward_inputs()
+    before = pm.forward(x, t, ctx)
+    job = _submit_forward(pm, pool.client, *_forward_inputs(video=(1, 128, 1, 2, 2), audio=(1, 8, 16384, 16)), ctx)
+    deadline = time.monotonic() + 60
+    while (pool.client.status(timeout=10)["current"] or {}).get("id") != job.id:
+        assert time.monotonic() < deadline, "the forward never started"
+        time.sleep(0.05)
+    job.cancel()
+    with pytest.raises(JobCancelledError, match=r"cancelled after \d step boundaries"):
+        job.wait(timeout=120)
+    pool.assert_held()
+    assert all(torch.equal(a, b) for a, b in zip(pm.forward(x, t, ctx), before, strict=True))
+    if weights == "sharded":
+        pool.client.request("unload", {"names": ["shard"]}, timeout=30)
 
 
 # --------------------------------------------------------------------------- after all of it

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 import threading
 import types
 import warnings
+import zlib
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save
 
 from ltx_mgpu.text.cache.keys import FORMAT_VERSION, CacheKeyParts, cache_key, default_cache_dir
 from ltx_mgpu.text.cache.store import CacheEntryWarning, CacheReport, EmbeddingCache, encode_cached
@@ -356,3 +359,52 @@ def test_bf16_exact_embeddings_are_stored_in_half_the_bytes(tmp_path):
         assert got.dtype == torch.float32 and torch.equal(got, tensor)
     sizes = {p.stem: p.stat().st_size for p in tmp_path.rglob("*.safetensors")}
     assert min(sizes.values()) < 0.6 * max(sizes.values())
+
+
+# --------------------------------------------------------------------------- non-finite embeddings (issue 29)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_embedding_is_never_cached_nor_returned(cache, value):
+    def lying(prompts):  # an encoder whose weights are damaged: the second prompt's embedding is NaN
+        out = [fake_embedding(p) for p in prompts]
+        out[1].tensor[0, 0] = value
+        return out
+
+    with pytest.raises(ValueError, match=r"the embedding of prompt 'b dog' holds NaN or infinite values; nothing of "
+                                         r"it is cached or returned"):
+        encode_cached(cache, ["a cat", "b dog"], PARTS, lying, batch_size=8)
+    assert cache.size_bytes() == 0 and cache.stats.writes == 0
+    bad = fake_embedding("b dog")
+    bad.tensor[0, 0] = value
+    with pytest.raises(ValueError, match=r"prompt 'b dog': the embedding holds NaN or infinite values; it is not "
+                                         r"cached"):
+        cache.put("b dog", PARTS, bad)
+    assert cache.get("b dog", PARTS) is None
+
+
+def _entry_with_nan(key: str) -> bytes:
+    """An entry as format 4 wrote it before embeddings were checked: NaN values under a valid
+    checksum (CRC-32 of the canonical JSON metadata, then of ``|dtype|shape|`` and the bytes, as
+    ``ltx_mgpu.text.cache.entry`` documents it)."""
+    t = torch.ones(3, D)
+    t[0, 0] = float("nan")
+    meta = {"format": str(FORMAT_VERSION), "key": key, "key_parts": PARTS.to_json(), "version": "2.0",
+            "dropped_tokens": "0", "dtype": "float32"}
+    crc = zlib.crc32(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+    crc = zlib.crc32(f"|{t.dtype}|{tuple(t.shape)}|".encode(), crc)
+    meta["crc32"] = f"{zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc):08x}"
+    return save({"embedding": t}, metadata=meta)
+
+
+def test_a_non_finite_entry_of_an_older_version_is_discarded_and_encoded_again(cache):
+    good = cache.put("b dog", PARTS, fake_embedding("b dog"))  # makes the directories, ours
+    path = cache.path_for("a cat", PARTS)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.write_bytes(_entry_with_nan(path.stem))
+    path.chmod(0o600)
+    with pytest.warns(CacheEntryWarning, match="NaN or infinite"):
+        assert cache.get("a cat", PARTS) is None
+    assert not path.exists() and good.exists()
+    out, report = encode_cached(cache, ["a cat"], PARTS, RecordingEncoder(), batch_size=8)
+    assert report.encoded == 1 and bool(torch.isfinite(out[0].tensor).all())

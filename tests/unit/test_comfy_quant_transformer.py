@@ -184,3 +184,22 @@ def test_row_format_names_and_their_errors():
         rows.pack_rows(LayerQuant("int8_tensorwise"), dict(parts, weight_scale=torch.ones(3)), (32, 64), where="L")
     with pytest.raises(rows.RowFormatError, match=r"L\.weight has 32 rows; rows 0\.\.40"):
         rows.pack_rows(LayerQuant("int8_tensorwise"), parts, (40, 64), where="L")
+
+
+@pytest.mark.parametrize("fmt, tensor, shape, match", [
+    ("int8", "weight_scale", (257, 1), r"weight_scale is F32 \[257, 1\]; an int8_tensorwise weight scale is one number "
+                                       r"or one per row \(\[256\] or \[256, 1\]\)"),
+    ("nvfp4", "weight_scale_2", (3,), r"weight_scale_2 is F32 \[3\]; nvfp4's weight_scale_2 is one number"),
+    ("nvfp4", "pre_quant_scale", (7,), r"pre_quant_scale is F32 \[7\]; nvfp4's pre_quant_scale is one per input "
+                                       r"column \(\[256\]\)"),
+], ids=["int8_scale_rows_plus_1", "nvfp4_scale_2_of_3", "nvfp4_pre_quant_7"])
+def test_a_scale_of_the_wrong_shape_is_refused_from_the_header(wide, tmp_path, fmt, tensor, shape, match):
+    """Refused by ``inspect_checkpoint`` (what the pool's ``load_transformer`` checks before any
+    weight is read), naming the key and the fix, for replicated and sharded loads alike."""
+    path, _ = comfy_quant_pair(wide, tmp_path, fmt)
+    sd = load_file(str(path))
+    sd[f"transformer_blocks.1.attn2.to_k.{tensor}"] = torch.ones(shape)
+    save_file(sd, str(path), metadata={"config": __import__("json").dumps(inspect_checkpoint(wide).config)})
+    with pytest.raises(CheckpointError, match=r"transformer_blocks\.1\.attn2\.to_k\." + match) as e:
+        inspect_checkpoint(path)
+    assert "the file is damaged" in str(e.value)

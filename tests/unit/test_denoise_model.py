@@ -277,3 +277,17 @@ def test_the_connectors_of_another_file_serve_a_transformer_file_without_them(ck
         load_ltx_model(TransformerPlan(gguf, dtype="fp32", connectors=src))
     with pytest.raises(FileNotFoundError, match="no connectors file at"):
         load_ltx_model(TransformerPlan(gguf, dtype="fp32", connectors=tmp_path / "missing.safetensors"))
+
+
+@pytest.mark.parametrize("value, match", [
+    ("[" * 100_000, r"the 'config' metadata is not JSON \(RecursionError"),
+    (json.dumps({"transformer": 5}), r"the 'config' metadata's 'transformer' is a int, not an object"),
+    (json.dumps({"x": "y" * (90 << 20)}), r"the 'config' metadata is 94371849 bytes, more than 1048576"),
+], ids=["deep", "not_an_object", "90_mb"])
+def test_a_malformed_config_in_the_header_is_refused_naming_it(tiny_ltx_23, tmp_path, value, match):
+    sd = load_file(str(tiny_ltx_23))
+    bad = tmp_path / "bad.safetensors"
+    save_file(sd, str(bad), metadata={"config": value})
+    with pytest.raises(CheckpointError, match=match) as e:
+        inspect_checkpoint(bad)
+    assert str(bad) in str(e.value)

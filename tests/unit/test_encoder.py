@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ltx_mgpu.text.cache.keys import cache_key_parts
-from ltx_mgpu.text.cache.store import EmbeddingCache
+from ltx_mgpu.text.cache.store import EmbeddingCache, encode_cached
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
-from ltx_mgpu.text.encoder.prompt import PromptEncoder
+from ltx_mgpu.text.encoder.prompt import NonFiniteEmbeddingError, PromptEncoder
 from ltx_mgpu.text.features import load_projection
 from ltx_mgpu.text.gemma.tokenizer import PromptTooLongError
 
@@ -390,3 +390,32 @@ def test_a_snapshot_swapped_while_its_parts_are_computed_is_not_memoised(tiny_ge
     old = cache_key_parts(spec.config)
     monkeypatch.setattr(sources, "source_identity", real)
     assert cache_key_parts(spec.config).gemma_identity == gemma_identity(gemma) != old.gemma_identity
+
+
+def test_a_non_finite_embedding_is_refused_naming_the_prompt_and_the_layer(tiny_gemma_dir, tiny_ltx_23, tmp_path):
+    """A damaged tower (one NaN weight, as a lying file that got past its load would give): the
+    encode fails naming the prompt and the first hidden state that is not finite; nothing is
+    returned, and through the cache nothing is cached either."""
+    tower = load_gemma_text_tower(tiny_gemma_dir, dtype=torch.float32)
+    encoder = PromptEncoder(tower, load_projection(tiny_ltx_23, num_layers=tower.num_hidden_states))
+    prompts = ["a cat", "two cats", "rain"]
+    rain = tower.tokenizer("rain", add_special_tokens=False)["input_ids"][-1]
+    embeddings = tower.model.get_input_embeddings().weight
+    with torch.no_grad():
+        saved = embeddings[rain].clone()
+        embeddings[rain] = float("nan")  # only the third prompt has this token
+    with pytest.raises(NonFiniteEmbeddingError, match=r"prompt 2 \('rain'\): its embedding holds NaN or infinite "
+                                                      r"values, from Gemma's hidden state 0 \(the token embeddings"):
+        encoder.encode(prompts, batch_size=2)
+    with torch.no_grad():
+        embeddings[rain] = saved
+        tower.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    match = (r"prompt 0 \('a cat'\): its embedding holds NaN or infinite values, from Gemma's hidden state 2 \(the "
+             r"output of decoder layer 1, float32\) on: the weights of .* are damaged there")
+    with pytest.raises(NonFiniteEmbeddingError, match=match):
+        encoder.encode(prompts, batch_size=2)
+    cache = EmbeddingCache(tmp_path / "cache")
+    parts = cache_key_parts(TextEncoderConfig(tiny_gemma_dir, tiny_ltx_23, dtype="float32"))
+    with pytest.raises(NonFiniteEmbeddingError, match=r"prompt 0 \('rain'\)"):
+        encode_cached(cache, ["rain"], parts, encoder.encode, batch_size=8)
+    assert cache.size_bytes() == 0

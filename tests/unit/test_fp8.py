@@ -150,7 +150,11 @@ def test_an_fp8_scale_of_the_wrong_size_is_refused_naming_the_fix(tmp_path):
     bad = tmp_path / "bad.safetensors"
     with safe_open(fp8_file, "pt") as f:
         save_file(sd, str(bad), metadata=f.metadata())
-    with pytest.raises(CheckpointError, match=r"\(3,\) fp8 scale fits neither per-tensor nor per-row scaling; use"):
+    match = (r"transformer_blocks\.0\.ff\.net\.0\.proj\.scale_weight is F32 \[3\]; a float8_e4m3fn weight scale is "
+             r"one number or one per row \(\[\d+\] or \[\d+, 1\]\).*the file is damaged")
+    with pytest.raises(CheckpointError, match=match):  # from the header, before any weight is read
+        inspect_checkpoint(bad)
+    with pytest.raises(CheckpointError, match=match):
         load_ltx_model(TransformerPlan(bad, dtype="fp32"))
 
 

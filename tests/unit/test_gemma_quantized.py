@@ -35,7 +35,7 @@ from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.placement import read_gemma_shape
 from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
-from ltx_mgpu.text.gemma.sources import GemmaFormatError, detect_gemma_format, gemma_identity
+from ltx_mgpu.text.gemma.sources import GemmaFormatError, GemmaWeightsError, detect_gemma_format, gemma_identity
 from ltx_mgpu.text.nf4.artifact import read_manifest
 from ltx_mgpu.text.nf4.model import nf4_linears
 from ltx_mgpu.text.nf4.quantize import quantize_nf4, quantize_tensor
@@ -264,3 +264,71 @@ def test_a_vision_tower_in_another_format_does_not_block_the_text_tower(files, t
                                                                        dtype=torch.uint8)
     ok = _rewrite(files["nvfp4"], tmp_path / "vision.safetensors", tensors)
     assert detect_gemma_format(ok) == "comfy_file"
+
+
+# --------------------------------------------------------------------------- lying files (issue 29)
+
+
+def _with(files, tmp_path, plan, **tensors):
+    """``plan``'s file with ``LAYER``'s tensors ``<name>=value`` replaced (or added)."""
+    sd = load_file(str(files[plan]))
+    sd.update({f"{LAYER}.{name}": t for name, t in tensors.items()})
+    return _rewrite(files[plan], tmp_path / f"{plan}-bad.safetensors", sd)
+
+
+@pytest.mark.parametrize(("plan", "tensors", "match"), [
+    ("fp8", {"weight_scale": torch.ones(5)}, r"k_proj\.weight_scale is F32 \[5\]; a float8_e4m3fn weight scale is "
+                                             r"one number or one per row \(\[32\] or \[32, 1\]\)"),
+    ("int8", {"weight_scale": torch.ones(33, 1)}, r"k_proj\.weight_scale is F32 \[33, 1\]; an int8_tensorwise weight "
+                                                  r"scale is one number or one per row \(\[32\] or \[32, 1\]\)"),
+    ("nvfp4", {"pre_quant_scale": torch.ones(7)}, r"k_proj\.pre_quant_scale is F32 \[7\]; nvfp4's pre_quant_scale is "
+                                                  r"one per input column \(\[64\]\)"),
+    ("nvfp4", {"weight_scale_2": torch.ones(3)}, r"k_proj\.weight_scale_2 is F32 \[3\]; nvfp4's weight_scale_2 is one "
+                                                 r"number"),
+], ids=["fp8_scale_5", "int8_scale_rows_plus_1", "nvfp4_pre_quant_7", "nvfp4_scale_2_of_3"])
+def test_a_scale_of_the_wrong_shape_is_refused_from_the_header_naming_it(files, tmp_path, tiny_ltx_23, plan, tensors,
+                                                                        match):
+    bad = _with(files, tmp_path, plan, **tensors)
+    for check in (detect_gemma_format, read_gemma_shape, load_gemma_text_tower,
+                  lambda p: cache_key_parts(TextEncoderConfig(str(p), str(tiny_ltx_23)))):
+        with pytest.raises(GemmaFormatError, match=match) as e:
+            check(bad)
+        assert "the file is damaged" in str(e.value)
+
+
+@pytest.mark.parametrize(("plan", "name", "value"), [
+    ("nvfp4", "weight_scale_2", float("nan")), ("nvfp4", "weight_scale_2", float("inf")),
+    ("fp8", "weight_scale", float("nan")), ("int8", "weight_scale", float("inf")),
+])
+@pytest.mark.parametrize("weights", ["bf16", "nf4"])
+def test_a_non_finite_scale_is_refused_at_load_naming_the_layer(files, tmp_path, plan, name, value, weights):
+    with safe_open(str(files[plan]), "pt") as f:
+        scale = f.get_tensor(f"{LAYER}.{name}").clone()
+    scale.reshape(-1)[0] = value
+    bad = _with(files, tmp_path, plan, **{name: scale})
+    with pytest.raises(Exception, match=rf"{LAYER}\.weight .*holds NaN or infinite values; the file is damaged"):
+        if weights == "bf16":
+            load_gemma_text_tower(bad, dtype=torch.float32)
+        else:
+            quantize_nf4(bad, tmp_path / "nf4", device="cpu")
+
+
+@pytest.mark.parametrize(("value", "error", "match"), [
+    ("{not json", GemmaFormatError, r"'ltx_mgpu_gemma_config' metadata is not JSON"),
+    ("[" * 100_000, GemmaFormatError, r"'ltx_mgpu_gemma_config' metadata is not JSON"),
+    ('["a list"]', GemmaFormatError, r"'ltx_mgpu_gemma_config' metadata is not a JSON object"),
+    (json.dumps({"hidden_size": "wide"}), GemmaFormatError,
+     r"'ltx_mgpu_gemma_config' metadata does not describe a Gemma 3 text model"),
+    (json.dumps({"hidden_size": 4096}), GemmaWeightsError,
+     r"'ltx_mgpu_gemma_config' metadata says hidden_size 4096, the weights 64"),
+    (json.dumps({"x": "y" * (90 << 20)}), GemmaFormatError,
+     r"'ltx_mgpu_gemma_config' metadata is 94371849 bytes, more than 1048576"),
+], ids=["malformed", "deep", "list", "wrong_type", "contradicts_weights", "90_mb"])
+def test_a_malformed_config_in_the_header_is_refused_naming_it(files, tmp_path, value, error, match):
+    with safe_open(str(files["nvfp4"]), "pt") as f:
+        meta = dict(f.metadata())
+    bad = _rewrite(files["nvfp4"], tmp_path / "meta.safetensors", metadata={**meta, "ltx_mgpu_gemma_config": value})
+    for check in (read_gemma_shape, load_gemma_text_tower):
+        with pytest.raises(error, match=match) as e:
+            check(bad)
+        assert str(bad) in str(e.value)

@@ -56,7 +56,7 @@ FORBIDDEN = {
 }
 #: The leaf utilities: they import no other ltx_mgpu module but each other.
 LEAVES = ("ltx_mgpu.files", "ltx_mgpu.identity", "ltx_mgpu.nested", "ltx_mgpu.choices", "ltx_mgpu.cancellation",
-          "ltx_mgpu.settings", "ltx_mgpu.shards", "ltx_mgpu.heartbeat")
+          "ltx_mgpu.settings", "ltx_mgpu.shards", "ltx_mgpu.heartbeat", "ltx_mgpu.finite")
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,26 @@ positions, per-token timesteps, a self-attention mask, a text mask), never ltx-c
   modalities (``Modality.context_mask``).
 
 Build an :class:`ExtraConds` with :func:`extra_conds` (it checks every value and raises
-:class:`ExtraCondsError` naming it), then :func:`apply_extra_conds` before the call and
+:class:`ExtraCondsError` naming it), check it against the call's latent with
+:meth:`ExtraConds.check_fits` (before any work), then :func:`apply_extra_conds` before the call and
 :func:`restore_outputs` after it.
+
+The valid ranges (from what ComfyUI's nodes make and its model assumes; outside them ComfyUI
+computes something meaningless or fails midway, so they are refused up front):
+
+* ``keyframe_idxs``: batch 1 or the latent's; each ``[start, end)`` pair with ``start <= end``
+  inside the latent's pixel extent, guide frames included: time in ``0..F x 8`` pixel frames,
+  height ``0..H x 32``, width ``0..W x 32`` pixels (ltx-core's ``VIDEO_SCALE_FACTORS``;
+  ``LTXVAddGuide`` places a guide at a pixel frame of the video, its causal first frame at
+  ``[0, 1)``, and a small-grid IC-LoRA guide's end within its dilated extent);
+* the grid mask keeps at least one token (a denoise mask negative everywhere leaves nothing to call);
+* a guide entry's ``latent_shape`` ``F x H x W`` is at most its ``pre_filter_count`` tokens (the
+  guide latent's own shape; a dilated small grid has more tokens, never fewer); its ``pixel_mask``
+  is ``[B, 1, F_pix, H_pix, W_pix]`` (ComfyUI's ``_downsample_mask_to_latent`` takes one channel)
+  in pixel space, at least as fine as the guide latent (``H_pix >= H``, ``W_pix >= W``: it is
+  area-averaged down to it), with values in ``0..1``;
+* reference audio tokens: batch 1 or the latent's, as wide as the audio latent's tokens
+  (channels x mel bins).
 """
 
 from __future__ import annotations
@@ -39,7 +57,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from ltx_core.types import AudioLatentShape
+from ltx_core.types import VIDEO_SCALE_FACTORS, AudioLatentShape, VideoLatentShape
 
 from ltx_mgpu.denoise.comfyui.transformer_call import ModalityInput
 from ltx_mgpu.wire.messages import GUIDE_FIELDS
@@ -106,6 +124,49 @@ class ExtraConds:
                         and a.latent_shape == b.latent_shape and _equal(a.pixel_mask, b.pixel_mask)
                         for a, b in zip(self.guides, other.guides)))
 
+    def check_fits(self, video: VideoLatentShape | None, audio: AudioLatentShape | None) -> None:
+        """Check the conditions against the call's latent (module doc: the valid ranges), from
+        shapes and the keyframe coordinates alone, before any work.
+
+        Args:
+            video / audio: the latent's shapes (guide frames included), None for a modality it lacks.
+        Raises:
+            ExtraCondsError: guides without a video latent, of another batch, whose grid mask does
+                not cover the latent or whose coordinates lie outside it; reference audio without an
+                audio latent, of another batch or width.
+        """
+        if self.keyframe_idxs is not None:
+            kf = self.keyframe_idxs
+            if video is None:
+                raise ExtraCondsError("keyframe guides (LTXVAddGuide) need a video latent")
+            if kf.shape[0] not in (1, video.batch):
+                raise ExtraCondsError(f"keyframe_idxs (from LTXVAddGuide) has batch {kf.shape[0]}; the latent's batch "
+                                      f"is {video.batch}: give one set of guide coordinates, or one per sample")
+            if self.keep.shape[0] != video.token_count():
+                raise ExtraCondsError(f"the video denoise_mask covers {self.keep.shape[0]} tokens, the latent has "
+                                      f"{video.token_count()}: LTXVAddGuide's latent and noise mask must be the ones "
+                                      "sampled")
+            scale_t, scale_h, scale_w = VIDEO_SCALE_FACTORS
+            extent = (video.frames * scale_t, video.height * scale_h, video.width * scale_w)
+            for axis, (name, top) in enumerate(zip(("time", "height", "width"), extent)):
+                start, end = kf[:, axis, :, 0], kf[:, axis, :, 1]
+                low, high = float(torch.minimum(start, end).min()), float(torch.maximum(start, end).max())
+                if low < 0 or high > top or bool((start > end).any()):
+                    raise ExtraCondsError(
+                        f"keyframe_idxs (from LTXVAddGuide) has {name} coordinates from {low:.10g} to {high:.10g}"
+                        f"{' (a start after its end)' if bool((start > end).any()) else ''}; the latent spans "
+                        f"0..{extent[0]} pixel frames, 0..{extent[1]} x 0..{extent[2]} pixels (height x width), "
+                        "and every [start, end) pair lies inside it: the guide nodes made them for another latent")
+        if self.ref_audio is not None:
+            if audio is None:
+                raise ExtraCondsError("reference audio (LTXVReferenceAudio) needs an audio-video latent")
+            width = audio.channels * audio.mel_bins
+            if self.ref_audio.shape[2] != width or self.ref_audio.shape[0] not in (1, audio.batch):
+                raise ExtraCondsError(f"the reference audio tokens {list(self.ref_audio.shape)} do not fit the audio "
+                                      f"latent {[audio.batch, audio.channels, audio.frames, audio.mel_bins]} (batch 1 "
+                                      f"or {audio.batch}, {width} channels x mel bins per token): encode the reference "
+                                      "with this model's audio VAE")
+
 
 def _equal(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
@@ -170,9 +231,20 @@ def _guide(i: int, entry: Any) -> GuideEntry:
                 isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
             raise ExtraCondsError(f"{where}: latent_shape must be [F, H, W] positive ints, got {shape!r:.60}")
         shape = tuple(shape)
+        if math.prod(shape) > count:
+            raise ExtraCondsError(f"{where}: latent_shape {list(shape)} is {math.prod(shape)} tokens, more than its "
+                                  f"pre_filter_count {count}: the guide latent's [F, H, W] has at most that many "
+                                  "tokens; the guide node made it for another guide")
     mask = entry.get("pixel_mask")
     if mask is not None:
         mask = _float(mask, f"{where} pixel_mask", 5, "[B, 1, F, H, W]", "the guide node")
+        if mask.shape[1] != 1 or (shape is not None and (mask.shape[3] < shape[1] or mask.shape[4] < shape[2])):
+            fit = f", at least the guide latent's {shape[1]} x {shape[2]} (height x width)" if shape else ""
+            raise ExtraCondsError(f"{where}: pixel_mask is {list(mask.shape)}; a guide's pixel mask is [B, 1, F, H, W] "
+                                  f"in pixel space{fit}: the guide node made it for another guide")
+        if bool((mask < 0).any() or (mask > 1).any()):
+            raise ExtraCondsError(f"{where}: pixel_mask holds values outside 0..1 (from {float(mask.min()):.6g} to "
+                                  f"{float(mask.max()):.6g}); it weighs the guide's attention per pixel")
     unknown = sorted(set(entry) - set(GUIDE_FIELDS))
     if unknown:
         raise ExtraCondsError(f"{where} has the unknown field(s) {unknown}; this pool implements "
@@ -208,6 +280,10 @@ def extra_conds(*, keyframe_idxs: Any = None, keep: torch.Tensor | None = None, 
         if keep.shape[0] < kf.shape[2]:
             raise ExtraCondsError(f"keyframe_idxs has {kf.shape[2]} guide tokens, the video latent only "
                                   f"{keep.shape[0]}: LTXVAddGuide's latent must be the one sampled")
+        if not bool(keep.any()):
+            raise ExtraCondsError("the video denoise_mask is negative in every video token, so the grid mask drops "
+                                  "every video token and nothing is left to call; negative values mark guide tokens "
+                                  "to leave out (LTXVAddGuide's guide mask), not the whole latent")
         kf = kf.float()
     guides: tuple[GuideEntry, ...] = ()
     if guide_attention_entries:

@@ -41,15 +41,26 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
+from ltx_core.types import AudioLatentShape, VideoLatentShape
 
 from ltx_mgpu.choices import AV_TIMESTEP_CONVENTIONS
 from ltx_mgpu.denoise.comfyui.conditioning import text_contexts
 from ltx_mgpu.denoise.comfyui.extra_conds import ExtraConds, apply_extra_conds, restore_outputs
 from ltx_mgpu.denoise.comfyui.latents import AUDIO_PATCHIFIER, latent_to_tokens, tokens_to_latent
 from ltx_mgpu.denoise.comfyui.transformer_call import ModalityInput, transformer_call
+from ltx_mgpu.denoise.parallel.split import check_token_budget
 from ltx_mgpu.nested import NestedTensorLike
 
-__all__ = ["ForwardError", "av_timestep_convention", "comfy_forward", "processed_context"]
+__all__ = ["SIGMA_RANGE", "ForwardError", "av_timestep_convention", "check_call", "comfy_forward",
+           "processed_context"]
+
+#: The timesteps a call takes, at the tokens in it: LTX-2's flow-matching sigmas (0 = the clean
+#: latent, 1 = pure noise; ComfyUI's ``model_sampling.timestep(sigma)`` is the sigma itself for
+#: LTX-2's FLUX-type sampling, ``LTXAV.process_timestep`` multiplies it by a denoise mask in
+#: ``0..1``, and ltx-core scales it by ``timestep_scale_multiplier`` into the ``0..1000`` its
+#: AdaLN timestep embedding was trained on). Tokens the grid mask drops (guide tokens with a
+#: negative mask, hence a negative timestep) are not in the call and not checked.
+SIGMA_RANGE = (0.0, 1.0)
 
 AvConvention = Literal["scaled", "raw"]
 
@@ -87,6 +98,88 @@ def _token_timesteps(t: torch.Tensor, batch: int, tokens: int, what: str) -> tor
     raise ForwardError(f"the {what} timestep of shape {tuple(t.shape)} fits neither [B] nor [B, {tokens}] tokens")
 
 
+def _parts(x: Any) -> list[torch.Tensor]:
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    if len(parts) not in (1, 2) or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise ForwardError("x must be the video latent or [video latent, audio latent]")
+    if len(parts) == 2 and parts[1].numel() == 0:
+        parts = parts[:1]
+    return parts
+
+
+def _check_range(t: torch.Tensor, what: str, keep: torch.Tensor | None) -> None:
+    """Raise unless the timesteps ``t`` (``[B, T]``, the call's tokens) lie in :data:`SIGMA_RANGE`
+    at the tokens ``keep`` leaves in the call."""
+    if keep is not None and t.shape[1] == keep.shape[0]:
+        t = t[:, keep.to(t.device)]
+    if not t.numel():
+        return
+    low, high = SIGMA_RANGE
+    lo, hi = float(t.min()), float(t.max())
+    if not (bool(torch.isfinite(t).all()) and low <= lo and hi <= high):
+        bad = t[~torch.isfinite(t)] if not bool(torch.isfinite(t).all()) else None
+        shown = f"{float(bad[0])}" if bad is not None else f"from {lo:.6g} to {hi:.6g}"
+        raise ForwardError(f"{what} holds {shown} at the tokens of the call; LTX-2's timesteps are flow-matching "
+                           f"sigmas in {low:g}..{high:g} (0 = clean, 1 = noise; ComfyUI passes the sigma, times the "
+                           "denoise mask): check the SIGMAS (ManualSigmas, the scheduler) and the noise masks")
+
+
+def check_call(model, x: Any, timestep: Any, conds: ExtraConds | None = None) -> None:
+    """Every input of one :func:`comfy_forward` call against ``model``, from shapes, the keyframe
+    coordinates and the timesteps' values alone (nothing is computed, nothing moves to a device):
+    what the pool runs, identically on every rank, before any work, and what
+    :func:`comfy_forward` runs first.
+
+    Args:
+        model: the :class:`~ltx_mgpu.denoise.model.LTXDenoiser` (its latent widths, ``max_tokens``).
+        x, timestep, conds: as :func:`comfy_forward` takes them.
+    Raises:
+        ForwardError: ``x`` that is not the model's latents (video ``[B, C, F, H, W]`` with its
+            ``C``; audio ``[B, C, N, M]`` with ``C x M`` its audio width; audio for a video-only
+            model; batches that differ), timesteps of the wrong shape, not finite or outside
+            :data:`SIGMA_RANGE` at the tokens of the call.
+        SequenceParallelConfigError: more video tokens (guide frames included) or audio tokens
+            (reference audio included) than the model's ``max_tokens``.
+        ExtraCondsError: conditions that do not fit the latent (:meth:`ExtraConds.check_fits`).
+    """
+    conds = conds or ExtraConds()
+    parts = _parts(x)
+    video_width, audio_width = model.latent_widths
+    v = parts[0]
+    if v.ndim != 5:
+        raise ForwardError(f"x[0] (the video latent) is {list(v.shape)}; an LTX-2 video latent is [B, {video_width}, "
+                           "F, H, W]")
+    if v.shape[1] != video_width:
+        raise ForwardError(f"x[0] (the video latent) has {v.shape[1]} channels; this model takes {video_width} "
+                           f"([B, {video_width}, F, H, W], its VAE's latent): the latent was made for another model")
+    video = VideoLatentShape.from_torch_shape(v.shape)
+    audio = None
+    if len(parts) == 2:
+        a = parts[1]
+        if a.ndim != 4:
+            raise ForwardError(f"x[1] (the audio latent) is {list(a.shape)}; an LTX-2 audio latent is [B, 8, N, 16]")
+        if audio_width is None:
+            raise ForwardError("x[1] is an audio latent, and this model has no audio: give the video latent alone")
+        if a.shape[1] * a.shape[3] != audio_width:
+            raise ForwardError(f"x[1] (the audio latent) is {list(a.shape)}: {a.shape[1]} channels x {a.shape[3]} "
+                               f"mel bins = {a.shape[1] * a.shape[3]} values per token; this model takes "
+                               f"{audio_width} ([B, 8, N, 16] from LTX-2's audio VAE)")
+        if a.shape[0] != v.shape[0]:
+            raise ForwardError(f"x[0] has batch {v.shape[0]}, x[1] {a.shape[0]}: the video and audio latents of a "
+                               "call share their batch")
+        audio = AudioLatentShape.from_torch_shape(a.shape)
+    check_token_budget(video.token_count(), model.max_tokens)
+    conds.check_fits(video, audio)
+    if audio is not None:
+        ref = 0 if conds.ref_audio is None else conds.ref_audio.shape[1]
+        check_token_budget(audio.frames + ref, model.max_tokens, "audio",
+                           f"{audio.frames} + {ref} of the reference audio" if ref else None)
+    v_t, a_t = timestep if isinstance(timestep, (list, tuple)) and len(timestep) == 2 else (timestep, timestep)
+    _check_range(_token_timesteps(v_t, video.batch, video.token_count(), "video"), "timestep[0] (video)", conds.keep)
+    if audio is not None:
+        _check_range(_token_timesteps(a_t, audio.batch, audio.frames, "audio"), "timestep[1] (audio)", None)
+
+
 def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: torch.Tensor, *,
                   frame_rate: float = 25.0, conds: ExtraConds | None = None) -> Any:
     """One ComfyUI-layout call of the transformer (see the module doc).
@@ -101,16 +194,17 @@ def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: tor
         conds: keyframe guides, guide attention, reference audio, text mask (none by default).
     Returns:
         The velocities, ``[video, audio]`` or the video tensor, in the model dtype on its device.
+    Every input is checked first (:func:`check_call`); then the latents move to the model's
+    device (patchifying and the positions run there) and the transformer runs.
+
     Raises:
-        ForwardError: inputs of the wrong layout.
+        ForwardError: inputs of the wrong layout, or that do not fit the model (:func:`check_call`).
+        SequenceParallelConfigError: more tokens than the model's ``max_tokens``.
         ExtraCondsError: conditions that do not fit the latent or context.
         LatentFormatError: a latent that is not LTX-2's.
     """
-    parts = list(x) if isinstance(x, (list, tuple)) else [x]
-    if len(parts) not in (1, 2) or not all(isinstance(p, torch.Tensor) for p in parts):
-        raise ForwardError("x must be the video latent or [video latent, audio latent]")
-    if len(parts) == 2 and parts[1].numel() == 0:
-        parts = parts[:1]
+    check_call(model, x, timestep, conds)
+    parts = [p.to(model.device, non_blocking=True) for p in _parts(x)]
     latent = {"samples": NestedTensorLike(parts)} if len(parts) == 2 else {"samples": parts[0]}
     state = latent_to_tokens(latent, float(frame_rate), audio_patchifier=AUDIO_PATCHIFIER)
     v_t, a_t = timestep if isinstance(timestep, (list, tuple)) and len(timestep) == 2 else (timestep, timestep)
@@ -177,3 +271,4 @@ def av_timestep_convention(transformer, convention: AvConvention) -> Iterator[No
     finally:
         for pre in wrapped:
             pre.__dict__.pop("_prepare_cross_attention_timestep", None)
+

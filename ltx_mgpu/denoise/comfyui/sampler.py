@@ -266,15 +266,19 @@ def _predict(streams: dict, sigma: torch.Tensor, cfg: float, dtype: torch.dtype,
     return out
 
 
-def _pass_conds(prompt, video) -> ExtraConds:
-    """A prompt's keyframe guides and reference audio as the conditions of its model pass; the
-    grid mask is read from the LATENT's noise mask (sample 0, as ComfyUI's model reads it)."""
+def _pass_conds(prompt, state) -> ExtraConds:
+    """A prompt's keyframe guides and reference audio as the conditions of its model pass, checked
+    against the latent (``ExtraConds.check_fits``); the grid mask is read from the LATENT's noise
+    mask (sample 0, as ComfyUI's model reads it)."""
     ex = prompt.extras
+    video, audio = state.video, state.audio
     keep = None
     if ex.get("keyframe_idxs") is not None and video is not None:
         keep = video.denoise_mask[0] >= 0
-    return extra_conds(keyframe_idxs=ex.get("keyframe_idxs"), keep=keep,
-                       guide_attention_entries=ex.get("guide_attention_entries"), ref_audio=ex.get("ref_audio"))
+    conds = extra_conds(keyframe_idxs=ex.get("keyframe_idxs"), keep=keep,
+                        guide_attention_entries=ex.get("guide_attention_entries"), ref_audio=ex.get("ref_audio"))
+    conds.check_fits(video.shape if video is not None else None, audio.shape if audio is not None else None)
+    return conds
 
 
 @torch.no_grad()
@@ -341,13 +345,12 @@ def sample(
     dev = model.device
     sig = sig.to(dev)
     mods = {k: getattr(state, k) for k in ("video", "audio") if getattr(state, k) is not None}
-    tcfg = model.config["transformer"]
-    for k, want in (("video", tcfg.get("in_channels", 128)), ("audio", tcfg.get("audio_in_channels", 128))):
+    for k, want in zip(("video", "audio"), model.latent_widths):
         if k in mods and mods[k].tokens.shape[-1] != want:
             raise ValueError(f"the {k} latent has {mods[k].tokens.shape[-1]} channels per token, "
                              f"the model takes {want}")
     prompts = [pos, neg] if use_cfg else [pos]
-    conds = [_pass_conds(p, state.video) for p in prompts]  # raises ExtraCondsError before any model call
+    conds = [_pass_conds(p, state) for p in prompts]  # raises ExtraCondsError before any model call
     if any(p.extras.get("ref_audio") is not None for p in prompts) and not _said:
         _said.add("ref_audio")
         LOG.info("ltx_mgpu: the SP Sampler conditions on the reference audio in context; LTXVReferenceAudio's "

@@ -102,16 +102,26 @@ def check_sequence_parallel_config(model: "LTXModel", world_size: int) -> None:
     )
 
 
-def check_token_budget(num_tokens: int, max_tokens: int) -> None:
-    """Raise ``SequenceParallelConfigError`` when ``num_tokens`` video tokens exceed the budget.
+def check_token_budget(num_tokens: int, max_tokens: int, modality: str = "video", detail: str | None = None) -> None:
+    """Raise ``SequenceParallelConfigError`` when a call's ``num_tokens`` tokens of ``modality``
+    (``"video"`` or ``"audio"``) exceed the budget the model was loaded with.
 
     Video tokens = latent frames x latent height x latent width (e.g. 121 frames at
-    1024x1536 -> 16*32*48 = 24,576).
+    1024x1536 -> 16*32*48 = 24,576); audio tokens = latent frames (25 per second of audio), with
+    the reference audio's (``LTXVReferenceAudio``) prepended to them: ``detail`` says how they add
+    up, for the message. Audio tokens are replicated on every rank and attend to each other, so
+    the same budget bounds them.
     """
-    if num_tokens > max_tokens:
+    if num_tokens <= max_tokens:
+        return
+    fix = ("raise the budget when loading the model (it bounds activation memory per GPU): the Model Loader "
+           "node's max_tokens, generate --max-tokens, or load_transformer's max_tokens.")
+    if modality == "video":
         raise SequenceParallelConfigError(
             f"the video latent has {num_tokens} tokens (latent frames x height x width), more than "
-            f"max_tokens={max_tokens}. Lower the resolution or the number of frames, or raise the "
-            f"budget when loading the model (it bounds activation memory per GPU): the Model Loader "
-            f"node's max_tokens, generate --max-tokens, or load_transformer's max_tokens."
+            f"max_tokens={max_tokens}. Lower the resolution or the number of frames, or {fix}"
         )
+    raise SequenceParallelConfigError(
+        f"the audio latent has {num_tokens} tokens ({detail or 'latent frames'}), more than max_tokens={max_tokens}. "
+        f"Use a shorter clip (or reference audio), or {fix}"
+    )

@@ -340,14 +340,15 @@ class SequenceParallelTransformer(torch.nn.Module):
         model: the ltx-core ``LTXModel`` (a full replica on every rank).
         group: the process group to split over (NCCL on GPU, gloo on CPU), or None for the
             default group when torch.distributed is initialised, else world size 1.
-        max_tokens: the largest video token count accepted (activation-memory bound; a positive
+        max_tokens: the largest video (and audio) token count accepted (activation-memory bound; a positive
             count: the transformer's plan, ``ltx_mgpu.denoise.plan.TransformerPlan``, checked it).
     Raises:
         TypeError: ``model`` is not an ``LTXModel`` (e.g. an ``X0Model``: pass its
             ``velocity_model``).
         SequenceParallelConfigError: the world size does not divide the split head counts
             (raised here, before any collective, identically on every rank); in ``forward``,
-            before any collective: the video has more than ``max_tokens`` tokens, or needs
+            before any collective: the video or the audio (reference audio included) has more
+            than ``max_tokens`` tokens, or the video needs
             padding while the model uses the mask-less FlashAttention3 backend.
     At world size 1 no wrapper is installed and ``forward`` calls the model directly.
     ``layout``: ``ulysses`` (default here), ``cfg_ulysses`` or ``auto`` (module doc; one of
@@ -392,6 +393,8 @@ class SequenceParallelTransformer(torch.nn.Module):
     def forward(self, video: Modality | None, audio: Modality | None, perturbations=None):
         if video is not None:
             check_token_budget(video.latent.shape[1], self.max_tokens)
+        if audio is not None:
+            check_token_budget(audio.latent.shape[1], self.max_tokens, "audio", "latent frames and any reference audio")
         if self._state is None or video is None:
             return self.model(video, audio, perturbations)
         if self.cfg_parallel(video, perturbations):

@@ -41,11 +41,15 @@ def encode_entry(key: str, parts: CacheKeyParts, embedding: PromptEmbedding) -> 
     when that is exact.
 
     Raises:
-        ValueError: the tensor has no data (a ``meta`` tensor).
+        ValueError: the tensor has no data (a ``meta`` tensor), or holds NaN or infinite values
+            (never cached: every later hit would return them).
     """
     tensor = embedding.tensor.detach()
     if tensor.device.type == "meta":
         raise ValueError("cannot cache a 'meta' tensor (it has no data); encode on a real device")
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError("the embedding holds NaN or infinite values; it is not cached (the text encoder's weights are "
+                         "damaged or overflow in its dtype)")
     tensor = tensor.to("cpu").clone(memory_format=torch.contiguous_format)  # own storage, offset 0
     stored = _compact(tensor)
     metadata = {
@@ -74,7 +78,7 @@ def decode_entry(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding
     Raises:
         DamagedEntry: unreadable, foreign (another format, a metadata field missing or one the
             cache does not write), for another key, checksum mismatch (metadata or tensor),
-            bad metadata.
+            bad metadata, values that are not finite.
     """
     try:
         tensors = _st_load(data)
@@ -102,6 +106,8 @@ def decode_entry(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding
         if want != "float32" or tensor.dtype != torch.bfloat16:
             raise DamagedEntry(f"stored as {tensor.dtype}, metadata says {want}")
         tensor = tensor.float()  # exact: it was stored because the upcast round-trips
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise DamagedEntry("its embedding holds NaN or infinite values (written by an older version)")
     try:
         dropped = int(metadata["dropped_tokens"])
         if dropped < 0 or str(dropped) != metadata["dropped_tokens"]:

@@ -256,7 +256,9 @@ class EmbeddingCache:
 
         Raises:
             TypeError: ``embedding`` is not a :class:`PromptEmbedding`.
-            ValueError: the tensor has no data (a ``meta`` tensor).
+            ValueError: the tensor has no data (a ``meta`` tensor), or holds NaN or infinite
+                values (names the prompt; :func:`encode_cached` lets it through: never cached,
+                never returned).
             OSError: the directory cannot be written (disk full, read-only, ...; a cache
                 directory that is not usable names the setting); the shard directory is a
                 link, not a directory or another user's (left alone); a directory is at the
@@ -266,7 +268,10 @@ class EmbeddingCache:
             raise TypeError(f"embedding must be a PromptEmbedding, got {type(embedding).__name__}")
         key = cache_key(prompt, parts)
         shard, name = key[:2], f"{key}{_SUFFIX}"
-        payload = encode_entry(key, parts, embedding)
+        try:
+            payload = encode_entry(key, parts, embedding)
+        except ValueError as e:
+            raise ValueError(f"prompt {prompt!r:.60}: {e}") from None
         if len(payload) > self.max_entry_bytes:
             raise OSError(errno.EFBIG, f"the entry is {len(payload)} bytes, over the per-entry limit of "
                                        f"{self.max_entry_bytes} bytes (max_entry_bytes); not written")
@@ -546,6 +551,8 @@ def encode_cached(
         ValueError: ``batch_size`` < 1, or ``encode_fn`` returned the wrong number of results.
         TypeError: ``encode_fn`` returned something other than :class:`PromptEmbedding` s.
         Whatever ``encode_fn`` raises (sub-batches finished before it stay cached).
+        ValueError: an embedding ``encode_fn`` returned holds NaN or infinite values (checked
+            before anything of its sub-batch is stored: never cached, never returned).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -571,6 +578,12 @@ def encode_cached(
         for prompt, emb in zip(chunk, results):
             if not isinstance(emb, PromptEmbedding):
                 raise TypeError(f"encode_fn must return PromptEmbedding objects, got {type(emb).__name__}")
+            if emb.tensor.is_floating_point() and emb.tensor.device.type != "meta" \
+                    and not bool(torch.isfinite(emb.tensor).all()):
+                raise ValueError(f"the embedding of prompt {prompt!r:.60} holds NaN or infinite values; nothing of "
+                                 "it is cached or returned (the text encoder's weights are damaged or overflow in "
+                                 "its dtype: load them again, or encode in bfloat16 or float32)")
+        for prompt, emb in zip(chunk, results):
             try:
                 if writable:
                     fits = short is not None and not emb.dropped_tokens and emb.num_tokens <= short.token_budget

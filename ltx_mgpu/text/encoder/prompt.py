@@ -42,6 +42,16 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return getattr(torch, canonical_dtype(name))
 
 
+class NonFiniteEmbeddingError(ValueError):
+    """A prompt's embedding holds NaN or infinite values; it is never returned (nor cached). The
+    message names the prompt and the first of Gemma's hidden states that is not finite; ``row``
+    is the prompt's index in its batch."""
+
+    def __init__(self, message: str, row: int = 0):
+        super().__init__(message)
+        self.row = row
+
+
 #: ``out(j) -> tensor | None``: where row ``j`` goes (see :meth:`PromptEncoder.encode`).
 RowAllocator = Callable[[int], "torch.Tensor | None"]
 
@@ -176,6 +186,8 @@ class PromptEncoder:
                 wrong shape, dtype or device.
             PromptTooLongError: a prompt exceeds the budget and ``truncate`` is False, or exceeds
                 ``max_tokens``.
+            NonFiniteEmbeddingError: a prompt's embedding is not finite (names the prompt and
+                the first hidden state that is not: :meth:`encode_tokens`).
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -192,7 +204,11 @@ class PromptEncoder:
                         stacklevel=2,
                     )
             dest = None if out is None else (lambda j, start=start: out(start + j))
-            result.extend(self.encode_tokens(ids, mask, dropped, out_dtype, out=dest))
+            try:
+                result.extend(self.encode_tokens(ids, mask, dropped, out_dtype, out=dest))
+            except NonFiniteEmbeddingError as e:
+                raise NonFiniteEmbeddingError(f"prompt {start + e.row} ({chunk[e.row]!r:.60}): {e}", start + e.row) \
+                    from None
         return result
 
     @torch.inference_mode()
@@ -215,9 +231,15 @@ class PromptEncoder:
             One :class:`PromptEmbedding` per row: ``[T_valid, D_out]`` in ``out_dtype`` on CPU
             with its own storage (or the tensor ``out`` gave).
 
+        Every row is checked finite on the host, where it is written (one pass over the
+        embeddings, not over the hidden states); a row that is not is diagnosed by running its
+        prompt alone again (:meth:`_first_non_finite`).
+
         Raises:
             ValueError: shapes differ, the padding is not on the left, or a tensor from ``out``
                 does not match its row.
+            NonFiniteEmbeddingError: a row holds NaN or infinite values (``row``: its index in the
+                batch; the message names the first hidden state that is not finite).
         """
         lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
         with self._lock:
@@ -227,8 +249,30 @@ class PromptEncoder:
             features = self.projection.normalised(states.hidden_states, states.attention_mask)
             del states
             rows = self._project_rows(features, lengths, out_dtype, out)
+            del features
+            bad = next((j for j, row in enumerate(rows) if not bool(torch.isfinite(row).all())), None)
+            if bad is not None:
+                raise NonFiniteEmbeddingError(self._first_non_finite(input_ids[bad:bad + 1],
+                                                                     attention_mask[bad:bad + 1]), row=bad)
         dropped = list(dropped) if dropped is not None else [0] * len(lengths)
         return [PromptEmbedding(row, self.projection.version, int(d)) for row, d in zip(rows, dropped)]
+
+    def _first_non_finite(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
+        """Why one prompt's embedding is not finite: the first of the tower's hidden states (0:
+        the token embeddings, ``k``: decoder layer ``k - 1``'s output) with a NaN or infinite
+        value at a real token, or the projection when every hidden state is finite."""
+        states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
+        keep = states.attention_mask.to(states.hidden_states[0].device).bool()
+        where = next((k for k, h in enumerate(states.hidden_states) if not bool(torch.isfinite(h[keep]).all())), None)
+        dtype = str(states.hidden_states[0].dtype).removeprefix("torch.")
+        if where is None:
+            return (f"its embedding holds NaN or infinite values, every Gemma hidden state being finite: the LTX-2 "
+                    f"text projection ({self.projection.source or 'the checkpoint'}) holds them or overflows in "
+                    f"{dtype}; check that file")
+        layer = "the token embeddings" if where == 0 else f"the output of decoder layer {where - 1}"
+        return (f"its embedding holds NaN or infinite values, from Gemma's hidden state {where} ({layer}, {dtype}) on: "
+                f"the weights of {self.tower.path} are damaged there (download the file again), or the model "
+                "overflows in this dtype (encode in bfloat16 or float32)")
 
     #: Tokens per projection GEMM when the projection and the host copy are pipelined: enough
     #: rows that the 188160-wide GEMM stays efficient.

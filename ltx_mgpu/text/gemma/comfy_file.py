@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ltx_mgpu.finite import is_finite
 from ltx_mgpu.quantized.dequant import dequantize, load_decoder
 from ltx_mgpu.quantized.layers import AUX_SUFFIXES, FileQuant
-from ltx_mgpu.text.gemma.sources import comfy_file_quant, comfy_text_config
+from ltx_mgpu.text.gemma.sources import GemmaWeightsError, comfy_file_quant, comfy_text_config
 
 __all__ = ["ComfyGemmaFile", "LazyDense", "open_comfy_file"]
 
@@ -59,8 +60,13 @@ class ComfyGemmaFile:
         layer dequantized there into ``dtype`` (bf16, fp16 or fp32: the model's compute dtype).
         The file is opened for this tensor only.
 
+        Every value is checked finite as it is read (on ``device``): a NaN or infinite weight, or
+        a scale that makes one, would give NaN embeddings for every prompt.
+
         Raises:
             KeyError: no such text-tower tensor.
+            GemmaWeightsError: NaN or infinite values (names the tensor and, for a quantized layer,
+                its format: a damaged scale).
         """
         key = "model." + name
         if name not in self.shapes:
@@ -68,10 +74,17 @@ class ComfyGemmaFile:
         quant = self.quant.of(key)
         with safe_open(str(self.path), framework="pt", device="cpu") as f:
             if quant is None:
-                return f.get_tensor(key).to(device)
-            layer = key[: -len(".weight")]
-            parts = {"weight": f.get_tensor(key), **{p: f.get_tensor(f"{layer}.{p}") for p in quant.parts}}
-        return dequantize(quant, parts, dtype, device=device)
+                w = f.get_tensor(key).to(device)
+            else:
+                layer = key[: -len(".weight")]
+                parts = {"weight": f.get_tensor(key), **{p: f.get_tensor(f"{layer}.{p}") for p in quant.parts}}
+        if quant is not None:
+            w = dequantize(quant, parts, dtype, device=device)
+        if not is_finite(w):
+            stored = f" ({quant.describe()}: its scales or values)" if quant is not None else ""
+            raise GemmaWeightsError(f"{self.path}: {key}{stored} holds NaN or infinite values; the file is damaged: "
+                                    "download it again")
+        return w
 
     def lazy(self, name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> LazyDense:
         """:meth:`read` deferred until transformers' loader indexes it."""

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ltx_mgpu.finite import is_finite
 from ltx_mgpu.quantized.ggml import GGMLFormatError, GGUFFile, dequantize, open_gguf
 from ltx_mgpu.text.gemma.sources import GemmaFormatError, GemmaWeightsError, gemma3_text_config
 
@@ -171,7 +172,7 @@ class GemmaGGUF:
         return w.to(dtype)
 
     def _check_finite(self, name: str, values: torch.Tensor) -> None:
-        if not bool(torch.isfinite(values).all()):
+        if not is_finite(values):
             raise GemmaWeightsError(f"{self.path}: tensor {name} holds NaN or infinite values; the file is damaged: "
                                     "download it again")
 

@@ -38,7 +38,7 @@ from typing import Any, Literal, Sequence
 
 from safetensors import safe_open
 
-from ltx_mgpu.files import safetensors_header
+from ltx_mgpu.files import json_metadata, safetensors_header
 from ltx_mgpu.identity import file_digest
 from ltx_mgpu.quantized.dequant import describe_decoding
 from ltx_mgpu.quantized.ggml import DECODER, GGMLFormatError, open_gguf
@@ -403,26 +403,8 @@ def gemma3_text_config(
     return Gemma3TextConfig(**kwargs)
 
 
-def comfy_text_config(meta: dict[str, str], shapes: dict[str, tuple[int, ...]], path: Path) -> Any:
-    """The ``Gemma3TextConfig`` of a ComfyUI single file.
-
-    From our header metadata (``ltx_mgpu_gemma_config``) when present, else inferred from tensor
-    shapes plus Gemma 3 12B defaults (:func:`gemma3_text_config`): vocab/hidden from
-    ``embed_tokens``, layers by count, head_dim from ``q_norm``, heads and KV heads from
-    ``q_proj``/``k_proj`` rows / head_dim, intermediate from ``gate_proj``.
-
-    Args:
-        meta: the safetensors header metadata.
-        shapes: ``model.*`` tensor name -> shape.
-        path: the file, for error messages.
-
-    Raises:
-        GemmaFormatError: a tensor needed for the inference is missing.
-    """
-    from transformers import Gemma3TextConfig
-
-    if COMFY_CONFIG_METADATA_KEY in meta:
-        return Gemma3TextConfig.from_dict(json.loads(meta[COMFY_CONFIG_METADATA_KEY]))
+def _shape_config(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, int]:
+    """The Gemma 3 dimensions the text tower's tensor shapes give (``Gemma3TextConfig`` names)."""
     vocab, hidden = shapes["model.embed_tokens.weight"]
     layer_ids = {int(m.group(1)) for k in shapes if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     head_dim = shapes["model.layers.0.self_attn.q_norm.weight"][0]
@@ -433,4 +415,48 @@ def comfy_text_config(meta: dict[str, str], shapes: dict[str, tuple[int, ...]], 
     except KeyError as exc:
         raise GemmaFormatError(f"{path}: missing {exc}, needed to infer the Gemma 3 config. "
                                f"{SUPPORTED_FORMATS}") from exc
-    return gemma3_text_config(vocab, hidden, intermediate, max(layer_ids) + 1, heads, kv_heads, head_dim)
+    return {"hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": max(layer_ids) + 1,
+            "head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "intermediate_size": intermediate}
+
+
+def comfy_text_config(meta: dict[str, str], shapes: dict[str, tuple[int, ...]], path: Path) -> Any:
+    """The ``Gemma3TextConfig`` of a ComfyUI single file.
+
+    From our header metadata (``ltx_mgpu_gemma_config``) when present, else inferred from tensor
+    shapes plus Gemma 3 12B defaults (:func:`gemma3_text_config`): vocab/hidden from
+    ``embed_tokens``, layers by count, head_dim from ``q_norm``, heads and KV heads from
+    ``q_proj``/``k_proj`` rows / head_dim, intermediate from ``gate_proj``. A stored config must
+    agree with those shapes.
+
+    Args:
+        meta: the safetensors header metadata.
+        shapes: ``model.*`` tensor name -> shape.
+        path: the file, for error messages.
+
+    Raises:
+        GemmaFormatError: a tensor needed for the inference is missing; the stored config is
+            over ``ltx_mgpu.files.MAX_JSON_METADATA`` bytes, not a JSON object, or not a Gemma 3
+            text config.
+        GemmaWeightsError: the stored config contradicts the tensors' shapes (names the field).
+    """
+    from transformers import Gemma3TextConfig
+
+    hint = "; export the file again (ltx_mgpu.assets.gemma) or remove the metadata entry"
+    stored = json_metadata(meta, COMFY_CONFIG_METADATA_KEY, str(path), GemmaFormatError, hint)
+    dims = _shape_config(shapes, path)
+    if stored is None:
+        return gemma3_text_config(dims["vocab_size"], dims["hidden_size"], dims["intermediate_size"],
+                                  dims["num_hidden_layers"], dims["num_attention_heads"],
+                                  dims["num_key_value_heads"], dims["head_dim"])
+    try:
+        cfg = Gemma3TextConfig.from_dict(stored)
+    except Exception as e:  # noqa: BLE001 - transformers' validation raises several types for a bad field
+        raise GemmaFormatError(f"{path}: the '{COMFY_CONFIG_METADATA_KEY}' metadata does not describe a Gemma 3 text "
+                               f"model ({type(e).__name__}: {str(e).splitlines()[0][:160]}){hint}") from None
+    for field, value in dims.items():
+        if getattr(cfg, field, None) != value:
+            raise GemmaWeightsError(f"{path}: the '{COMFY_CONFIG_METADATA_KEY}' metadata says {field} "
+                                   f"{getattr(cfg, field, None)!r:.40}, the weights {value}: the header does not "
+                                   f"describe these weights{hint}")
+    return cfg
