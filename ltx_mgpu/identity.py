@@ -4,11 +4,13 @@ Cache keys must change when the *content* of the weights changes, not only their
 (a public report: a prompt-keyed cache returned stale embeddings after the encoder or its
 precision changed). Digests are SHA-256 over the bytes; the memo maps a file's
 ``(realpath, size, mtime_ns, inode)`` to its digest in a small JSON file under the
-ltx_mgpu home directory, so a multi-GB Gemma is hashed once per version of the file.
+ltx_mgpu home directory (``digests.json``, mode 0600 like the embedding cache), so a multi-GB
+Gemma is hashed once per version of the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -72,7 +74,11 @@ def _store_memo(key: str, digest: str) -> None:
         data = _load_memo()
         data[key] = digest
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        # 0600 like the embedding cache: the paths of a user's models are nobody else's business
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w",
+                       encoding="utf-8") as f:
             json.dump(data, f)
         os.replace(tmp, path)
     except OSError:

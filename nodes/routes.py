@@ -59,7 +59,7 @@ def status_payload(timeout: float = 5.0) -> dict:
             continue
         try:
             status = pool_status(spec, timeout=timeout)
-        except PoolError as e:
+        except (PoolError, PermissionError) as e:  # PermissionError: a runtime directory that cannot be trusted
             entry.update(state="error", error=str(e).splitlines()[0])
             status = None
         if status is not None:
@@ -99,7 +99,7 @@ def free_payload(stop: bool = False) -> dict:
         entry = {"key": spec.key, "running": False, "unloaded": [], "stopped": False, "error": None}
         try:
             entry.update(free_pool(spec, shutdown=stop))
-        except PoolError as e:
+        except (PoolError, PermissionError) as e:
             entry["error"] = str(e).splitlines()[0]
         pools.append(entry)
     return {"pools": pools}

@@ -21,6 +21,24 @@ torch.set_num_threads(1)
 TIERS = ("unit", "", "integration", "comfyui")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cpu-load", action="store_true",
+                     help="run the session with every CPU core kept busy by a busy-loop process (the lifecycle tests "
+                          "must pass under load; .ci/run runs them so)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_load(request):
+    """With ``--cpu-load``: a busy-loop process per core for the whole session."""
+    if not request.config.getoption("--cpu-load"):
+        yield
+        return
+    from pool_support import cpu_load
+
+    with cpu_load():
+        yield
+
+
 def pytest_collection_modifyitems(items):
     """Run the tiers in :data:`TIERS` order (the GPU files, at the top of ``tests/``, after the
     unit tier), each in its collection order."""

@@ -19,7 +19,8 @@ honoured) is read from ``D/fake_behaviour`` when that file exists, else ``--beha
   orphans, which the client that sees the loss must sweep);
 * ``hang``: the job is accepted and never answered; cancels are ignored.
 
-A ``with-owner`` fake exits when its owner does, like the real pool's watchdog.
+A ``with-owner`` fake stops when its owner has left and no other client uses it, as the real
+pool does (``ltx_mgpu.pool.server``).
 """
 
 from __future__ import annotations
@@ -58,16 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     # idle "ranks", started with the runtime directory on their command line as real ranks are
     children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "--runtime-dir", str(d)])
                 for _ in range(args.ranks - 1)]
-    ranks = [{"rank": 0, "pid": me.pid, "create_time": me.create_time()}]
+    ranks = [{"rank": 0, "pid": me.pid, "create_time": rendezvous.process_start(me.pid)}]
     for r, c in enumerate(children, start=1):
-        ranks.append({"rank": r, "pid": c.pid, "create_time": psutil.Process(c.pid).create_time()})
+        ranks.append({"rank": r, "pid": c.pid, "create_time": rendezvous.process_start(c.pid)})
         rendezvous.write_private(d / f"rank{r}.json", json.dumps(ranks[-1]).encode())
     info = rendezvous.PoolInfo.read(d)
 
     def describe() -> dict:
         return {"version": ltx_mgpu.__version__, "protocol": wire.PROTOCOL_VERSION, "world_size": args.ranks,
                 "device": "cpu", "gpus": [], "lifetime": args.lifetime, "owner_pid": args.owner_pid,
-                "torchrun_pid": me.pid, "torchrun_create_time": me.create_time(), "ranks": ranks,
+                "torchrun_pid": me.pid, "torchrun_create_time": rendezvous.process_start(me.pid), "ranks": ranks,
                 "instance": info.instance if info else None, "start_time": time.time(), "dir": str(d),
                 "jobs": sorted(wire.job_types())}
 
@@ -77,14 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         rendezvous.remove_pool_files(d, info.instance if info else None)
         os._exit(code)
 
-    server = Server(d / rendezvous.SOCKET_NAME, rendezvous.read_token(d), describe, lambda: ranks)
+    owned = args.lifetime == "with-owner" and args.owner_pid
+    server = Server(d / rendezvous.SOCKET_NAME, rendezvous.read_token(d), describe, lambda: ranks,
+                    owner=args.owner_pid if owned else None)
     server.start()
-    if args.owner_pid:
-        def watch_owner() -> None:
+    if owned:
+        def watch_owner() -> None:  # as the real pool's watchdog
             while rendezvous.same_process(args.owner_pid, args.owner_create_time):
                 time.sleep(0.2)
-            server.close(flush_timeout=0.5)
-            end(0)
+            server.owner_gone(f"its owner process {args.owner_pid} exited")
 
         threading.Thread(target=watch_owner, daemon=True).start()
     print(f"fake pool ready: {args.ranks} rank(s), socket {server.socket_path}", flush=True)

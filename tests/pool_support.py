@@ -1,5 +1,5 @@
 """Helpers shared by the pool tests: short private runtime dirs, raw protocol access, pid checks,
-and a clean-up that stops a pool and kills whatever of it remains."""
+a clean-up that stops a pool and kills whatever of it remains, and an artificial CPU load."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import torch
@@ -86,3 +89,21 @@ def assert_same_tensors(got: dict, want: dict) -> None:
     for k, v in want.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
         assert torch.equal(got[k], v.detach().cpu()), k
+
+
+@contextlib.contextmanager
+def cpu_load(processes: int | None = None) -> Iterator[list[subprocess.Popen]]:
+    """Keep the CPU busy: one busy-loop process per core (``processes``, default
+    ``os.cpu_count()``) for the duration, at the same priority as the tests. What the lifecycle
+    tests must bear (issue 31: a test failed at a load average of 9); ``pytest --cpu-load`` runs
+    a whole session under it."""
+    n = processes or os.cpu_count() or 1
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+                for _ in range(n)]
+    try:
+        yield spinners
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
 from ltx_mgpu.choices import PLACEMENTS, WEIGHTS
-from ltx_mgpu.cli.checks import check_device
+from ltx_mgpu.cli.checks import check_device, check_paths_exist
 from ltx_mgpu.cli.wording import plural
 
 __all__ = ["register", "read_prompts", "EMBEDDED_NOTICE"]
@@ -67,6 +67,15 @@ def _encode_here(args: argparse.Namespace, config, prompts: list[str], cache, pr
     return LocalTextEncoder(config, args.device).encode(prompts, args.batch_size, cache, progress)
 
 
+def _pool_fate(pool: dict) -> str:
+    """What became of the pool: attached, or started here and stopped, or handed over."""
+    if not pool["started"]:
+        return "attached"
+    if pool.get("stopped", True):
+        return "started for this run and stopped"
+    return "started for this run; left running for another client that uses it (it stops when they are done)"
+
+
 def _encode(args: argparse.Namespace, config, prompts: list[str], cache, progress):
     """``encode``'s work: in the pool (``--pool``) or in this process; ``(embeddings, report)``.
     ``progress(phase, step, total)`` receives ``pool`` (0/1 before the pool is started or
@@ -87,7 +96,7 @@ def _encode(args: argparse.Namespace, config, prompts: list[str], cache, progres
             progress("pool", 1, 1)
         progress(phase, step, total)
 
-    gpus, nproc = cli_gpus(args.gpus, args.nproc)
+    gpus, nproc = cli_gpus(args.gpus, args.nproc, starting=True)
     embeddings, report, pool = encode_with_pool(config, prompts, gpus=gpus, nproc=nproc,
                                                 runtime_dir=args.runtime_dir, cache=cache,
                                                 batch_size=args.batch_size, on_progress=pool_progress)
@@ -95,20 +104,21 @@ def _encode(args: argparse.Namespace, config, prompts: list[str], cache, progres
         progress("pool", 1, 1)
     print("pool: not contacted (every prompt cached)" if pool["pid"] is None else
           f"pool: pid {pool['pid']}, {pool['world_size']} rank(s), placement {args.placement}, "
-          f"{'started for this run and stopped' if pool['started'] else 'attached'}")
+          f"{_pool_fate(pool)}")
     if pool["pid"] is not None and args.placement != "single" and pool["world_size"] == 1:
         print(f"note: placement {args.placement} on a 1-rank pool is the same as 'single'; it spreads "
               "Gemma over several ranks (--gpus 0,1 or --gpus cpu --nproc 2)")
     return embeddings, report
 
 
-def _cmd_encode(args: argparse.Namespace) -> int:
-    from ltx_mgpu.cli.generate import ProgressBars
-    from ltx_mgpu.files import check_directory_setting, check_output_path  # deferred: loads torch
-    from ltx_mgpu.text.cache.keys import default_cache_dir
-    from ltx_mgpu.text.cache.store import EmbeddingCache
-    from ltx_mgpu.text.config import TextEncoderConfig
-    from ltx_mgpu.text.embedding_files import save_embeddings
+def _check_arguments(args: argparse.Namespace) -> list[str]:
+    """Every check of ``encode``'s arguments that needs no torch (the prompts, flags that go
+    together, numbers, the paths' existence, the output place); returns the prompts.
+
+    Raises:
+        ValueError, FileNotFoundError: naming the flag and the fix (the CLI exits 2).
+    """
+    from ltx_mgpu.files import check_directory_setting, check_output_path  # deferred: loads safetensors
 
     prompts = read_prompts(args)
     gemma, projection = args.gemma, args.projection
@@ -116,18 +126,33 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         raise ValueError(f"--{'gemma' if gemma is not None else 'projection'} was given without "
                          f"--{'projection' if gemma is not None else 'gemma'}: pass both (a Gemma 3 and the LTX-2 "
                          "checkpoint or projection file made for it), or neither for the embedded default")
+    check_paths_exist(gemma=gemma, projection=projection)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size}: give at least 1 prompt per Gemma forward")
-    check_device(args.device)
     check_output_path(args.out)  # before any encode; missing directories are made when it is written
     if Path(args.out).suffix.lower() != ".safetensors":
         raise ValueError(f"--out {args.out}: embeddings are written as safetensors; give a name ending in "
                          ".safetensors")
     if args.cache:
         check_directory_setting(args.cache, "--cache")
+    if args.runtime_dir:
+        check_directory_setting(args.runtime_dir, "--runtime-dir")
     if not args.pool and (args.gpus is not None or args.nproc is not None or args.placement != "single"):
         raise ValueError("--gpus, --nproc and --placement choose the pool's ranks: add --pool (without it, "
                          "encode runs in this process on --device)")
+    return prompts
+
+
+def _cmd_encode(args: argparse.Namespace) -> int:
+    prompts = _check_arguments(args)  # before torch is imported: a bad argument answers at once
+    from ltx_mgpu.cli.generate import ProgressBars  # deferred, as everything below: imports torch
+    from ltx_mgpu.text.cache.keys import default_cache_dir
+    from ltx_mgpu.text.cache.store import EmbeddingCache
+    from ltx_mgpu.text.config import TextEncoderConfig
+    from ltx_mgpu.text.embedding_files import save_embeddings
+
+    gemma, projection = args.gemma, args.projection
+    check_device(args.device)
     if gemma is None or projection is None:
         from ltx_mgpu.assets import embedded_default
 

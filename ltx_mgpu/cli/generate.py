@@ -14,7 +14,7 @@ import threading
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
 from ltx_mgpu.choices import PLACEMENTS, SP_LAYOUTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
-from ltx_mgpu.cli.request import DEFAULT_NEGATIVE, GenerateRequest
+from ltx_mgpu.cli.request import DEFAULT_NEGATIVE, GenerateRequest, validate_request
 from ltx_mgpu.heartbeat import HEARTBEAT_S, Heartbeat
 
 __all__ = ["ProgressBars", "StopOnInterrupt", "register"]
@@ -110,14 +110,16 @@ class StopOnInterrupt:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from ltx_mgpu.cli.pipeline import GenerateCancelled, generate
-    from ltx_mgpu.client.errors import PoolError
+    from ltx_mgpu.client.errors import PoolError  # dependency-free
 
     fields = {f.name for f in dataclasses.fields(GenerateRequest)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     if isinstance(values.get("gpus"), tuple):  # GPU indices
         values["gpu_ids"], values["gpus"] = values["gpus"], None
     req = GenerateRequest(**values)
+    validate_request(req)  # before torch is imported: a bad number or path answers at once
+    from ltx_mgpu.cli.pipeline import GenerateCancelled, generate  # deferred: imports torch
+
     bars = ProgressBars(args.progress)
     try:
         with StopOnInterrupt() as stop:
@@ -126,6 +128,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         bars.close()
         print(e, file=sys.stderr)
         return 130
+    except PermissionError:  # a runtime directory or socket that cannot be trusted: bad input (exit 2, main)
+        bars.close()
+        raise
     except (PoolError, ModuleNotFoundError) as e:
         bars.close()
         print(f"error: {e}", file=sys.stderr)

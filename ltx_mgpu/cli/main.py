@@ -55,14 +55,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # transformers' per-load tqdm bars ("Loading weights") are noise here
-        from transformers.utils import logging as hf_logging  # deferred: after argument errors
-
-        hf_logging.disable_progress_bar()
+    if not args.verbose:  # transformers' per-load tqdm bars ("Loading weights") are noise here; through the
+        # environment, read when transformers is first imported (importing it here would cost every
+        # command, a bad argument's answer included, its import time)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (FileNotFoundError, PermissionError, ValueError) as e:  # bad input, or a place that cannot be trusted
+        print(f"error: {e}", file=sys.stderr)  # (a runtime directory that is a link, another user's, an impostor)
         return 2
     except PoolError as e:  # the pool failed or refused: its message (and log tail), not a traceback
         print(f"error: {e}", file=sys.stderr)

@@ -19,7 +19,8 @@ Order of work (each step fails early with a message that names the fix):
    audio-video LATENT (video ``[1, 128, (F-1)//8+1, H/32, W/32]`` zeros, audio ``[1, 8, N, 16]``
    zeros with N as ComfyUI's ``LTXVEmptyLatentAudio`` computes it) sequence-parallel over the
    pool's ranks (``remote_sample``, LTX-2 scheduler sigmas from ``steps``);
-5. stop the pool if this run started it, then decode in this process: the video with ltx-core's
+5. release the pool if this run started it (it stops, unless a client that attached meanwhile
+   still uses it: it is handed over to them), then decode in this process: the video with ltx-core's
    video VAE from the checkpoint's ``vae.*``, the audio with its audio VAE and vocoder when the
    checkpoint has them (ltx-core's decoder, no torchaudio needed: ``assets.audio.ltx_core_audio_vae``;
    otherwise video only, with a notice); write the MP4 (H.264 + AAC) and
@@ -41,6 +42,7 @@ from typing import Callable
 import torch
 
 from ltx_mgpu.cancellation import Cancelled
+from ltx_mgpu.cli.checks import cpu_ranks_instead, nvidia_gpus_present
 from ltx_mgpu.cli.request import (
     TINY_NOTICE,
     GenerateRequest,
@@ -81,9 +83,10 @@ class GenerateReport:
         world_size, device: the pool's ranks and their device type.
         cache_hits, cache_misses: distinct prompts served from / missing in the cache.
         text_encoder_loaded: this run loaded Gemma into the pool.
-        pool_pid, pool_started: the pool (torchrun's pid) and whether this run started it (then
-            it was stopped at the end). pool_models: the models resident in the pool after
-            sampling (rank 0's view).
+        pool_pid, pool_started: the pool (torchrun's pid) and whether this run started it.
+        pool_stopped: a pool this run started stopped at the end (False: a client that attached
+            meanwhile still uses it; it stops when they are done). pool_models: the models
+            resident in the pool after sampling (rank 0's view).
         audio: whether the MP4 has an audio track; audio_note: why not. audio_rate (Hz) and
             audio_channels: the track's, when there is one.
         seconds: wall time per phase (``validate``, ``pool`` (start or attach), ``encode``, ``load``,
@@ -110,6 +113,7 @@ class GenerateReport:
     text_encoder_loaded: bool
     pool_pid: int | None
     pool_started: bool
+    pool_stopped: bool
     pool_models: list[str]
     audio: bool
     audio_note: str | None
@@ -131,6 +135,14 @@ class GenerateReport:
         rate = f"{self.audio_rate / 1000:g} kHz " if self.audio_rate else ""
         return f"with audio: AAC {rate}{layout}"
 
+    def _pool_state(self) -> str:
+        models = ", ".join(self.pool_models)
+        if not self.pool_started:
+            return f"attached; it keeps {models or 'nothing'} resident"
+        if self.pool_stopped:
+            return f"started for this run and stopped (models loaded when sampling ended: {models or 'none'})"
+        return "started for this run; left running for another client that uses it (it stops when they are done)"
+
     def summary(self) -> str:
         """A few lines for the terminal."""
         prompts = self.cache_hits + self.cache_misses
@@ -145,10 +157,7 @@ class GenerateReport:
             f"  prompts: {prompts}{' (prompt + negative)' if prompts == 2 else ''}, cache hits {self.cache_hits}, "
             f"encoded {self.cache_misses}; "
             f"text encoder {self._text_encoder_state()}",
-            f"  pool: pid {self.pool_pid}, "
-            + (f"started for this run and stopped (models loaded when sampling ended: "
-               f"{', '.join(self.pool_models) or 'none'})"
-               if self.pool_started else f"attached; it keeps {', '.join(self.pool_models) or 'nothing'} resident"),
+            f"  pool: pid {self.pool_pid}, " + self._pool_state(),
             f"  times: {times}",
         ]
         if self.audio_note:
@@ -188,6 +197,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     from ltx_mgpu.text.cache.keys import default_cache_dir
     from ltx_mgpu.text.cache.store import EmbeddingCache
     from ltx_mgpu.text.config import TextEncoderConfig
+    from ltx_mgpu.text.gemma.sources import detect_gemma_format
 
     seen: set[str] = set()
     wanted = should_cancel or (lambda: False)
@@ -206,7 +216,14 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     validate_request(req)
     models = resolve_models(req)
     info = inspect_checkpoint(models.checkpoint)  # the header only
+    if not models.embedded:  # the Gemma source too, from its names and headers, before any pool starts
+        detect_gemma_format(models.gemma())
     world, on_gpus = world_size_for(req, info)
+    if not on_gpus and not req.cpu:  # GPUs were meant (asked for, or the default) and torch sees none
+        if req.gpus is not None:
+            notify(cpu_ranks_instead(f"--gpus {req.gpus}", world, f"--cpu --gpus {world}"))
+        elif nvidia_gpus_present():
+            cpu_ranks_instead("the default (every GPU)", world, "--cpu")  # raises: GPUs torch cannot see
     plan = TransformerPlan(models.checkpoint, dtype=req.dtype or ("bf16" if on_gpus else "fp32"),
                            weights=req.transformer_weights, layout=req.layout, max_tokens=req.max_tokens,
                            connectors=req.connectors)
@@ -284,10 +301,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
                                     "an encode finishes first); nothing was written") from None
         raise
     finally:
-        if client.launched:
-            client.shutdown()
-        else:
-            client.close()
+        stopped = client.release()  # a pool started here stops, unless another client uses it now
 
     check()
     t = time.perf_counter()
@@ -299,9 +313,9 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
         height=req.height, fps=req.fps, video_tokens=video_tokens, audio_tokens=int(audio.shape[2]), steps=req.steps,
         cfg=req.cfg, seed=req.seed, seconds_per_step=seconds["denoise"] / req.steps, world_size=world,
         device="cuda" if on_gpus else "cpu", cache_hits=cache_report.hits, cache_misses=cache_report.misses,
-        text_encoder_loaded=text_loaded, pool_pid=pool_pid, pool_started=started, pool_models=pool_models,
-        audio=track is not None, audio_note=audio_note, codec=codec, seconds=seconds, embedded=models.embedded,
-        audio_rate=track[0] if track else None, audio_channels=track[1] if track else 0)
+        text_encoder_loaded=text_loaded, pool_pid=pool_pid, pool_started=started, pool_stopped=stopped,
+        pool_models=pool_models, audio=track is not None, audio_note=audio_note, codec=codec, seconds=seconds,
+        embedded=models.embedded, audio_rate=track[0] if track else None, audio_channels=track[1] if track else 0)
 
 
 def _write_outputs(req: GenerateRequest, models: ResolvedModels, video: torch.Tensor, audio: torch.Tensor,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
@@ -47,6 +48,11 @@ def _cmd_quantize_nf4(args: argparse.Namespace) -> int:
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: {e.strerror}", file=sys.stderr)  # where, and how much is needed; nothing is left behind
+        return 1
     seconds = time.perf_counter() - t0
     peak = _peak_rss()
     manifest = read_manifest(out)

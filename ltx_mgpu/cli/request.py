@@ -103,11 +103,15 @@ def _nearest(value: int, step: int, offset: int = 0) -> str:
 
 
 def validate_request(req: GenerateRequest) -> None:
-    """Check the numbers and paths that need no file reads.
+    """Check the numbers and paths that need no file reads (no torch is imported: the CLI runs
+    it before the heavy imports, so a bad argument answers at once).
 
     Raises:
-        ValueError: naming the bad field and a valid value.
+        ValueError: naming the bad field and a valid value. FileNotFoundError: a model path
+            (``--checkpoint``, ``--gemma``, ``--projection``, ``--vae``, ``--connectors``) that
+            does not exist.
     """
+    from ltx_mgpu.cli.checks import check_paths_exist
     from ltx_mgpu.files import check_directory_setting, check_output_path  # deferred: loads safetensors
 
     if not req.prompt.strip():
@@ -142,6 +146,8 @@ def validate_request(req: GenerateRequest) -> None:
         given, missing = ("--checkpoint", "--gemma") if req.gemma is None else ("--gemma", "--checkpoint")
         raise ValueError(f"{given} was given without {missing}: pass both (the LTX-2 checkpoint and its Gemma 3), "
                          "or neither for the embedded default")
+    check_paths_exist(checkpoint=req.checkpoint, gemma=req.gemma, projection=req.projection, vae=req.vae,
+                      connectors=req.connectors)
     check_output_path(req.out)  # missing directories are made when the outputs are written
     if req.cache_dir:
         check_directory_setting(req.cache_dir, "--cache")
@@ -222,7 +228,7 @@ def world_size_for(req: GenerateRequest, info) -> tuple[int, bool]:
             raise ValueError(f"--gpus {','.join(map(str, req.gpu_ids))}: only {gpus_seen} GPU(s) are visible "
                              f"(indices 0..{gpus_seen - 1})" if gpus_seen else
                              f"--gpus {','.join(map(str, req.gpu_ids))}: no GPU is visible; "
-                             "use --gpus N for N CPU ranks")
+                             "use --cpu --gpus N for N CPU ranks")
     elif req.gpus is None:
         limit = gpus_seen or 2
         world = max(n for n in valid_world_sizes(meta_transformer(info)) if n <= limit)

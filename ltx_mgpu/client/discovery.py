@@ -8,13 +8,14 @@ directory, and nothing starts a pool.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
 from ltx_mgpu.client import launch
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.spec import PoolSpec, runtime_base
-from ltx_mgpu.wire.rendezvous import INFO_NAME, PoolInfo
+from ltx_mgpu.wire.rendezvous import INFO_NAME, PoolInfo, check_private_dir
 
 __all__ = ["live_pools", "spec_of", "pool_status", "free_pool", "format_status"]
 
@@ -26,12 +27,19 @@ _LOCK = threading.Lock()
 
 def live_pools(runtime_dir: str | None = None) -> list[PoolInfo]:
     """Every live pool under the runtime base directory (``runtime_dir`` or the default), by
-    directory name.
+    directory name; none (with a warning) when the base is a link, another user's or writable
+    by others.
 
     Raises:
         ValueError: ``runtime_dir`` (or ``$LTX_MGPU_RUNTIME_DIR``) names a file.
     """
     base = runtime_base(runtime_dir)
+    try:
+        if os.path.lexists(base):
+            check_private_dir(base)
+    except PermissionError as e:  # a link or another user's: nothing under it is read or signalled
+        log.warning("skipping %s: %s", base, e)
+        return []
     found = []
     for d in sorted(p.parent for p in base.glob(f"*/{INFO_NAME}")) if base.is_dir() else []:
         try:

@@ -10,15 +10,15 @@ The pool answers a failed job with an ``error`` event whose ``kind`` is one of
   client starts a fresh pool).
 
 :class:`PoolStartError` is raised when a pool does not start, :class:`PoolBusyError` when a running
-pool does not take a connection in time.
+pool does not take a connection in time, :class:`PoolTrustError` when the socket cannot be trusted.
 """
 
 from __future__ import annotations
 
 from ltx_mgpu.cancellation import Cancelled
 
-__all__ = ["PoolError", "PoolStartError", "PoolBusyError", "PoolFatalError", "BadInputError", "JobCancelledError",
-           "PoolTimeoutError"]
+__all__ = ["PoolError", "PoolStartError", "PoolBusyError", "PoolTrustError", "PoolFatalError", "BadInputError",
+           "JobCancelledError", "PoolTimeoutError"]
 
 
 class PoolError(RuntimeError):
@@ -32,6 +32,13 @@ class PoolStartError(PoolError):
 class PoolBusyError(PoolError):
     """The pool runs but did not take a connection in time (its backlog or slots were full, or it
     hangs); it was left running."""
+
+
+class PoolTrustError(PoolError, PermissionError):
+    """The pool's socket is served by another user's process, or by one that is not the pool's
+    (an impostor): nothing was sent to it, not even the token. Not retried: the message says
+    what to remove or stop. A ``PermissionError`` too, like the refusals of a runtime directory
+    that is a link or another user's (``ltx_mgpu.wire.rendezvous.check_private_dir``)."""
 
 
 class PoolFatalError(PoolError):

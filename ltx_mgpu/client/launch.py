@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -30,7 +31,7 @@ import torch
 
 import ltx_mgpu
 from ltx_mgpu import settings, wire
-from ltx_mgpu.client.errors import PoolError, PoolStartError
+from ltx_mgpu.client.errors import PoolError, PoolStartError, PoolTrustError
 from ltx_mgpu.client.spec import PoolSpec
 from ltx_mgpu.wire.rendezvous import (
     INFO_NAME,
@@ -43,8 +44,10 @@ from ltx_mgpu.wire.rendezvous import (
     is_alive,
     is_pool_process,
     kill_processes,
+    launch_lock,
     log_tail,
     peer_credentials,
+    process_start,
     rank_records,
     read_token,
     remove_pool_files,
@@ -52,6 +55,8 @@ from ltx_mgpu.wire.rendezvous import (
     wait_gone,
     write_private,
 )
+
+log = logging.getLogger(__name__)
 
 _PORT_CONFLICT = ("EADDRINUSE", "address already in use", "Address already in use")
 _DROP_ENV = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -70,8 +75,8 @@ def open_socket(dir: Path, timeout: float | None = 10.0) -> socket.socket:
 
     Raises:
         OSError (FileNotFoundError, ConnectionRefusedError): no one listens.
-        PoolError: the socket is served by another user's process, or by one that is not the
-            pool's.
+        PoolTrustError: the socket is served by another user's process, or by one that is not
+            the pool's.
     """
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -85,11 +90,11 @@ def open_socket(dir: Path, timeout: float | None = 10.0) -> socket.socket:
 
 
 def check_served_by_pool(sock: socket.socket, dir: Path) -> None:
-    """Raise :class:`PoolError` unless the peer of ``sock`` is this user's and descends from the
-    torchrun process of ``dir/pool.json`` (``SO_PEERCRED``; a process is its own descendant)."""
+    """Raise :class:`PoolTrustError` unless the peer of ``sock`` is this user's and descends from
+    the torchrun process of ``dir/pool.json`` (``SO_PEERCRED``; a process is its own descendant)."""
     pid, uid, _ = peer_credentials(sock)
     if uid != os.getuid():
-        raise PoolError(f"the socket in {dir} is served by uid {uid}, not by you: not your pool; remove "
+        raise PoolTrustError(f"the socket in {dir} is served by uid {uid}, not by you: not your pool; remove "
                         f"{dir} and start again")
     info = PoolInfo.read(dir)
     try:
@@ -97,19 +102,21 @@ def check_served_by_pool(sock: socket.socket, dir: Path) -> None:
     except psutil.Error:
         chain = []
     if info is None or not any(p.pid == info.pid and same_process(p.pid, info.create_time) for p in chain):
-        raise PoolError(f"the socket in {dir} is served by pid {pid}, which is not the pool recorded in "
+        raise PoolTrustError(f"the socket in {dir} is served by pid {pid}, which is not the pool recorded in "
                         f"{dir / INFO_NAME}; stop it with `python -m ltx_mgpu pool stop` and start again")
 
 
-def hello(sock: socket.socket, token: str, rid: str = "hello") -> dict:
-    """Authenticate on a connected socket; returns the pool description (``result``).
+def hello(sock: socket.socket, token: str, rid: str = "hello", hold: bool = False) -> dict:
+    """Authenticate on a connected socket; returns the pool description (``result``). ``hold``:
+    this client would start a pool of its own without this one, so a with-owner pool whose
+    owner has left stays while it is connected (``ltx_mgpu.pool.server``).
 
     Raises:
         PoolError: the pool answered with an error (e.g. a wrong token).
         wire.ProtocolError / OSError: the exchange failed.
     """
-    wire.send_frame(sock, wire.make_request("hello", rid, {"token": token, "pid": os.getpid(),
-                                                                     "client": "ltx_mgpu"}))
+    params = {"token": token, "pid": os.getpid(), "client": "ltx_mgpu", **({"hold": True} if hold else {})}
+    wire.send_frame(sock, wire.make_request("hello", rid, params))
     header, _ = wire.recv_frame(sock)
     header = wire.parse_event(header)
     if header["event"] == "error":
@@ -148,9 +155,12 @@ def ping(dir: Path, timeout: float = 5.0) -> dict | None:
         return None
 
 
-def find_live_pool(dir: Path) -> PoolInfo | None:
-    """The pool whose ``pool.json`` is in ``dir`` when its torchrun still runs; stale files of a
-    dead one are removed (and ``None`` returned).
+def find_live_pool(dir: Path, *, locked: bool = False) -> PoolInfo | None:
+    """The pool whose ``pool.json`` is in ``dir`` when its torchrun still runs (``None`` when
+    none does). The files of a pool that is not running are removed, but only under the
+    directory's launch lock (held by the caller: ``locked``, or taken here when free): while
+    another process holds it, a pool may be starting there (its token written, its
+    ``pool.json`` not yet), and its files are left alone.
 
     Raises:
         PermissionError: ``dir`` is not a private directory of this user (a link, another
@@ -161,7 +171,18 @@ def find_live_pool(dir: Path) -> PoolInfo | None:
     info = PoolInfo.read(dir)
     if info is not None and info.alive():
         return info
-    if dir.is_dir():
+    if not dir.is_dir() or not any((dir / n).exists() for n in (INFO_NAME, TOKEN_NAME, SOCKET_NAME)):
+        return None
+    if locked:
+        remove_pool_files(dir)
+        return None
+    with contextlib.suppress(TimeoutError), launch_lock(dir, timeout=0.0):
+        info = PoolInfo.read(dir)  # it may have started meanwhile
+        if info is not None and info.alive():
+            return info
+        if info is not None and same_process(info.pid, info.create_time):
+            log.warning("%s names pid %d, which runs but is not a process of this pool (a stale or forged file): "
+                        "the pool's files were removed and the process left alone", dir / INFO_NAME, info.pid)
         remove_pool_files(dir)
     return None
 
@@ -260,7 +281,7 @@ def launch(spec: PoolSpec, *, owner_pid: int | None = None, master_port: int | N
     remove_pool_files(spec.dir)
     shutil.rmtree(spec.dir / "elastic", ignore_errors=True)
     _rotate_log(spec.dir)
-    owner = (owner_pid, psutil.Process(owner_pid).create_time()) if owner_pid else None
+    owner = (owner_pid, process_start(owner_pid)) if owner_pid else None
     port = master_port or settings.MASTER_PORT.get()
     last = ""
     for attempt in range(attempts):
@@ -273,7 +294,7 @@ def launch(spec: PoolSpec, *, owner_pid: int | None = None, master_port: int | N
             popen = subprocess.Popen(torchrun_command(spec, port, owner), env=worker_env(spec),
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, close_fds=True)
-        info = PoolInfo(pid=popen.pid, create_time=psutil.Process(popen.pid).create_time(),
+        info = PoolInfo(pid=popen.pid, create_time=process_start(popen.pid),
                         gpus=list(spec.gpus), nproc=spec.nproc, device=spec.device,
                         version=ltx_mgpu.__version__, protocol=wire.PROTOCOL_VERSION,
                         start_time=time.time(), lifetime=spec.lifetime, owner_pid=owner_pid,

@@ -41,7 +41,7 @@ import torch
 import ltx_mgpu
 from ltx_mgpu import wire
 from ltx_mgpu.client import launch
-from ltx_mgpu.client.errors import BadInputError, PoolBusyError, PoolError, PoolFatalError
+from ltx_mgpu.client.errors import BadInputError, PoolBusyError, PoolError, PoolFatalError, PoolTrustError
 from ltx_mgpu.client.jobs import Job, ProgressCallback, Receive
 from ltx_mgpu.client.spec import PoolSpec, resolve_spec
 from ltx_mgpu.wire import rendezvous
@@ -150,7 +150,7 @@ class PoolClient:
             if self.start and not self.dir.is_dir():  # no pool there: refuse GPUs torch cannot see before
                 launch.check_startable(self.spec)  # the lock makes the directory
             with rendezvous.launch_lock(self.dir, timeout=self.startup_timeout + 60):
-                info = launch.find_live_pool(self.dir)
+                info = launch.find_live_pool(self.dir, locked=True)
                 if info is not None:
                     want = (ltx_mgpu.__version__, wire.PROTOCOL_VERSION, list(self.spec.gpus), self.spec.nproc)
                     have = (info.version, info.protocol, list(info.gpus), info.nproc)
@@ -161,7 +161,7 @@ class PoolClient:
                                         f"--runtime-dir {self.dir.parent}`")
                     if self._attach(info):
                         return
-                    launch.find_live_pool(self.dir)  # it died meanwhile: its files go, a fresh one starts
+                    launch.find_live_pool(self.dir, locked=True)  # it died meanwhile: its files go, a fresh one starts
                 if not self.start:
                     raise PoolError(f"no pool runs in {self.dir}; start one with `python -m ltx_mgpu pool start`")
                 owner = os.getpid() if self.spec.lifetime == "with-owner" else None
@@ -183,12 +183,16 @@ class PoolClient:
         Raises:
             PoolBusyError: it still runs but did not take this connection within
                 :data:`ATTACH_TIMEOUT_S` seconds.
+            PoolTrustError, PermissionError: the socket or the token cannot be trusted (not
+                retried).
         """
         deadline, delay = time.monotonic() + ATTACH_TIMEOUT_S, 0.02
         while True:
             try:
                 self._open()
                 return True
+            except (PoolTrustError, PermissionError):
+                raise
             except (OSError, PoolError, wire.ProtocolError) as e:
                 if not info.alive():
                     return False
@@ -205,7 +209,7 @@ class PoolClient:
         sock = launch.open_socket(self.dir, timeout=10.0)
         receiver = None
         try:
-            self.pool = launch.hello(sock, rendezvous.read_token(self.dir), rid=uuid.uuid4().hex)
+            self.pool = launch.hello(sock, rendezvous.read_token(self.dir), rid=uuid.uuid4().hex, hold=self.start)
             offered = self.pool.get("features", ())
             if self.use_shm and SHM in offered:
                 receiver = ArenaReceiver(take=self._take)
@@ -418,8 +422,45 @@ class PoolClient:
                 rendezvous.remove_pool_files(self.dir, instance)
         self.close()
 
+    def release(self, timeout: float = 30.0) -> bool:
+        """End this client's use of a pool it started for its run (:attr:`launched`): the pool
+        stops now unless another client holds it or has a job in it (it is then handed over to
+        them and stops once they are done), never under another client's job. Closes this
+        client. A pool this client attached to is left as it is.
+
+        Returns:
+            True when the pool stopped (its processes are gone, waited for up to ``timeout``
+            seconds, then killed); False when it runs on for other clients, or was not started
+            here.
+        """
+        with self._lock:
+            procs, launched, instance = list(self._procs), self._launched, self.pool.get("instance")
+        if launched is None:
+            self.close()
+            return False
+        answer = None
+        job = self._send("release", None, ensure=False)  # None: not connected (the pool is gone)
+        if job is not None:
+            with contextlib.suppress(PoolError):
+                answer = job.wait(timeout=10.0)[0]
+        if answer is None and launch.ping(self.dir, timeout=5.0) is not None:
+            answer = {"stopping": False}  # no answer, but it answers others: never stopped from here
+        if answer is not None and not answer.get("stopping"):
+            self.close()
+            return False
+        rendezvous.kill_processes(rendezvous.wait_gone(procs, timeout), grace=5.0)
+        with contextlib.suppress(Exception):
+            launched.popen.wait(timeout=5.0)
+        if instance is not None:
+            info = rendezvous.PoolInfo.read(self.dir)
+            if info is not None and not info.alive():
+                rendezvous.remove_pool_files(self.dir, instance)
+        self.close()
+        return True
+
     def close(self) -> None:
-        """Close this connection (the pool keeps running; a with-owner pool stops with its owner).
+        """Close this connection (the pool keeps running; a with-owner pool stops once its owner
+        has left and no client holds it: :meth:`release`).
         Jobs still waiting on it fail with PoolFatalError."""
         with self._lock:
             sock, self._sock, self._shm = self._sock, None, None  # the reader unmaps the arena as it ends

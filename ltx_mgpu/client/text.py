@@ -231,20 +231,23 @@ def encode_with_pool(config: TextEncoderConfig, prompts: Sequence[str], *,
                      startup_timeout: float = 300.0) -> tuple[list[PromptEmbedding], CacheReport, dict]:
     """``encode --pool`` of the CLI: :func:`encode_prompts` through the pool of ``gpus``/``nproc``,
     attached when one runs (a ``pool start --detach`` pool included), else started for this
-    call (lifetime ``with-owner``) and shut down at the end.
+    call (lifetime ``with-owner``) and released at the end (:meth:`PoolClient.release`: it
+    stops, unless a client that attached meanwhile still uses it).
 
     Returns:
-        ``(embeddings, report, pool)`` where ``pool`` says ``{"pid", "started", "world_size"}``
-        (``pid`` None when everything was cached and no pool was contacted).
+        ``(embeddings, report, pool)`` where ``pool`` says ``{"pid", "started", "stopped",
+        "world_size"}`` (``pid`` None when everything was cached and no pool was contacted;
+        ``stopped``: a pool started here stopped at the end, rather than running on for
+        another client).
     """
     client = PoolClient(resolve_spec(gpus, nproc, "with-owner", runtime_dir), startup_timeout=startup_timeout)
     try:
         embeddings, report = encode_prompts(client, config, prompts, cache=cache, batch_size=batch_size,
                                             on_progress=on_progress)
         started = client.launched
-        info = {"pid": client.pid, "started": started, "world_size": client.pool.get("world_size")}
+        info = {"pid": client.pid, "started": started, "stopped": False, "world_size": client.pool.get("world_size")}
         if started:
-            client.shutdown()
+            info["stopped"] = client.release()
         return embeddings, report, info
     finally:
         client.close()

@@ -52,8 +52,8 @@ class ConnectionOwner(Protocol):
     def connection_closed(self, conn: Connection) -> None:
         """``conn`` is gone: drop its queued jobs and events."""
 
-    def admit(self, conn: Connection) -> bool:
-        """Count ``conn`` as authenticated; False when every connection slot is taken."""
+    def admit(self, conn: Connection) -> str | None:
+        """Count ``conn`` as authenticated (making room if need be); else why it is refused."""
 
 
 class Connection:
@@ -66,6 +66,13 @@ class Connection:
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = threading.Event()
         self.authenticated = False
+        #: Closed by the server to make room for a new client (no longer counted, requests ignored).
+        self.evicted = False
+        #: The client holds the pool (``hello``'s ``hold``): a with-owner pool waits for it to leave.
+        self.holds = False
+        #: ``time.monotonic()`` of the handshake or the last request: who is idle longest.
+        self.last_active = time.monotonic()
+        #: The client's pid as the kernel recorded it at ``connect`` (``SO_PEERCRED``).
         self.peer_pid: int | None = None
         self.shm: ArenaSender | None = None  # set by the reader (features), used by the writer
         self._reader = threading.Thread(target=self._read_loop, name=f"conn{self.cid}-reader", daemon=True)
@@ -93,6 +100,14 @@ class Connection:
     def close(self) -> None:
         """Send what is queued, then close (asynchronously, on the writer thread)."""
         self.out.put(None)
+
+    def evict(self, message: str) -> None:
+        """Close this connection to make room for another: an ``error`` event saying so, then
+        the close; from now on it is not counted and its requests are ignored (the server's lock
+        is held)."""
+        self.evicted = True
+        self._error(None, message)
+        self.close()
 
     def join(self, timeout: float) -> None:
         self._writer.join(timeout)
@@ -157,7 +172,7 @@ class Connection:
 
     def _read_loop(self) -> None:
         try:
-            _, uid, _ = peer_credentials(self.sock)
+            self.peer_pid, uid, _ = peer_credentials(self.sock)
             if uid != os.getuid():  # the socket is 0600 in a 0700 directory; this is the second lock
                 raise ProtocolError(f"connections from uid {uid} are refused: this pool serves uid {os.getuid()}")
             self.sock.settimeout(HELLO_TIMEOUT)
@@ -168,13 +183,18 @@ class Connection:
                                     req.id)
             if not hmac.compare_digest(req.params["token"].encode(), self.server.token.encode()):
                 raise ProtocolError("wrong token: read it from the pool's runtime directory", req.id)
-            if not self.server.admit(self):
-                raise ProtocolError("too many connections to this pool; close some clients and try again", req.id)
-            self.peer_pid = req.params.get("pid")
+            self.holds = bool(req.params.get("hold", False))
+            refused = self.server.admit(self)
+            if refused is not None:
+                raise ProtocolError(refused, req.id)
+            self.last_active = time.monotonic()
             self.send(wire.make_event("result", req.id, result=self.server.hello_answer()))
             self.sock.settimeout(None)
             while True:
                 header, tensors = wire.recv_frame(self.sock, self.server.limits)
+                if self.evicted:
+                    break
+                self.last_active = time.monotonic()
                 try:
                     req = wire.parse_request(header, tensors)
                 except SchemaError as e:

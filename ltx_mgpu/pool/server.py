@@ -16,6 +16,18 @@ time in arrival order; cancelling a queued job removes it; cancelling the runnin
 ``JobCancelled`` at its next step boundary. A client that disconnects has its queued jobs
 dropped and its running job cancelled.
 
+Connection slots: at most ``MAX_CONNECTIONS`` authenticated connections. A ``hello`` with every
+slot taken closes the authenticated connection idle longest (no job queued or running, the
+oldest last request) to make room, so a status or a job always gets in, whatever number of
+connections other clients hold open; only when every connection has a job is it refused.
+
+Lifetime of a ``with-owner`` pool (``owner`` is its owner's pid): it stops once its owner has
+left (the owner process exited, or the client it started the pool with sent ``release``) and
+no other client holds it (a ``hello`` with ``hold``: a client that would start a pool of its
+own without this one) or has a job queued or running. A pool started for one run is so handed
+over to the clients that attached meanwhile, never stopped under their jobs. ``shutdown``
+stops it at once, whoever uses it.
+
 Modules: this one holds :class:`Server` (listening socket, queue, job-loop interface) and the
 server-side :class:`Job`; each client connection (reader / writer threads) is a
 :class:`ltx_mgpu.pool.connection.Connection`.
@@ -77,13 +89,16 @@ class Server:
     """The AF_UNIX server of rank 0.
 
     ``describe()`` gives the pool description for ``hello``; ``status_fn()`` returns the
-    per-rank part of ``status`` (a list of dicts). The socket is bound under a temporary name,
+    per-rank part of ``status`` (a list of dicts); ``owner``: the owner's pid of a with-owner
+    pool (see the module doc for when it stops). The socket is bound under a temporary name,
     chmod 0600, listening, then renamed to ``socket_path``: when the path exists, it answers.
     """
 
     def __init__(self, socket_path: Path, token: str, describe: Callable[[], dict],
-                 status_fn: Callable[[], list], limits: wire.Limits | None = None):
+                 status_fn: Callable[[], list], limits: wire.Limits | None = None, owner: int | None = None):
         self.socket_path, self.token, self.describe, self.status_fn = Path(socket_path), token, describe, status_fn
+        #: The owner's pid (a with-owner pool; None: detached), and why it no longer holds the pool.
+        self.owner, self.owner_left = owner, None
         self.limits = limits or wire.Limits()
         #: Arena memory over all connections (None: shared memory is not available here).
         self.shm_budget = arena.Budget() if arena.available() else None
@@ -126,13 +141,63 @@ class Server:
                 self._conns.add(conn)
             conn.start()
 
-    def admit(self, conn: Connection) -> bool:
-        """Count ``conn`` as authenticated (its hello was right); False when every slot is taken."""
+    def admit(self, conn: Connection) -> str | None:
+        """Count ``conn`` as authenticated (its hello was right); with every slot taken, the
+        authenticated connection idle longest is closed to make room. Returns why ``conn`` is
+        refused instead (the pool is stopping, or every connection has a job), else None."""
         with self._lock:
-            if sum(1 for c in self._conns if c.authenticated) >= MAX_CONNECTIONS:
-                return False
+            if self.stopping:
+                return f"the pool is stopping ({self.stopping}); a new one starts on your next request"
+            authenticated = [c for c in self._conns if c.authenticated and not c.evicted]
+            if len(authenticated) >= MAX_CONNECTIONS:
+                busy = self._job_connections()
+                idle = [c for c in authenticated if c not in busy]
+                if not idle:
+                    return (f"all {MAX_CONNECTIONS} connections to this pool have a job queued or running; "
+                            "try again when one ends")
+                victim = min(idle, key=lambda c: c.last_active)
+                victim.evict(f"closed to make room for a new client: all {MAX_CONNECTIONS} connection slots of the "
+                             "pool were taken and this connection was idle longest; reconnect to go on")
+                log.warning("connection %d evicted (idle for %.0f s): every connection slot was taken", victim.cid,
+                            time.monotonic() - victim.last_active)
             conn.authenticated = True
-            return True
+            return None
+
+    def _job_connections(self) -> set[Connection]:
+        """The connections with a job queued or running (under the lock)."""
+        return {j.conn for j in self._queue} | ({self._current.conn} if self._current is not None else set())
+
+    def _users(self) -> tuple[int, int]:
+        """``(holders, jobs)``: authenticated connections holding the pool, jobs queued or running."""
+        holders = sum(1 for c in self._conns if c.authenticated and c.holds and not c.evicted and not c.closed.is_set())
+        return holders, len(self._queue) + (self._current is not None)
+
+    def _stop_if_unused(self) -> None:
+        """Stop a with-owner pool whose owner has left once nobody holds it or has a job in it."""
+        with self._lock:
+            if self.owner_left is not None and not self.stopping and self._users() == (0, 0):
+                self.request_stop(f"{self.owner_left}, and no other client uses it")
+
+    def owner_gone(self, reason: str) -> None:
+        """The owner process exited (the watchdog): stop now, or when the last client that holds
+        the pool or has a job in it is done."""
+        with self._lock:
+            if self.owner is not None and self.owner_left is None:
+                self.owner_left = reason
+                log.info("%s", reason)
+            self._stop_if_unused()
+
+    def release(self, conn: Connection) -> dict:
+        """``release`` from ``conn``: it no longer holds the pool; from the owner's process it
+        also means the owner has left (its run is done). Returns ``{"stopping", "holders",
+        "jobs"}``: whether the pool now stops, else who still uses it."""
+        with self._lock:
+            conn.holds = False
+            if self.owner is not None and conn.peer_pid == self.owner and self.owner_left is None:
+                self.owner_left = f"the client that started it (pid {self.owner}) released it"
+            self._stop_if_unused()
+            holders, jobs = self._users()
+            return {"stopping": bool(self.stopping), "holders": holders, "jobs": jobs}
 
     def unlink_socket(self) -> None:
         """Remove the socket file if it is still ours (a newer pool may have replaced it)."""
@@ -176,6 +241,8 @@ class Server:
         elif req.type == "shutdown":
             conn.send(wire.make_event("result", req.id, result={"stopping": True}))
             self.request_stop(req.params.get("reason") or "shutdown requested")
+        elif req.type == "release":
+            conn.send(wire.make_event("result", req.id, result=self.release(conn)))
         else:
             self._submit(conn, req)
 
@@ -205,6 +272,7 @@ class Server:
                     self._queue.remove(job)
                     job.done = True
                     job.conn._error(job.id, "cancelled while queued", kind="cancelled")
+                    self._stop_if_unused()
                     return {"found": True, "state": "queued"}
             if self._current is not None and self._current.id == job_id:
                 self._current.cancel.set()
@@ -234,9 +302,12 @@ class Server:
                 self._queue.remove(job)
             if self._current is not None and self._current.conn is conn:
                 self._current.cancel.set()
+            self._stop_if_unused()
 
     def status(self) -> dict:
-        """The ``status`` answer: pool description, per-rank records, queue and current job."""
+        """The ``status`` answer: pool description, per-rank records, queue and current job,
+        connections (``holders`` of them hold the pool), ``owner_left`` (why the owner of a
+        with-owner pool no longer holds it, or None) and ``stopping`` (why it stops, or None)."""
         now = time.time()
         with self._lock:
             cur = self._current
@@ -246,8 +317,9 @@ class Server:
             queued = [{"id": j.id, "type": j.type, "position": i + (1 if cur else 0)}
                       for i, j in enumerate(self._queue)]
             nconn = len(self._conns)
+            holders, _ = self._users()
         return {"pool": self.describe(), "ranks": self.status_fn(), "current": current, "queue": queued,
-                "connections": nconn, "stopping": self.stopping}
+                "connections": nconn, "holders": holders, "owner_left": self.owner_left, "stopping": self.stopping}
 
     # ---- the job loop (rank 0 main thread)
     def next_job(self, timeout: float) -> Job | None:
@@ -312,6 +384,7 @@ class Server:
             job.done = True
             if self._current is job:
                 self._current = None
+            self._stop_if_unused()
 
     def fail_all(self, message: str, flush_timeout: float = 3.0) -> None:
         """Fatal end: ``error{fatal}`` to the running and queued jobs, then close everything."""

@@ -16,7 +16,8 @@ thread waits inside NCCL), sends ``error{fatal}`` to the clients, removes the so
 ``pool.json`` and exits 1; on another rank an exception writes ``rank<r>.error`` and exits 1,
 and torchrun ends the rest.
 A watchdog thread per rank refreshes ``rank<r>.json`` (pid, device, memory, models) every
-second, exits when torchrun is gone, and on rank 0 stops a ``with-owner`` pool whose owner died.
+second, exits when torchrun is gone, and on rank 0 tells the server when the owner of a ``with-owner``
+pool died (it stops then, or once the clients that attached meanwhile are done: ``ltx_mgpu.pool.server``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Rank:
         """This rank's ``status`` entry: pid, device, intra-op CPU threads, memory (bytes),
         resident models."""
         proc = psutil.Process()
-        rec = {"rank": self.rank, "pid": os.getpid(), "create_time": proc.create_time(),
+        rec = {"rank": self.rank, "pid": os.getpid(), "create_time": rendezvous.process_start(os.getpid()),
                "device": str(self.device), "threads": torch.get_num_threads(), "models": self.models.describe(),
                "updated": time.time()}
         if self.device.type == "cuda":
@@ -122,7 +123,7 @@ def setup(args: argparse.Namespace) -> Rank:
         dist.init_process_group("gloo", timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
     state = Rank(rank, world, local, device, control, dist.group.WORLD, Path(args.runtime_dir), args)
-    mine = torch.tensor([os.getpid(), int(psutil.Process().create_time() * 1e6)], dtype=torch.int64)
+    mine = torch.tensor([os.getpid(), round(rendezvous.process_start(os.getpid()) * 1e6)], dtype=torch.int64)
     every = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(every, mine, group=control)
     state.peers = [{"rank": r, "pid": int(t[0]), "create_time": int(t[1]) / 1e6} for r, t in enumerate(every)]
@@ -245,7 +246,7 @@ def _watchdog(state: Rank, server: Server | None) -> None:
                 _die_rank0(state, server, "torchrun exited; the pool cannot continue")
             os._exit(1)
         if server is not None and owner and owner[0] and not rendezvous.same_process(*owner):
-            server.request_stop(f"owner process {owner[0]} exited")
+            server.owner_gone(f"its owner process {owner[0]} exited")
 
 
 def _peer_report(state: Rank) -> str:
@@ -318,7 +319,7 @@ def _die_other(state: Rank, exc: BaseException) -> None:
 
 def _create_time(pid: int) -> float | None:
     try:
-        return psutil.Process(pid).create_time()
+        return rendezvous.process_start(pid)
     except psutil.Error:
         return None
 
@@ -360,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
 
     holder["state"] = state
     server = Server(state.dir / rendezvous.SOCKET_NAME, rendezvous.read_token(state.dir), lambda: describe(state),
-                    lambda: _status_records(state))
+                    lambda: _status_records(state),
+                    owner=args.owner_pid if args.lifetime == "with-owner" else None)
     try:
         server.start()
         holder["server"] = server

@@ -186,13 +186,18 @@ def register_request(schema: MessageSchema) -> MessageSchema:
 
 
 for _s in (
-    MessageSchema("hello", (F("token", ("str",)), F("client", ("str",), False), F("pid", ("int",), False)),
-                  job=False, doc="authenticate; the answer describes the pool"),
+    MessageSchema("hello", (F("token", ("str",)), F("client", ("str",), False), F("pid", ("int",), False),
+                            F("hold", ("bool",), False)),
+                  job=False, doc="authenticate; the answer describes the pool. hold: this client would start a pool "
+                                 "of its own without this one, so a with-owner pool stays while it is connected"),
     MessageSchema("features", (F("enable", ("list",), items="str"),), job=False,
                   doc="turn on optional features the hello answer offers (e.g. 'shm') for this connection"),
     MessageSchema("status", job=False, doc="per-rank devices, memory, models; the queue and current job"),
     MessageSchema("cancel", (F("job_id", ("str",)),), job=False, doc="cancel a queued or running job"),
     MessageSchema("shutdown", (F("reason", ("str",), False),), job=False, doc="stop the pool"),
+    MessageSchema("release", job=False,
+                  doc="this client no longer holds the pool (its run is done); a with-owner pool stops once its owner "
+                      "has released it or exited and no other client holds it or has a job in it"),
     MessageSchema("load_text_encoder", (
         F("source", ("str",)), F("projection", ("str", "null"), False),
         F("weights", ("str",), False), F("placement", ("str",), False),

@@ -60,11 +60,15 @@ def check_private_dir(path: Path) -> None:
 
 def ensure_private_dir(path: Path) -> Path:
     """Create ``path`` (and missing parents) with mode 0700, and check it and its parent (the
-    runtime base) with :func:`check_private_dir`; ``path`` itself is then made 0700.
+    runtime base) with :func:`check_private_dir`; ``path`` itself is then made 0700. An existing
+    parent is checked before anything is created, so nothing is ever made inside a link's target
+    or another user's directory.
 
     Raises:
         PermissionError: as :func:`check_private_dir`, for ``path`` or its parent.
     """
+    if os.path.lexists(path.parent):
+        check_private_dir(path.parent)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_private_dir(path.parent)
     check_private_dir(path)
@@ -160,10 +164,14 @@ class PoolInfo:
 
     @classmethod
     def read(cls, dir: Path) -> PoolInfo | None:
-        """Parse ``dir/pool.json``; ``None`` when missing or unreadable."""
+        """Parse ``dir/pool.json``; ``None`` when missing, unreadable, or recording another
+        directory than the one it is in (a copied or forged file)."""
         try:
             data = json.loads(read_private(dir / INFO_NAME))
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            info = cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            if not (isinstance(info.dir, str) and os.path.samefile(info.dir, dir)):
+                return None
+            return info
         except (OSError, ValueError, TypeError, KeyError):
             return None
 
@@ -171,18 +179,55 @@ class PoolInfo:
         write_private(Path(self.dir) / INFO_NAME, json.dumps(asdict(self), indent=1).encode())
 
     def alive(self) -> bool:
-        """Whether the torchrun process still runs (same pid *and* start time; zombies are dead)."""
-        return same_process(self.pid, self.create_time)
+        """Whether the pool's torchrun still runs: the same pid *and* start time (zombies are
+        dead), and a process of this pool (:func:`is_pool_process`): a ``pool.json`` naming an
+        unrelated process describes no live pool."""
+        if not same_process(self.pid, self.create_time):
+            return False
+        try:
+            return is_pool_process(psutil.Process(self.pid), Path(self.dir))
+        except psutil.Error:
+            return False
+
+
+_PROC_STAT = os.path.exists("/proc/self/stat")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if _PROC_STAT else 100
+
+
+def process_start(pid: int) -> float:
+    """When process ``pid`` started, in seconds: since boot, from ``starttime`` in
+    ``/proc/<pid>/stat`` (clock ticks; proc(5)) where there is one, exact to the tick and
+    untouched by changes of the wall clock; elsewhere psutil's ``create_time()`` (Unix seconds).
+
+    Every process record of a pool (``pool.json``, ``rank<r>.json``, the owner, the ``hello``
+    answer) holds this value and :func:`same_process` compares it. Not psutil's ``create_time()``
+    on Linux: that adds the boot time the kernel derives from the wall clock, re-read on every
+    call in whole seconds, so a clock step moves it and a live pool looked dead (a second pool
+    was started beside it).
+
+    Raises:
+        psutil.NoSuchProcess: no such process.
+    """
+    if not _PROC_STAT:
+        return psutil.Process(pid).create_time()
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        raise psutil.NoSuchProcess(pid) from None
+    # the command name (field 2) may hold spaces and parentheses: count from the last ")"
+    return int(data.rpartition(b")")[2].split()[19]) / _CLOCK_TICKS
 
 
 def same_process(pid: int | None, create_time: float | None) -> bool:
-    """True when ``pid`` runs and started at ``create_time`` (guards against pid reuse)."""
+    """True when ``pid`` runs and started at ``create_time`` (:func:`process_start`; guards
+    against pid reuse); a zombie counts as gone."""
     if not pid:
         return False
     try:
         p = psutil.Process(pid)
         return (p.status() != psutil.STATUS_ZOMBIE
-                and (create_time is None or abs(p.create_time() - create_time) < 0.05))
+                and (create_time is None or abs(process_start(pid) - create_time) < 0.05))
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

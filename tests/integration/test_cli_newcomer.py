@@ -297,3 +297,46 @@ def test_testing_doc_names_the_embedded_models_place_as_the_store_builds_it(monk
     assert "ASSETS_VERSION" in doc
     readme = (REPO / "README.md").read_text()
     assert "about 45 s" not in readme and "docs/testing.md" in readme
+
+
+# --------------------------------------------------------------------------- bad arguments answer at once
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "x", "--frames", "24"], "--frames 24: LTX-2 takes 8k+1 frames"),
+    (["generate", "--prompt", "x", "--height", "250"], "--height 250: LTX-2 takes multiples of 32 pixels"),
+    (["generate", "--prompt", "x", "--checkpoint", "{tmp}/nope.safetensors", "--gemma", "{tmp}"],
+     "--checkpoint {tmp}/nope.safetensors: no such file or directory"),
+    (["generate", "--prompt", "x", "--checkpoint", "{tmp}", "--gemma", "{tmp}/gemma-3-12b"],
+     "--gemma {tmp}/gemma-3-12b: no such file or directory"),
+    (["encode", "--prompt", "x", "--out", "{tmp}/e.safetensors", "--gemma", "{tmp}/gemma-3-12b", "--projection",
+      "{tmp}"], "--gemma {tmp}/gemma-3-12b: no such file or directory"),
+    (["encode", "--prompt", "x", "--out", "{tmp}/e.npy"], "give a name ending in .safetensors"),
+    (["encode", "--prompt", "x", "--out", "{tmp}/e.safetensors", "--gpus", "2"], "add --pool"),
+], ids=["frames", "height", "checkpoint-missing", "gemma-missing", "encode-gemma-missing", "encode-out",
+        "encode-gpus-without-pool"])
+def test_a_bad_argument_is_answered_before_torch_is_imported(argv, message, tmp_path):
+    """Issue 31, item 5: ``--frames 24`` or ``--height 250`` took 5 s (20-28 s under load) because
+    the checks ran after the heavy imports, and a wrong ``--gemma`` path was reported only after a
+    pool had started. Every check that needs no file's contents now runs first: the error comes
+    with torch never imported (no timing asserted: which modules were loaded is the measure)."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "ltx_mgpu", *argv], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
+    modules = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert out.returncode == 2 and errors == [f"error: {message.format(tmp=tmp_path)}"] or (
+        out.returncode == 2 and len(errors) == 1 and message.format(tmp=tmp_path) in errors[0]), out.stderr[-2000:]
+    assert "ltx_mgpu.cli.main" in modules
+    assert not {m for m in modules if m.split(".")[0] in ("torch", "transformers", "ltx_core")}
+
+
+def test_a_gemma_that_is_not_one_is_named_before_any_pool_starts(tmp_path, capsys, tiny_ltx_23):
+    """The Gemma source's format (file names and headers) is checked with the checkpoint's, before
+    a pool starts (it was found only when the prompts were encoded, in the pool)."""
+    runtime = tmp_path / "run"
+    rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--runtime-dir", str(runtime),
+               "--checkpoint", str(tiny_ltx_23), "--gemma", str(tiny_ltx_23)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: {tiny_ltx_23}") and "Traceback" not in err
+    assert not runtime.exists()  # no pool was started (nor its directory made)

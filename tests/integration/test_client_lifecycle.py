@@ -204,3 +204,107 @@ def test_a_with_owner_pool_ends_with_its_owner(rt):
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2 and gone(pids)
     assert launch.find_live_pool(rt / "cpu-2") is None
+
+
+# --------------------------------------------------------------------------- a pool started for one run
+
+
+def test_a_pool_started_for_a_run_is_handed_over_not_stopped_under_another_clients_job(rt):
+    """Issue 29, finding 8: two ``encode --pool`` racing on an empty runtime directory: the one
+    that started the pool finished first and stopped it under the other's running job
+    ("cancelled after 2 step boundaries"). Releasing a pool started for a run stops it only when
+    no other client holds it or has a job in it; it is handed over to them otherwise."""
+    starter = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, startup_timeout=30)  # with-owner: this process
+    assert starter.launched
+    other = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, start=False)  # attached, holds nothing
+    pids = pool_pids(starter)
+    job = other.submit("selftest", {"steps": 100000, "step_seconds": 0.02})
+    first = next(ev for ev in job.events(timeout=10) if ev["event"] == "progress")["step"]
+    assert starter.release() is False  # handed over: the other client's job runs on
+    assert next(ev for ev in job.events(timeout=10) if ev["event"] == "progress" and ev["step"] > first + 3)
+    assert other.status()["owner_left"].startswith("the client that started it")
+    other.cancel(job.id)
+    with pytest.raises(JobCancelledError):
+        job.wait(timeout=10)
+    # the starter has left, no client holds the pool and its last job ended: it stops by itself
+    assert gone(pids) and launch.find_live_pool(rt / "cpu-2") is None
+    other.close()
+
+
+def test_a_client_that_would_start_its_own_pool_holds_a_handed_over_one_until_it_leaves(rt):
+    """The attached client has no job at the starter's release, but would start a pool of its
+    own without this one (``hold``): the pool waits for it, and stops when it closes."""
+    starter = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, startup_timeout=30)
+    holder = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, startup_timeout=30)
+    pids = pool_pids(starter)
+    assert not holder.launched and holder.pid == starter.pid
+    assert starter.release() is False
+    assert holder.request("selftest", {"steps": 2}, timeout=10)[0]["steps_done"] == 2
+    assert holder.status()["holders"] == 1
+    holder.close()
+    assert gone(pids)
+
+
+def test_releasing_a_pool_nobody_else_uses_stops_it(rt):
+    starter = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, startup_timeout=30)
+    observer = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, start=False)  # a status-only client
+    pids = pool_pids(starter)
+    assert starter.release() is True
+    assert gone(pids, timeout=1.0) and launch.find_live_pool(rt / "cpu-2") is None
+    observer.close()
+
+
+def test_a_with_owner_pool_whose_owner_dies_serves_the_clients_that_hold_it_then_stops(rt):
+    """The owner process exits without a word (no release) while another client holds the pool:
+    the pool serves that client on, and stops once it leaves."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(HERE)!r}, {str(FAKE.parent)!r}, {str(FAKE.parent.parent)!r}]
+        from ltx_mgpu.client import launch
+        from ltx_mgpu.client.pool_client import PoolClient
+        from test_client_lifecycle import fake_command
+        launch.torchrun_command = fake_command
+        c = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir={str(rt)!r}, startup_timeout=30)
+        print(c.pid, flush=True)
+        sys.stdin.readline()
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(owner.stdout.readline())
+        holder = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, startup_timeout=30)
+        assert holder.pid == pid and not holder.launched
+        pids = pool_pids(holder)
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while holder.status()["owner_left"] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert holder.status()["owner_left"] == f"its owner process {owner.pid} exited"
+        assert holder.request("selftest", {"steps": 1}, timeout=10)[0]["pid"] == pid
+        holder.close()
+        assert gone(pids)
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+# --------------------------------------------------------------------------- racing starters
+
+
+def test_a_look_without_the_launch_lock_never_removes_the_files_of_a_pool_being_started():
+    """Issue 29, finding 9: four ``pool start --detach`` racing started a second pool, and a
+    starter died with torchrun's ChildFailedError: a starter's first look (outside the launch
+    lock) found a token but no ``pool.json`` yet, called the files stale and removed them while
+    the pool holding the lock was starting (its rank 0 then found no token). Files are removed
+    only under the lock."""
+    base = short_dir()
+    try:
+        d = rendezvous.ensure_private_dir(base / "cpu-2")
+        with rendezvous.launch_lock(d):  # another process is starting a pool here
+            rendezvous.write_private(d / rendezvous.TOKEN_NAME, b"fresh")
+            assert launch.find_live_pool(d) is None
+            assert (d / rendezvous.TOKEN_NAME).read_bytes() == b"fresh"
+        assert launch.find_live_pool(d) is None  # no launch under way: a token alone is stale
+        assert not (d / rendezvous.TOKEN_NAME).exists()
+    finally:
+        cleanup(base)

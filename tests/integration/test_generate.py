@@ -112,7 +112,7 @@ def test_stop_mid_denoise_writes_nothing_and_the_attached_pool_keeps_serving(tmp
     (["--height", "250"], "--height 250: LTX-2 takes multiples of 32 pixels; use 224 or 256"),
     (["--width", "16"], "--width 16: LTX-2 takes multiples of 32 pixels; use 32"),
     (["--checkpoint", "x.safetensors"], "--checkpoint was given without --gemma"),
-    (["--gpus", "0,1"], "--gpus 0,1: no GPU is visible; use --gpus N for N CPU ranks"),
+    (["--gpus", "0,1"], "--gpus 0,1: no GPU is visible; use --cpu --gpus N for N CPU ranks"),
     (["--gpus", "0,0"], "--gpus 0,0: give distinct GPU indices"),
     (["--gpus", "two"], "'two': give a rank count (--gpus 2) or GPU indices (--gpus 0,1 or --gpus 3,)"),
     (["--out", "x.avi"], "--out x.avi: the video is written as MP4 (H.264); give a name ending in .mp4"),

@@ -18,7 +18,10 @@ when they skip.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import selectors
+import socket
 import struct
 import subprocess
 import sys
@@ -35,6 +38,7 @@ from ltx_mgpu import wire
 from ltx_mgpu.client import launch, pool_client
 from ltx_mgpu.client.errors import PoolBusyError, PoolError
 from ltx_mgpu.client.pool_client import PoolClient
+from ltx_mgpu.pool import server
 from ltx_mgpu.wire import rendezvous
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_pool.py"
@@ -74,22 +78,28 @@ def pids_of(client: PoolClient) -> list[int]:
 def test_a_client_that_cannot_connect_reports_the_pool_busy_and_never_stops_it(rt, monkeypatch):
     """Every handshake slot held by tokenless connections: a new client retries, then says the
     pool is busy; the pool (same pids) serves its old client on, and the new one once the
-    squatters are cut off (after the 1 s handshake limit)."""
+    squatters are gone.
+
+    The squatters hold their slots for the whole test (a handshake limit of 10 minutes), so what
+    the new client meets does not depend on how fast this machine runs (issue 31: with the
+    fixture's 1 s limit, at a load average of 9, the squatters were cut off before the new
+    client tried, and it got in). That the server cuts them off in time is
+    ``test_the_whole_handshake_is_bounded_not_each_read``'s."""
+    monkeypatch.setenv("LTX_MGPU_HELLO_TIMEOUT", "600")  # read by the pool started here
     a = connect(rt)
     try:
         before = pids_of(a)
-        squatters = [raw_connect(a.dir) for _ in range(64)]
-        time.sleep(0.2)
+        squatters = [raw_connect(a.dir) for _ in range(server.MAX_PENDING)]
         monkeypatch.setattr(pool_client, "ATTACH_TIMEOUT_S", 0.5)
         with pytest.raises(PoolBusyError, match="runs but did not take this connection"):
             connect(rt)
         assert a.status()["pool"]["torchrun_pid"] == before[0]  # authenticated clients keep their slot
-        monkeypatch.setattr(pool_client, "ATTACH_TIMEOUT_S", 10.0)
-        b = connect(rt)  # the squatters are cut off within the handshake limit
-        assert not b.launched and pids_of(b) == before
-        b.close()
         for s in squatters:
             s.close()
+        monkeypatch.setattr(pool_client, "ATTACH_TIMEOUT_S", 120.0)  # a retry deadline, not a measurement
+        b = connect(rt)
+        assert not b.launched and pids_of(b) == before
+        b.close()
     finally:
         a.shutdown()
 
@@ -117,6 +127,76 @@ def test_a_burst_of_clients_attaches_to_one_pool(rt):
         first.shutdown()
 
 
+def _squat(d: Path) -> socket.socket:
+    """An authenticated connection that asks for nothing more."""
+    s = raw_connect(d, timeout=30)
+    raw_hello(s, d)
+    return s
+
+
+def test_held_authenticated_connections_never_lock_out_a_fresh_client(rt):
+    """Issue 29, finding 11: 256 held authenticated connections locked out a new client, and a
+    same-user process that reconnects whatever the pool drops kept a legitimate client out (0 of
+    15 status probes in 30 s). With every slot taken, a hello closes the connection idle longest:
+    each probe gets in, while the squatter keeps reconnecting."""
+    a = connect(rt)
+    try:
+        d, before = a.dir, pids_of(a)
+        held = [_squat(d) for _ in range(server.MAX_CONNECTIONS - 1)]  # with ``a``: every slot taken
+        a.status()  # ``a`` is active, the squatter's connections idle
+        stop, reconnects = threading.Event(), [0]
+
+        def squatter() -> None:  # reconnects every connection the pool closes
+            sel = selectors.DefaultSelector()
+            for s in held:
+                sel.register(s, selectors.EVENT_READ)
+            while not stop.is_set():
+                for key, _ in sel.select(timeout=0.05):
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()  # an eviction notice, then the end
+                    with contextlib.suppress(OSError, PoolError, wire.ProtocolError):
+                        sel.register(_squat(d), selectors.EVENT_READ)
+                        reconnects[0] += 1
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()
+
+        thread = threading.Thread(target=squatter, daemon=True)
+        thread.start()
+        try:
+            for _ in range(15):
+                probe = PoolClient.connect(gpus="cpu", nproc=2, runtime_dir=rt, start=False)
+                assert probe.status()["pool"]["torchrun_pid"] == before[0]
+                probe.close()
+            late = connect(rt)  # a client that holds the pool and runs a job gets in too
+            assert late.request("selftest", {"steps": 2}, timeout=30)[0]["steps_done"] == 2 and not late.launched
+            late.close()
+        finally:
+            stop.set()
+            thread.join(30)
+        assert reconnects[0] >= 15  # the squatter lost a connection to each newcomer, and came back
+        assert a.status()["pool"]["torchrun_pid"] == before[0]  # the same pool (``a`` reconnects if it was closed)
+    finally:
+        a.shutdown()
+
+
+def test_an_evicted_connection_is_told_why(rt):
+    a = connect(rt)
+    try:
+        held = [_squat(a.dir) for _ in range(server.MAX_CONNECTIONS - 1)]
+        oldest_idle = held[0]
+        a.status()  # ``a`` is active: not the one idle longest
+        newcomer = _squat(a.dir)
+        answer = read_answer(oldest_idle)
+        assert answer is not None and answer["event"] == "error"
+        assert answer["message"].startswith("closed to make room for a new client: all 256 connection slots")
+        assert read_answer(oldest_idle) is None  # then closed
+        assert a.status()["connections"] == server.MAX_CONNECTIONS  # ``a`` was not idle longest: it stays
+        for s in [*held[1:], newcomer]:
+            s.close()
+    finally:
+        a.shutdown()
+
+
 # --------------------------------------------------------------------------- the handshake and frames
 
 
@@ -127,25 +207,30 @@ def _hello_frame(token: str) -> bytes:
 
 def test_the_whole_handshake_is_bounded_not_each_read(rt):
     """One byte every 0.3 s keeps each read under its timeout; the connection is still cut once
-    the handshake's limit (1 s here) has passed, and the pool serves on."""
+    the handshake's limit (1 s here) has passed, long before the whole frame (a byte short of
+    it, over a minute) could arrive, and the pool serves on. No clock is read: the cut must come
+    before the frame ends, however slowly this machine runs."""
     client = connect(rt)
     try:
         frame = _hello_frame(rendezvous.read_token(client.dir))
         s = raw_connect(client.dir)
-        t0, cut = time.monotonic(), False
+        cut = False
         for i in range(len(frame) - 1):
             try:
                 s.sendall(frame[i:i + 1])
             except OSError:
                 cut = True
                 break
-            time.sleep(0.3)
-            if time.monotonic() - t0 > 5:
+            s.settimeout(0.3)  # the gap between bytes; the pool may answer (and close) meanwhile
+            try:
+                cut = s.recv(1, socket.MSG_PEEK) is not None
                 break
-        if not cut:  # the pool stopped reading: the next read sees the end (or the error event)
+            except TimeoutError:
+                pass
+        if not cut:  # a byte short of the frame and never cut: the next read shows what the pool did
             answer = read_answer(s, timeout=5)
             cut = answer is None or answer.get("event") == "error"
-        assert cut and time.monotonic() - t0 < 5
+        assert cut
         s.close()
         assert client.status()["pool"]["torchrun_pid"] == client.pid
     finally:
@@ -217,11 +302,29 @@ def test_a_runtime_directory_of_another_user_is_refused(rt):
         connect(rt)
 
 
+def test_process_start_reads_a_command_name_with_spaces_and_parentheses(tmp_path):
+    exe = tmp_path / "a (b) c"
+    exe.symlink_to(sys.executable)
+    child = subprocess.Popen([str(exe), "-c", "import time; time.sleep(30)"])
+    try:
+        while psutil.Process(child.pid).name() != "a (b) c" and child.poll() is None:
+            time.sleep(0.01)
+        start = rendezvous.process_start(child.pid)
+        assert abs(start - (psutil.Process(child.pid).create_time() - psutil.boot_time())) < 1.5
+        assert rendezvous.same_process(child.pid, start)
+    finally:
+        child.kill()
+        child.wait()
+    assert not rendezvous.same_process(child.pid, start)
+    with pytest.raises(psutil.NoSuchProcess):
+        rendezvous.process_start(child.pid)
+
+
 def test_a_forged_pool_json_never_gets_an_unrelated_process_signalled(rt):
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         d = rendezvous.ensure_private_dir(rt / "cpu-2")
-        info = rendezvous.PoolInfo(pid=victim.pid, create_time=psutil.Process(victim.pid).create_time(), gpus=[],
+        info = rendezvous.PoolInfo(pid=victim.pid, create_time=rendezvous.process_start(victim.pid), gpus=[],
                                 nproc=2, device="cpu", version="0", protocol=wire.PROTOCOL_VERSION,
                                 start_time=time.time(), lifetime="detached", owner_pid=None, master_port=1,
                                 instance="forged", dir=str(d))
@@ -276,6 +379,93 @@ def test_a_socket_served_by_a_process_that_is_not_the_pool_is_refused(rt, tmp_pa
         client.close()
 
 
+def _pool_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ltx_mgpu", "pool", *args], cwd=launch.repo_root(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(out: subprocess.CompletedProcess, message: str) -> None:
+    """Exit status 2 and a single ``error:`` line holding ``message``: no traceback."""
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+
+
+def test_untrusted_places_are_refused_in_one_line_by_the_cli(rt, tmp_path):
+    """Issue 29, finding 12: a runtime base that is a link, a runtime directory that is one, and a
+    socket served by a process that is not the pool's: each is refused by the CLI in one line,
+    exit status 2 (they printed Python tracebacks), and nothing is made inside the link's target."""
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    for command in ("start", "status", "stop"):
+        _one_line_error(_pool_cli(command, "--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(link)),
+                        f"runtime directory {link} is a symbolic link")
+    assert list(target.iterdir()) == []
+    (rt / "cpu-2").symlink_to(target)
+    _one_line_error(_pool_cli("start", "--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(rt)),
+                    f"runtime directory {rt / 'cpu-2'} is a symbolic link")
+    assert list(target.iterdir()) == []
+    (rt / "cpu-2").unlink()
+
+    client = connect(rt)  # a live pool whose socket an impostor then serves
+    try:
+        imp = _impostor(tmp_path / "imp.sock", None)
+        try:
+            os.replace(tmp_path / "imp.sock", client.dir / rendezvous.SOCKET_NAME)
+            _one_line_error(_pool_cli("status", "--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(rt)),
+                            "which is not the pool recorded in")
+        finally:
+            imp.kill()
+            imp.wait()
+    finally:
+        launch.stop(client.dir, graceful=False)
+        client.close()
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to make a directory another user's (chown)")
+def test_a_runtime_base_of_another_user_is_refused_in_one_line_by_the_cli(rt):
+    base = rt / "theirs"
+    base.mkdir(mode=0o700)
+    os.chown(base, NOBODY, NOBODY)
+    _one_line_error(_pool_cli("start", "--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(base)),
+                    f"belongs to uid {NOBODY}, not to you")
+    assert list(base.iterdir()) == []
+
+
+def test_pool_stop_and_status_on_a_forged_pool_json_say_what_is_true_at_once(rt):
+    """Issue 29, finding 13: with a forged ``pool.json`` naming a live process of this user,
+    ``pool stop`` said "stopped pool pid N" for a process it rightly did not touch, and ``pool
+    status`` took 44 s (it tried to attach). Neither sees a pool now: no attach is tried (no
+    "does not answer"), the process is left alone, the forged files are removed."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        d = rendezvous.ensure_private_dir(rt / "cpu-2")
+        rendezvous.PoolInfo(pid=victim.pid, create_time=rendezvous.process_start(victim.pid), gpus=[], nproc=2,
+                            device="cpu", version="0", protocol=wire.PROTOCOL_VERSION, start_time=time.time(),
+                            lifetime="detached", owner_pid=None, master_port=1, instance="forged",
+                            dir=str(d)).write()
+        rendezvous.write_private(d / rendezvous.TOKEN_NAME, b"forged")
+        common = ("--gpus", "cpu", "--nproc", "2", "--runtime-dir", str(rt))
+        stop = _pool_cli("stop", *common)
+        assert stop.returncode == 0 and f"pid {victim.pid}" not in stop.stdout, stop.stdout + stop.stderr
+        assert f"no pool for --gpus cpu --nproc 2 is running under {rt}" in stop.stdout
+        assert f"names pid {victim.pid}, which runs but is not a process of this pool" in stop.stderr
+        assert rendezvous.PoolInfo.read(d) is None and not (d / rendezvous.TOKEN_NAME).exists()
+        rendezvous.PoolInfo(pid=victim.pid, create_time=rendezvous.process_start(victim.pid), gpus=[], nproc=2,
+                            device="cpu", version="0", protocol=wire.PROTOCOL_VERSION, start_time=time.time(),
+                            lifetime="detached", owner_pid=None, master_port=1, instance="forged",
+                            dir=str(d)).write()
+        status = _pool_cli("status", *common)
+        assert status.returncode == 1 and "does not answer" not in status.stderr
+        assert f"no pool for --gpus cpu --nproc 2 is running under {rt}" in status.stdout
+        assert victim.poll() is None  # never signalled
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 @pytest.mark.skipif(not ROOT, reason="needs root to run the impostor as another user (setuid)")
 def test_a_socket_served_by_another_user_is_refused(rt):
     client = connect(rt)
@@ -312,7 +502,10 @@ def test_the_pool_refuses_connections_from_another_user(rt):
             from ltx_mgpu import wire  # before dropping to the other user, who cannot read this tree
             os.setgid({NOBODY}); os.setuid({NOBODY})
             s = socket.socket(socket.AF_UNIX); s.connect({str(d / rendezvous.SOCKET_NAME)!r})
-            wire.send_frame(s, wire.make_request("hello", "h", {{"token": "x"}}))
+            try:  # the pool may refuse (and close) before it reads a byte: the hello then meets a closed pipe
+                wire.send_frame(s, wire.make_request("hello", "h", {{"token": "x"}}))
+            except OSError:
+                pass
             print(wire.recv_frame(s)[0])
         """)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
-from pool_support import ENV, cleanup, pool_pids, running, short_dir, wait_all_gone
+from pool_support import ENV, cleanup, cpu_load, pool_pids, running, short_dir, wait_all_gone
 
 from ltx_mgpu.client import launch
 from ltx_mgpu.client.errors import PoolFatalError
@@ -275,3 +276,87 @@ def test_gpus_torch_cannot_see_are_refused_before_anything_is_written(monkeypatc
         assert not any(base.iterdir())
     finally:
         cleanup(base)
+
+
+# --------------------------------------------------------------------------- several starters at once
+
+
+def test_an_encode_that_started_the_pool_hands_it_over_to_a_client_that_attached_meanwhile(base, tmp_path):
+    """Issue 29, finding 8: two ``encode --pool`` on an empty runtime directory; the one that
+    started the pool stopped it at its end, under the other's job. Now a client that would start
+    a pool of its own attaches while the encode runs; the encode says it left the pool running for
+    it, and the pool (the same pids) serves it on, then stops when it leaves."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"prompt number {i}" for i in range(64)) + "\n")
+    env = {**ENV, "LTX_MGPU_HOME": str(tmp_path / "home")}
+    encode = subprocess.Popen(
+        [sys.executable, "-m", "ltx_mgpu", "encode", "--pool", "--gpus", "cpu", "--nproc", "1", "--embedded-gemma",
+         "tiny", "--no-cache", "--batch-size", "1", "--prompts-file", str(prompts), "--no-progress",
+         "--out", str(tmp_path / "emb.safetensors"), "--runtime-dir", str(base)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    d = base / "cpu-1"
+    try:
+        while launch.ping(d) is None:  # the encode's pool is up
+            assert encode.poll() is None, encode.stderr.read()
+            time.sleep(0.05)
+        other = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=base, startup_timeout=120)
+        assert not other.launched
+        pids = pool_pids(other)
+        out, err = encode.communicate(timeout=300)
+        assert encode.returncode == 0, err
+        assert (f"pool: pid {pids[0][0]}, 1 rank(s), placement single, started for this run; left running for "
+                "another client that uses it") in out
+        result, _ = other.request("selftest", {"steps": 2}, timeout=60)
+        assert result["allreduce_ok"] and other.pid == pids[0][0] and len(running(pids)) == len(pids)
+        assert other.status()["owner_left"].startswith("the client that started it")
+        other.close()
+        assert wait_all_gone(pids) == []
+        assert launch.find_live_pool(d) is None
+    finally:
+        encode.kill()
+        encode.wait()
+
+
+def test_racing_detached_starts_make_one_pool_and_the_others_say_they_attached(base):
+    """Issue 29, finding 9: four ``pool start --detach`` at once started a second pool in one
+    round of two, and a starter exited 1 with torchrun's ChildFailedError. One pool, whatever the
+    race: the losers wait for the launch lock, attach, and say so."""
+    cmd = [sys.executable, "-m", "ltx_mgpu", "pool", "start", "--detach", "--gpus", "cpu", "--nproc", "1",
+           "--runtime-dir", str(base)]
+    starters = [subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in starters]
+    assert [p.returncode for p in starters] == [0] * 4, outs
+    info = rendezvous.PoolInfo.read(base / "cpu-1")
+    assert info is not None and info.alive()
+    started = [o for o, _ in outs if o.startswith(f"started pool pid {info.pid}:")]
+    attached = [o for o, _ in outs if "a pool is already running" in o and f"pid {info.pid}," in o
+                and "not started again" in o]
+    assert len(started) == 1 and len(attached) == 3, outs
+    assert not any("ChildFailedError" in o + e or "Traceback" in e for o, e in outs)
+    torchruns = [p for p in psutil.process_iter(["cmdline"])
+                 if "torch.distributed.run" in " ".join(p.info["cmdline"] or ()) and str(base) in
+                 " ".join(p.info["cmdline"] or ())]
+    assert [p.pid for p in torchruns] == [info.pid]
+
+
+def test_generate_attaches_to_the_detached_pool_of_its_gpu_set_under_load(base):
+    """Issue 29, finding 10: ``generate --gpus 2`` with a detached pool of the same GPU set
+    running started its own (seen once at a load average of 10; the cause: a live pool's record
+    could look dead after a step of the wall clock, ``tests/unit/test_rendezvous.py``). Here the
+    pool generate asks for is attached, with every core kept busy, again and again."""
+    from ltx_mgpu.cli.request import GenerateRequest, pool_spec_for
+
+    out = _cli("start", "--detach", "--gpus", "2", "--runtime-dir", str(base))
+    assert out.returncode == 0, out.stderr
+    info = rendezvous.PoolInfo.read(base / "cpu-2")
+    spec = pool_spec_for(GenerateRequest(prompt="x", gpus=2, runtime_dir=str(base)), 2, False)
+    assert spec.dir == base / "cpu-2"
+    with cpu_load():
+        for _ in range(5):
+            client = PoolClient(spec, startup_timeout=120)
+            try:
+                assert client.status(timeout=120)["pool"]["torchrun_pid"] == info.pid and not client.launched
+            finally:
+                client.release()  # not started here: left as it is
+    assert info.alive() and launch.find_live_pool(base / "cpu-2") == info

@@ -506,3 +506,20 @@ def test_existing_loose_entries_and_shards_of_ours_are_tightened(cache):
     os.chmod(other.parent, 0o755)
     cache.put(OTHER, PARTS, embedding(OTHER))
     assert_private(cache)
+
+
+def test_the_digest_memo_is_private_like_the_cache(tmp_path, monkeypatch):
+    """Issue 29, finding 14: ``digests.json`` (which model files this user has, and where) was
+    0644; it is 0600 like the cache's entries, also when an older one was world-readable."""
+    from ltx_mgpu import identity
+
+    monkeypatch.setenv("LTX_MGPU_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    memo = tmp_path / "home" / "digests.json"
+    memo.write_text("{}")
+    os.chmod(memo, 0o644)
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"weights")
+    assert identity.file_digest(weights) == hashlib.sha256(b"weights").hexdigest()
+    assert stat.S_IMODE(os.lstat(memo).st_mode) == 0o600
+    assert [p.name for p in memo.parent.iterdir()] == ["digests.json"]  # no temporary file left

@@ -213,6 +213,57 @@ def test_probe_rejects_non_finite_hidden_states(artifact, tmp_path):
 # --------------------------------------------------------------------------- size
 
 
+def test_quantize_onto_a_full_disk_says_how_much_it_needs_and_leaves_nothing(tiny_gemma_dir, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Issue 29, finding 14: ``quantize-nf4`` onto a full disk ended in a raw ``SafetensorError``
+    traceback. A disk with less free space than the artifact needs is refused before anything
+    is written; one that fills up meanwhile (safetensors' own error as it reports ENOSPC) gets
+    the same one line; nothing partial is left either way."""
+    import errno as errnos
+
+    from safetensors import SafetensorError
+
+    from ltx_mgpu.cli.main import main
+    from ltx_mgpu.text.nf4 import artifact
+    from ltx_mgpu.text.nf4.model import skeleton
+    from ltx_mgpu.text.nf4.source import open_source
+
+    need = artifact.estimated_bytes(skeleton(open_source(tiny_gemma_dir).config)[1])
+    out = tmp_path / "disk" / "nf4"
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(artifact.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=need - 1))
+    with pytest.raises(OSError, match=rf"no space left on {tmp_path / 'disk'}: the NF4 artifact needs "
+                                      rf"{need / 1e9:.2f} GB, {(need - 1) / 1e9:.2f} GB free") as err:
+        quantize_nf4(tiny_gemma_dir, out, device="cpu")
+    assert err.value.errno == errnos.ENOSPC and list((tmp_path / "disk").iterdir()) == []
+    monkeypatch.setattr(artifact.shutil, "disk_usage", real_usage)
+
+    def full_disk(tensors, path, metadata=None):  # writes part of a shard, then the disk is full
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(artifact, "save_file", full_disk)
+    rc = main(["quantize-nf4", str(tiny_gemma_dir), str(out), "--device", "cpu"])
+    err_text = capsys.readouterr().err
+    assert rc == 1 and err_text.strip().splitlines() == [
+        f"error: no space left on {tmp_path / 'disk'}: the NF4 artifact needs {need / 1e9:.2f} GB; free some space "
+        "or give an OUT_DIR on another disk"]
+    assert list((tmp_path / "disk").iterdir()) == []  # no partial artifact, no temporary directory
+
+
+def test_the_size_estimate_covers_what_quantize_writes(tiny_gemma_dir, tmp_path):
+    from ltx_mgpu.text.nf4 import artifact
+    from ltx_mgpu.text.nf4.model import skeleton
+    from ltx_mgpu.text.nf4.source import open_source
+
+    out = quantize_nf4(tiny_gemma_dir, tmp_path / "nf4", device="cpu")
+    need = artifact.estimated_bytes(skeleton(open_source(tiny_gemma_dir).config)[1])
+    written = sum(p.stat().st_size for p in out.iterdir())
+    assert written <= need <= written + artifact.OVERHEAD_BYTES
+
+
 def test_artifact_size_matches_parameter_counts(tiny_gemma_dir, tmp_path):
     """Size = packed 4-bit (N*K/2 B) + double-quant scales (N*K/64 B uint8 + 4 B per 256 blocks)
     + bf16 residents (2 B each), within 5 %. Per-tensor overheads (code tables, JSON, safetensors

@@ -23,7 +23,9 @@ Nothing here is pickled: safetensors and JSON only.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -52,6 +54,7 @@ __all__ = [
     "write_manifest",
     "write_artifact",
     "artifact_bytes",
+    "estimated_bytes",
     "partial_dir_for",
 ]
 
@@ -234,6 +237,44 @@ def versions() -> dict[str, str]:
             "bitsandbytes": bitsandbytes.__version__, "safetensors": safetensors.__version__}
 
 
+#: Bytes :func:`estimated_bytes` adds for the tokenizer files, the manifest and the shards' headers
+#: (Gemma 3's ``tokenizer.json`` and ``tokenizer.model`` together are about 38 MB).
+OVERHEAD_BYTES = 64 << 20
+
+
+def estimated_bytes(expected: Mapping[str, tuple]) -> int:
+    """The bytes an artifact of the parameters ``expected`` (name -> ``(shape, "nf4" |
+    "bfloat16")``) takes: per NF4 weight of n elements the packed codes (n/2), the block
+    scales (n/64 uint8) and their nested scales (4 bytes per 256 blocks), per bf16 tensor 2n,
+    plus :data:`OVERHEAD_BYTES`."""
+    total = OVERHEAD_BYTES
+    blocksize, nested = QUANT_SETTINGS["blocksize"], QUANT_SETTINGS["nested_blocksize"]
+    for shape, kind in expected.values():
+        n = math.prod(shape)
+        if kind == "nf4":
+            blocks = -(-n // blocksize)
+            total += -(-n // 2) + blocks + 4 * -(-blocks // nested) + 4 * (16 + 256) + 1024
+        else:
+            total += 2 * n
+    return total
+
+
+def _no_space(directory: Path, need: int, free: int | None = None) -> OSError:
+    """The error a full disk gets: where, and how much the artifact needs."""
+    more = "" if free is None else f", {free / 1e9:.2f} GB free"
+    return OSError(errno.ENOSPC, f"no space left on {directory}: the NF4 artifact needs {need / 1e9:.2f} GB{more}; "
+                                 "free some space or give an OUT_DIR on another disk")
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk is full: an ``OSError`` ENOSPC, or safetensors' own error
+    (``SafetensorError``: "IoError(Os { code: 28, kind: StorageFull ... })")."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    text = str(exc)
+    return "StorageFull" in text or f"code: {errno.ENOSPC}," in text or "No space left on device" in text
+
+
 def write_artifact(out_dir: Path, groups: Iterable[Mapping[str, torch.Tensor]], config: Any, expected: dict,
                    source_info: dict, write_tokenizer: Callable[[Path], dict], device: torch.device,
                    shard_bytes: int = 1 << 30) -> Path:
@@ -251,12 +292,19 @@ def write_artifact(out_dir: Path, groups: Iterable[Mapping[str, torch.Tensor]], 
         shard_bytes: target shard size (bytes).
 
     Raises:
-        FileExistsError: ``out_dir`` exists. Any error while writing removes the temporary
-            directory and propagates; nothing is left at ``out_dir``.
+        FileExistsError: ``out_dir`` exists. OSError (``errno.ENOSPC``): ``"no space left on
+            <dir>: the NF4 artifact needs N GB"``, before anything is written when the disk has
+            less free space than :func:`estimated_bytes`, or when it fills up meanwhile. Any
+            error while writing removes the temporary directory and propagates; nothing is left
+            at ``out_dir``.
     """
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; pass a new directory (or delete it first)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    need = estimated_bytes(expected)
+    free = shutil.disk_usage(out_dir.parent).free
+    if free < need:
+        raise _no_space(out_dir.parent, need, free)
     tmp = Path(tempfile.mkdtemp(prefix=partial_dir_for(out_dir), dir=out_dir.parent))
     try:
         writer = ShardWriter(tmp, shard_bytes)
@@ -276,7 +324,9 @@ def write_artifact(out_dir: Path, groups: Iterable[Mapping[str, torch.Tensor]], 
         }
         write_manifest(tmp, manifest)  # last: only a complete artifact has a manifest
         os.rename(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_no_space(e):
+            raise _no_space(out_dir.parent, need) from None
         raise
     return out_dir
