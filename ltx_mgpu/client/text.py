@@ -297,8 +297,8 @@ def generate_text(client: PoolClient, config: TextEncoderConfig, text: str, opti
 def _clip_weight_keys(gemma: str, stats: tuple) -> dict[str, tuple[int, ...]]:
     # reads the source's config and builds Gemma on the meta device (transformers): only
     # LoraLoader on the Gemma Loader's CLIP asks for the keys
-    from ltx_mgpu.text.gemma.configs import read_gemma_config
-    from ltx_mgpu.text.gemma.lora import comfy_clip_keys, tower_parameter_shapes
+    from ltx_mgpu.text.encoder.configs import read_gemma_config
+    from ltx_mgpu.text.gemma.lora import comfy_clip_keys, tower_parameter_shapes  # as above
 
     return comfy_clip_keys(tower_parameter_shapes(read_gemma_config(gemma)))
 

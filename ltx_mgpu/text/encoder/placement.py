@@ -41,6 +41,7 @@ from safetensors import safe_open
 from ltx_mgpu.choices import PLACEMENTS, check_choice
 from ltx_mgpu.text.cache.keys import weights_mode
 from ltx_mgpu.text.config import COMPILE_ACCELERATE, TextEncoderConfig
+from ltx_mgpu.text.encoder.configs import read_gemma_config
 from ltx_mgpu.text.encoder.device_map import dispatch_text_tower
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
@@ -52,7 +53,6 @@ from ltx_mgpu.text.features import (
     load_projection,
     projection_gemma,
 )
-from ltx_mgpu.text.gemma.configs import read_gemma_config
 from ltx_mgpu.text.gemma.sources import detect_gemma_format
 
 __all__ = [
