@@ -7,7 +7,8 @@ Used by ``tests/comfyui/test_comfyui_generate.py``; run with ComfyUI's Python (`
 
 ``SPEC.json``: ``{"comfyui": dir, "gemma_config": the model's config.json, "text_encoders": dir,
 "gemma": file name there (ComfyUI's single-file format), "checkpoints": dir, "checkpoint": file
-name there, "loras": dir, "lora": file name there or null, "prompts": [...], "max_length": n}``.
+name there, "loras": dir, "lora": file name there or null, "prompts": [...], "max_length": n, "plain":
+TextGenerate's cases too (default true)}``.
 
 ComfyUI hard-codes Gemma 3 12B's sizes; ``comfyui_clip_run.shrink_gemma`` replaces them by the
 model's. For a config that is not 12B-like in its other settings (the real Gemma 3 270M: no RoPE
@@ -129,8 +130,9 @@ def main() -> int:
         for i, prompt in enumerate(spec["prompts"]):
             enhance(f"ltx2.greedy.{i}", TextGenerateLTX2Prompt, both, prompt, SAMPLING_OFF)
             enhance(f"ltx2.sampled.{i}", TextGenerateLTX2Prompt, both, prompt, SAMPLING_ON)
-        enhance("plain.template", TextGenerate, both, spec["prompts"][0], SAMPLING_OFF, use_default_template=True)
-        enhance("plain.raw", TextGenerate, both, spec["prompts"][0], SAMPLING_ON, use_default_template=False)
+        if spec.get("plain", True):
+            enhance("plain.template", TextGenerate, both, spec["prompts"][0], SAMPLING_OFF, use_default_template=True)
+            enhance("plain.raw", TextGenerate, both, spec["prompts"][0], SAMPLING_ON, use_default_template=False)
 
         tensors: dict = {}
         if spec.get("lora"):
