@@ -7,7 +7,7 @@ On one GPU (an H200; the 12B-shaped snapshot is built and saved first, 23.5 GB):
 
 CPU smoke test with the tiny assets (seconds)::
 
-    python benchmarks/bench_generate.py --source tiny --device cpu --tokens 32 --runs 3
+    python benchmarks/bench_generate.py --source tiny --device cpu --weights bf16 --tokens 16 --runs 2
 
 What it does, in one process and one pool (every ratio is within this run):
 
@@ -89,15 +89,24 @@ def _leading_equal(a: list[int], b: list[int]) -> int:
 
 
 def transformers_model(gemma: Path, weights: str, device: torch.device):
-    """``Gemma3ForCausalLM`` from the snapshot (its tied head), bf16 or bitsandbytes NF4."""
-    from transformers import BitsAndBytesConfig, Gemma3ForCausalLM, GenerationConfig
+    """``Gemma3ForCausalLM`` from the snapshot (its tied head; the tiny assets' multimodal snapshot:
+    ``Gemma3ForConditionalGeneration``, text only), bf16 or bitsandbytes NF4."""
+    from transformers import (
+        AutoConfig,
+        BitsAndBytesConfig,
+        Gemma3ForCausalLM,
+        Gemma3ForConditionalGeneration,
+        GenerationConfig,
+    )
 
-    kwargs: dict = {"dtype": torch.bfloat16 if device.type == "cuda" else torch.float32}
+    multimodal = AutoConfig.from_pretrained(str(gemma)).model_type == "gemma3"  # the tiny assets' snapshot
+    kwargs: dict = {"dtype": torch.bfloat16 if device.type == "cuda" or weights == "nf4" else torch.float32}
     if weights == "nf4":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
-    model = Gemma3ForCausalLM.from_pretrained(str(gemma), device_map={"": device}, **kwargs).eval()
+    cls = Gemma3ForConditionalGeneration if multimodal else Gemma3ForCausalLM
+    model = cls.from_pretrained(str(gemma), device_map={"": device}, **kwargs).eval()
     model.generation_config = GenerationConfig()
     return model
 
@@ -109,7 +118,7 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
     from ltx_mgpu.client.text import generate_text
     from ltx_mgpu.text.config import TextEncoderConfig
 
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = "bfloat16" if device.type == "cuda" or weights == "nf4" else "float32"  # NF4 computes in bf16
     prompt_text = args.prompt_text
     paths: dict = {}
     for compiled in ((False, True) if weights == "bf16" and device.type == "cuda" else (False,)):
@@ -190,6 +199,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if bool(args.snapshot) != bool(args.projection):
         ap.error("--snapshot and --projection go together")
+    if "nf4" in args.weights.split(",") and not args.device.startswith("cuda"):
+        ap.error("--weights nf4 needs a CUDA device (transformers' NF4 model runs bitsandbytes' CUDA kernels)")
     if args.tokens < 2:
         ap.error("--tokens must be >= 2 (decode speed is (tokens - 1) / (t(tokens) - t(1)))")
     device = torch.device(args.device)
