@@ -8,7 +8,8 @@ ids, ComfyUI's sampler, and generation on every kind of loaded tower.
   left padding), with SentencePiece and with the transformers fallback; decoding as ComfyUI's;
 * greedy generation equals transformers' own ``generate`` on the same weights (its
   ``Gemma3ForConditionalGeneration`` from the snapshot), on the dynamic and the static cache,
-  and on a tower whose table is in host memory; stop tokens and ``max_length`` end it as in
+  on a tower whose table is in host memory and on ComfyUI's fp4_mixed file (its dequantized
+  weights); stop tokens and ``max_length`` end it as in
   ComfyUI; sampling is seeded and leaves the process's RNG as it was; ``should_stop`` stops it;
 * ComfyUI's sampler: penalties over the generated tokens only, top-k / min-p / top-p as
   ``sample_token`` computes them.
@@ -222,3 +223,21 @@ def test_top_k_min_p_top_p_as_comfyui_computes_them():
     assert _warp([3.0, 2.0, 1.0, 0.0], top_k=0, top_p=0.7).tolist() == [3.0, low, low, low]
     assert _warp([3.0, 2.0, 1.0, 0.0], top_k=0, top_p=0.1).tolist() == [3.0, low, low, low]
     assert _warp([1.0, 2.0], top_k=0, top_p=1.0, temperature=0.5).tolist() == [2.0, 4.0]
+
+
+def test_a_comfyui_quantized_file_generates_what_its_dequantized_weights_do(tiny_gemma_dir, tmp_path, tokenizer):
+    """ComfyUI's fp4_mixed Gemma (nvfp4 + fp8 + bf16 layers, dequantized at load as ComfyUI
+    computes them): greedy tokens equal transformers' ``generate`` on those same weights."""
+    from transformers import Gemma3ForCausalLM
+
+    from ltx_mgpu.assets.gemma import build_tiny_gemma_comfy_file
+
+    path = tmp_path / "tiny-fp4_mixed.safetensors"
+    build_tiny_gemma_comfy_file(tiny_gemma_dir, path, "fp4_mixed")
+    tower = load_gemma_text_tower(path, dtype=torch.float32)
+    hf = Gemma3ForCausalLM(tower.config).eval()
+    hf.model.load_state_dict(tower.model.state_dict())
+    hf.tie_weights()
+    ids = tokenizer.prompt_ids(CHAT, 1024)
+    ours = GemmaGenerator(tower).generate(ids, GenerateOptions(do_sample=False, max_length=20, stop_tokens=()))
+    assert ours.tokens == hf_greedy(hf, ids, 20, stop=())
