@@ -74,13 +74,13 @@ class TextEncoderHandle:
     keep_loaded: bool = True
 
     def encode(self, prompts: list[str], use_cache: bool = True, node_id: str | None = None, batch_size: int = 8,
-               whole: bool = False) -> tuple[list, Any, Any]:
+               whole: bool = False, patches: Any = None) -> tuple[list, Any, Any]:
         """``(embeddings, CacheReport, cache)`` of ``prompts`` through the cache and the pool
         (``ltx_mgpu.client.text.encode_prompts``), with the progress bar of node ``node_id`` and
         Stop; Gemma is unloaded afterwards when it is not to stay loaded. ``whole``: no prompt is
-        cut at the token budget (the CLIP output, as ComfyUI's LTX-2 text encoder). The
-        embeddings are ``PromptEmbedding`` s, float32 ``[T_i, D]`` on CPU; ``cache`` is None
-        without ``use_cache``.
+        cut at the token budget (the CLIP output, as ComfyUI's LTX-2 text encoder). ``patches``:
+        the CLIP's text-encoder LoRAs (``ltx_mgpu.client.lora.TextPatches``). The embeddings are
+        ``PromptEmbedding`` s, float32 ``[T_i, D]`` on CPU; ``cache`` is None without ``use_cache``.
 
         Raises:
             ComfyUI's interrupt exception (Stop), and what ``encode_prompts`` raises.
@@ -92,11 +92,40 @@ class TextEncoderHandle:
         with JobWatch(node_id) as watch:
             embeddings, report = encode_prompts(session, self.config, prompts, cache=cache, batch_size=batch_size,
                                                 keep=False, on_progress=watch.on_progress,
-                                                should_cancel=watch.should_cancel, whole=whole)
+                                                should_cancel=watch.should_cancel, whole=whole, patches=patches)
             if not self.keep_loaded and report.encoded:
-                session.request("unload", {"names": ["text_encoder", "text_embeddings"]}, timeout=120)
+                self._unload(session)
             watch.done()
         return embeddings, report, cache
+
+    def generate(self, text: str, options: dict, patches: Any = None, node_id: str | None = None) -> dict:
+        """ComfyUI's ``CLIP.generate`` + ``decode`` on the pool's Gemma
+        (``ltx_mgpu.client.text.generate_text``): ``text`` as ComfyUI's tokenizer gets it,
+        ``options`` ``CLIP.generate``'s keywords, ``patches`` the CLIP's LoRAs; the progress bar
+        of node ``node_id`` (one tick per token) and Stop; Gemma is unloaded afterwards when it is
+        not to stay loaded.
+
+        Returns:
+            The pool's ``generate`` result (``tokens``, ``text``, ``text_with_special``...).
+
+        Raises:
+            ValueError (an option out of range), ComfyUI's interrupt exception (Stop), and what
+            ``generate_text`` raises.
+        """
+        from ltx_mgpu.client.text import generate_text
+
+        session = self.pool.session()
+        with JobWatch(node_id) as watch:
+            result = generate_text(session, self.config, text, options, patches=patches,
+                                   on_progress=watch.on_progress, should_cancel=watch.should_cancel)
+            if not self.keep_loaded:
+                self._unload(session)
+            watch.done()
+        return result
+
+    @staticmethod
+    def _unload(session: Any) -> None:
+        session.request("unload", {"names": ["text_encoder", "text_embeddings"]}, timeout=120)
 
 
 def _combo(name: str, choices: list[str], tooltip: str):
@@ -155,8 +184,9 @@ class LTXMGPUGemmaLoader(io.ComfyNode):
                 io.Clip.Output("clip", tooltip=(
                     "The same text encoder as a ComfyUI CLIP, for CLIPTextEncode (in LTX-2 templates it replaces "
                     "LTXAVTextEncoderLoader's output): prompts encode in the pool, through the embedding cache, "
-                    "whole (no cut at 1024 tokens), exactly as ComfyUI's own LTX-2 text encoder. Text-encoder "
-                    "LoRAs are not applied.")),
+                    "whole (no cut at 1024 tokens), exactly as ComfyUI's own LTX-2 text encoder; TextGenerate / "
+                    "TextGenerateLTX2Prompt (prompt enhancement, text only) generate with the pool's Gemma; "
+                    "LoraLoader's CLIP strength merges the LoRA into the pool's Gemma.")),
             ],
         )
 

@@ -196,17 +196,17 @@ def main() -> int:
             for i, part in enumerate(sp["samples"].unbind()):
                 tensors[f"sample.sp.{who}.{i}"] = part.contiguous()
 
-        # LoraLoader with our CLIP: the model's LoRA applies, the text encoder's does not (said once)
+        # LoraLoader with our CLIP and with ComfyUI's: the model's LoRA and the text encoder's apply
         logs.clear()
         lora_model, lora_clip = comfy_nodes.LoraLoader().load_lora(model, ours, spec["lora"], 1.0, 1.0)
         (after,) = encode(lora_clip, prompts["short"])
         report["lora"] = {"clip_type": type(lora_clip).__name__, "same_clip_object": lora_clip is ours,
                           "model_patched": lora_model is not model and len(lora_model.patches) > 0,
-                          "logs": [m for m in logs if "lora" in m.lower() or "not applied" in m.lower()]}
+                          "logs": [m for m in logs if "lora" in m.lower() or "not loaded" in m.lower()]}
         tensors["lora.ours"] = after[0][0].contiguous()
-        seen = len(logs)
-        comfy_nodes.LoraLoader().load_lora(model, ours, spec["lora"], 1.0, 0.5)
-        report["lora"]["logs_second"] = [m for m in logs[seen:] if "not applied" in m]
+        (theirs_after,) = encode(comfy_nodes.LoraLoader().load_lora(model, theirs, spec["lora"], 1.0, 1.0)[1],
+                                 prompts["short"])
+        tensors["lora.comfy"] = theirs_after[0][0].contiguous()
     pool.client.shutdown()
     save_file(tensors, str(out_dir / "conds.safetensors"))
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))

@@ -670,3 +670,110 @@ def _on_cuda(model):
                                          if isinstance(getattr(m, f.name), torch.Tensor)})
 
     return lambda video, audio, perturbations: model(video=move(video), audio=move(audio), perturbations=perturbations)
+
+
+# --------------------------------------------------------------------------- generation (prompt enhancement)
+
+GEN_PROMPT = ("<start_of_turn>user\nUser Raw Input Prompt: a red fox in the snow.<end_of_turn>\n"
+              "<start_of_turn>model\n")
+
+
+def _generation(tower):
+    from ltx_mgpu.text.generate.causal_lm import GemmaGenerator
+    from ltx_mgpu.text.generate.tokens import GenerationTokenizer, sentencepiece_model
+
+    ids = GenerationTokenizer(tower, sentencepiece_model(tower)).prompt_ids(GEN_PROMPT, 1024)
+    return ids, GemmaGenerator
+
+
+def test_greedy_generation_on_cuda_equals_transformers_generate():
+    """fp32 on the GPU: the pool's generator (eager, dynamic cache) gives transformers' own
+    ``generate`` tokens on the same weights (its ``Gemma3ForConditionalGeneration``)."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from ltx_mgpu.text.generate.options import GenerateOptions
+
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.float32)
+    ids, GemmaGenerator = _generation(tower)
+    ours = GemmaGenerator(tower).generate(ids, GenerateOptions(do_sample=False, max_length=48, stop_tokens=()))
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(tiny_gemma_dir()), dtype=torch.float32,
+                                                        device_map={"": "cuda"}).eval()
+    x = torch.tensor([ids], device="cuda")
+    out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    assert ours.tokens == out[0, len(ids):].tolist() and len(ours.tokens) == 48
+
+
+def test_compiled_generation_on_a_static_cache_equals_the_eager_one():
+    """The text encoder's ``compile``: transformers' static cache and auto-compile (CUDA graphs)
+    give the eager tokens (fp32), greedy and sampled with a seed."""
+    from ltx_mgpu.text.generate.options import GenerateOptions
+
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.float32)
+    ids, GemmaGenerator = _generation(tower)
+    eager, compiled = GemmaGenerator(tower), GemmaGenerator(tower, compile=True)
+    for options in (GenerateOptions(do_sample=False, max_length=40, stop_tokens=()),
+                    GenerateOptions(do_sample=True, seed=3, max_length=40, temperature=0.7, top_k=64, top_p=0.95,
+                                    min_p=0.05, repetition_penalty=1.05, stop_tokens=())):
+        want = eager.generate(ids, options).tokens
+        assert compiled.generate(ids, options).tokens == want
+        assert compiled.generate(ids, options).tokens == want  # the compiled graphs replayed
+    assert getattr(compiled.causal_lm(), "_compiled_call", None) is not None
+
+
+@needs_bnb
+def test_nf4_generation_on_cuda_decodes_through_bitsandbytes():
+    """The NF4 loader's defaults (host table, layer-wise dequant for the encoder) generate the
+    tokens of a plain NF4 tower: generation bypasses the layer-wise dequant (bitsandbytes'
+    Linear4bit per token) and puts the table on the GPU as the head."""
+    from ltx_mgpu.text.generate.options import GenerateOptions
+    from ltx_mgpu.text.nf4.dequant import installed_fast_dequant
+
+    default = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4")
+    plain = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", weights="nf4", host_embeddings=False,
+                                  layer_dequant=False)
+    assert installed_fast_dequant(default.model) is not None and installed_fast_dequant(plain.model) is None
+    ids, GemmaGenerator = _generation(default)
+    options = GenerateOptions(do_sample=False, max_length=32, stop_tokens=())
+    got = GemmaGenerator(default).generate(ids, options)
+    assert got.tokens == GemmaGenerator(plain).generate(ids, options).tokens
+    assert GemmaGenerator(default).causal_lm().lm_head.weight.device.type == "cuda"
+
+
+def test_generate_and_a_lora_through_a_gpu_pool_equal_in_process():
+    """A one-GPU pool: ``generate`` gives the in-process generator's tokens on the same GPU, and a
+    LoRA'd encode the in-process encoder with the LoRA merged (fp32)."""
+    import types
+
+    from ltx_mgpu.client.lora import text_patches
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.client.text import encode_prompts, generate_text
+    from ltx_mgpu.denoise.patches import WeightPatch
+    from ltx_mgpu.text.encoder.local import LocalTextEncoder
+    from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX, TowerPatches
+    from ltx_mgpu.text.generate.options import GenerateOptions
+
+    config = TextEncoderConfig(str(tiny_gemma_dir()), str(tiny_ltx_checkpoint("2.3")), dtype="float32")
+    local = LocalTextEncoder(config, "cuda").build()
+    ids, GemmaGenerator = _generation(local.tower)
+    options = GenerateOptions(do_sample=False, max_length=32, stop_tokens=())
+    want = GemmaGenerator(local.tower).generate(ids, options).tokens
+    key = COMFY_TOWER_PREFIX + "layers.1.mlp.up_proj.weight"
+    g = torch.Generator().manual_seed(0)
+    up, down = 0.1 * torch.randn(128, 2, generator=g), 0.1 * torch.randn(2, 64, generator=g)
+    adapter = types.SimpleNamespace(name="lora", weights=(up, down, None, None, None, None))
+    patches = text_patches({key: [(0.8, adapter, 1.0, None, None)]})
+    merger = TowerPatches(local.tower)
+    merger.set({key: [WeightPatch("lora", 0.8, up=up, down=down)]})
+    lora_want = local.encode(["a red fox"])[0].tensor
+    merger.set({})
+    base = short_dir()
+    client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
+    try:
+        got = generate_text(client, config, GEN_PROMPT, options, timeout=600)
+        lora_got = encode_prompts(client, config, ["a red fox"], patches=patches)[0][0].tensor
+    finally:
+        client.shutdown()
+        cleanup(base)
+    assert got["tokens"] == want
+    torch.testing.assert_close(lora_got, lora_want, rtol=1e-5, atol=1e-6)

@@ -15,11 +15,21 @@ between is noticed (bad input), reloaded and the request retried once.
 
 ``encode_prompts(whole=True)`` encodes every prompt whole, as ComfyUI's LTX-2 text encoder does
 (the CLIP of the Gemma Loader node): the same resident encoder, without its token budget's cut.
+
+Text-encoder LoRAs (``patches``: a :class:`~ltx_mgpu.client.lora.TextPatches`, what ``LoraLoader``
+gave the CLIP): every ``encode`` / ``generate`` request names the patch set it needs merged
+(``"none"`` without one); when the pool holds another it answers ``stale_patches`` and the set is
+sent (``sync_text_patches``) and the request retried. The set's content id is part of the cache
+key, so a LoRA'd CLIP's embeddings are cached apart from a plain one's.
+
+:func:`generate_text` is ComfyUI's ``CLIP.generate`` + ``CLIP.decode`` on the pool's Gemma
+(``ltx_mgpu.pool.generate_jobs``), through the same load and patch remedies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ltx_mgpu.client.errors import BadInputError
+from ltx_mgpu.client.lora import TextPatches, sync_text_patches
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.spec import resolve_spec
 from ltx_mgpu.text.cache.keys import CacheKeyParts, cache_key_parts
@@ -37,10 +48,12 @@ from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.local import check_not_truncated
 from ltx_mgpu.text.features import PromptEmbedding
 from ltx_mgpu.text.gemma.sources import detect_gemma_format
-from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS
+from ltx_mgpu.text.generate.options import GenerateOptions
+from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS, NO_PATCHES
 
 __all__ = ["WHOLE_PROMPT_TOKENS", "check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool",
-           "ensure_text_encoder", "loaded_key", "embeddings_from_result", "upcast"]
+           "ensure_text_encoder", "loaded_key", "embeddings_from_result", "upcast", "generate_text",
+           "request_text_encoder", "clip_weight_keys"]
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ProgressCallback = Callable[[str, int, int], Any]
@@ -104,6 +117,34 @@ def ensure_text_encoder(client: PoolClient, config: TextEncoderConfig, key: str 
                           should_cancel=should_cancel, timeout=timeout)[0]
 
 
+def request_text_encoder(client: PoolClient, config: TextEncoderConfig, key: str, patches: TextPatches | None,
+                         send: Callable[[], Any], on_progress: ProgressCallback | None = None,
+                         should_cancel: Callable[[], bool] | None = None, timeout: float | None = None) -> Any:
+    """``send()`` (a request naming text encoder ``key`` and the patch set ``patches``), remedied
+    and retried when the pool says it holds another encoder (load ``config``) or another patch
+    set (send ``patches``).
+
+    Straight to the request: the pool checks ``expect`` and ``patches`` before any work, so the
+    resident case (every request after the first) costs no ``status`` round trip (a per-request
+    cost: benchmarks/bench_pool_text.py "pool" vs "pool request" measures it).
+
+    Raises:
+        BadInputError: the request itself was bad (its encoder and patches are resident), and
+            what loading or patching raises; PoolError and subclasses.
+    """
+    for _ in range(4):  # no encoder or another one, then other patches: each remedied once (twice if swapped)
+        try:
+            return send()
+        except BadInputError as e:
+            if e.reason == "stale_patches":
+                sync_text_patches(client, key, patches, should_cancel, timeout)
+                continue
+            if loaded_key(client) == key:
+                raise  # ours is resident: the request itself was bad
+        ensure_text_encoder(client, config, key, on_progress, should_cancel, timeout)
+    return send()
+
+
 def upcast(name: str, t: torch.Tensor) -> torch.Tensor:
     """A bf16/fp16 ``encode`` result tensor as a fresh float32 copy (exact); anything else as it
     is (never raises: it runs as the ``receive`` of ``encode`` requests on the client's reader
@@ -139,8 +180,8 @@ def embeddings_from_result(result: Mapping[str, Any], tensors: Mapping[str, Any]
 def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Sequence[str], *,
                    cache: EmbeddingCache | None = None, batch_size: int = 8,
                    on_progress: ProgressCallback | None = None, should_cancel: Callable[[], bool] | None = None,
-                   timeout: float | None = None, keep: bool = True,
-                   whole: bool = False) -> tuple[list[PromptEmbedding], CacheReport]:
+                   timeout: float | None = None, keep: bool = True, whole: bool = False,
+                   patches: TextPatches | None = None) -> tuple[list[PromptEmbedding], CacheReport]:
     """Embeddings of ``prompts`` (in order), encoding only the cache misses in the pool.
 
     The misses are sent in requests of ``batch_size`` prompts (``batch_size x ranks`` for
@@ -160,6 +201,8 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
             is not reloaded). Cache entries are keyed with that budget, except that a prompt
             that fits ``config.token_budget`` shares the entry of the budgeted encode (the same
             embedding; ``encode_cached(short=)``).
+        patches: the text-encoder LoRAs to encode with (module doc); their content id joins the
+            cache key.
 
     Returns:
         ``(embeddings, CacheReport)``; embeddings are float32 ``[T_i, D]`` on CPU.
@@ -175,10 +218,15 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(whole, bool):
         raise ValueError(f"whole must be True or False, got {whole!r}")
+    if patches is not None and not isinstance(patches, TextPatches):
+        raise ValueError(f"patches must be a TextPatches or None, got {type(patches).__name__}")
     prompts = list(prompts)
     parts = cache_key_parts(config)
     key = pool_key(config, parts)
-    params = {"batch_size": batch_size, "expect": key, "keep": keep}
+    params = {"batch_size": batch_size, "expect": key, "keep": keep,
+              "patches": patches.identity if patches is not None else NO_PATCHES}
+    if patches is not None:
+        parts = dataclasses.replace(parts, lora=patches.identity)
     short = None
     if whole:
         params["max_tokens"] = WHOLE_PROMPT_TOKENS
@@ -191,21 +239,8 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
         return embeddings_from_result(result, tensors)
 
     def encode_remote(chunk: list[str]) -> list[PromptEmbedding]:
-        # Straight to ``encode``: the pool checks ``expect`` before any work and rejects a request
-        # for an encoder it does not hold, so the resident case (every request after the first)
-        # costs no ``status`` round trip (a per-request cost: benchmarks/bench_pool_text.py
-        # "pool" vs "pool request" measures it).
-        # None loaded yet, or another client swapped the pool's text encoder in between: load
-        # ours and retry (twice at most: the first load itself may be swapped out before our
-        # request runs).
-        for _ in range(2):
-            try:
-                return send(chunk)
-            except BadInputError:
-                if loaded_key(client) == key:
-                    raise  # ours is resident: the request itself was bad
-            ensure_text_encoder(client, config, key, on_progress, should_cancel, timeout)
-        return send(chunk)
+        return request_text_encoder(client, config, key, patches, lambda: send(chunk), on_progress, should_cancel,
+                                    timeout)
 
     ranks = client.spec.nproc if config.placement == "batch_parallel" else 1
     request_size = batch_size * ranks
@@ -222,6 +257,63 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
         found.update(zip(chunk, encode_remote(chunk)))
     return ([found[p] for p in prompts],
             CacheReport(hits=0, misses=len(unique), encoded=len(unique), seconds=time.perf_counter() - t0))
+
+
+def generate_text(client: PoolClient, config: TextEncoderConfig, text: str, options: GenerateOptions | Mapping, *,
+                  patches: TextPatches | None = None, on_progress: ProgressCallback | None = None,
+                  should_cancel: Callable[[], bool] | None = None, timeout: float | None = None) -> dict:
+    """ComfyUI's ``CLIP.generate`` then ``CLIP.decode`` on the pool's Gemma
+    (``ltx_mgpu.pool.generate_jobs``): ``text`` is the prompt as ComfyUI's Gemma tokenizer gets it
+    (any chat template applied), ``options`` the sampling options (a ``GenerateOptions`` or its
+    fields, ComfyUI's ``CLIP.generate`` keywords), ``patches`` the CLIP's LoRAs.
+    The text encoder is loaded (or its patches merged) first when the pool holds another.
+
+    Returns:
+        The ``generate`` result: ``{"tokens", "text", "stopped", "prompt_tokens", "tokenizer",
+        "seconds", "decode_tokens_per_second"}``.
+
+    Raises:
+        ValueError: ``text`` is not a string; an option out of range (named; ``GenerateOptions``).
+        BadInputError, JobCancelledError, PoolTimeoutError, PoolFatalError, PoolStartError.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"the prompt must be a string, got {type(text).__name__}")
+    if isinstance(options, Mapping):
+        options = GenerateOptions(**options)  # ValueError naming a bad option, before any request
+    if not isinstance(options, GenerateOptions):
+        raise ValueError(f"options must be a GenerateOptions or a mapping of its fields, got {type(options).__name__}")
+    key = pool_key(config)
+    params = {"text": text, "expect": key, "patches": patches.identity if patches is not None else NO_PATCHES,
+              **options.to_params()}
+
+    def send() -> dict:
+        return client.request("generate", params, on_progress=on_progress, should_cancel=should_cancel,
+                              timeout=timeout)[0]
+
+    return request_text_encoder(client, config, key, patches, send, on_progress, should_cancel, timeout)
+
+
+@functools.lru_cache(maxsize=8)
+def _clip_weight_keys(gemma: str, stats: tuple) -> dict[str, tuple[int, ...]]:
+    # reads the source's config and builds Gemma on the meta device (transformers): only
+    # LoraLoader on the Gemma Loader's CLIP asks for the keys
+    from ltx_mgpu.text.encoder.configs import read_gemma_config
+    from ltx_mgpu.text.gemma.lora import comfy_clip_keys, tower_parameter_shapes  # as above
+
+    return comfy_clip_keys(tower_parameter_shapes(read_gemma_config(gemma)))
+
+
+def clip_weight_keys(config: TextEncoderConfig) -> dict[str, tuple[int, ...]]:
+    """ComfyUI's state-dict keys of the Gemma text tower's weights (``gemma3_12b.transformer.
+    model.<name>``) -> shape, for ``config.gemma``: what ``comfy.lora.model_lora_keys_clip`` maps
+    a LoRA's text-encoder keys onto. From the source's headers (memoised while its files are
+    unchanged).
+
+    Raises:
+        FileNotFoundError, GemmaFormatError: as ``read_gemma_config``.
+    """
+    st = os.stat(config.gemma)
+    return dict(_clip_weight_keys(config.gemma, (st.st_mtime_ns, st.st_size, st.st_ino)))
 
 
 def encode_with_pool(config: TextEncoderConfig, prompts: Sequence[str], *,

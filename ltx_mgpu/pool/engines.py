@@ -75,6 +75,8 @@ _ENGINES: dict[str, Handler] = {}
 ENGINE_MODULES: dict[str, str] = {
     "load_text_encoder": "ltx_mgpu.pool.text_jobs",
     "encode": "ltx_mgpu.pool.text_jobs",
+    "text_patches": "ltx_mgpu.pool.text_jobs",
+    "generate": "ltx_mgpu.pool.generate_jobs",
     "load_transformer": "ltx_mgpu.pool.denoise_jobs",
     "sample": "ltx_mgpu.pool.denoise_jobs",
     "text_contexts": "ltx_mgpu.pool.model_jobs",
@@ -260,6 +262,12 @@ class JobContext:
         if region is None:
             return None
         return {name: region[slice(*spans[name])].view(dtype).view(tuple(shape)) for name, dtype, shape in specs}
+
+    def cancel_requested(self) -> bool:
+        """Whether the client asked to cancel this job, as rank 0 knows it (False on the other
+        ranks). Not a collective: for work one rank does alone (a generation on rank 0) to stop
+        early; every rank then meets at :meth:`check_cancel`, which decides for all."""
+        return self.is_main and self._cancel_requested is not None and bool(self._cancel_requested())
 
     def check_cancel(self) -> None:
         """Collective step boundary: rank 0 decides continue/cancel and broadcasts it over the

@@ -36,8 +36,6 @@ transformer blocks (``LTXDenoiser.stoppable``), so a long call stops within a fe
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ltx_mgpu.denoise.comfyui.conditioning import ConditioningError
@@ -45,9 +43,9 @@ from ltx_mgpu.denoise.comfyui.extra_conds import ExtraConds, ExtraCondsError, ex
 from ltx_mgpu.denoise.comfyui.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
 from ltx_mgpu.denoise.comfyui.latents import LatentFormatError
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError
-from ltx_mgpu.denoise.patches import PATCH_KINDS, WeightPatch
-from ltx_mgpu.pool.denoise_jobs import ResidentTransformer, resident_transformer, set_weight_patches
+from ltx_mgpu.pool.denoise_jobs import resident_transformer, set_weight_patches
 from ltx_mgpu.pool.engines import BadInput, JobCancelled, JobContext, register_engine
+from ltx_mgpu.pool.patch_requests import parse_adapters, parse_entries, used_adapters
 from ltx_mgpu.wire import codec
 from ltx_mgpu.wire.messages import FORWARD_TENSORS, MAX_BATCH, MAX_TEXT_TOKENS, NO_PATCHES
 
@@ -204,35 +202,6 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     return {"parts": len(outs)}, buffers
 
 
-def _number(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadInput(f"{what} must be a finite number, got {value!r:.40}")
-    return float(value)
-
-
-def _adapters(resident: ResidentTransformer, raw: list, tensors: dict) -> dict:
-    """The adapters the request brings, checked: id -> (kind, alpha, tensors)."""
-    new = {}
-    for i, item in enumerate(raw or []):
-        if not isinstance(item.get("id"), str) or item.get("kind") not in PATCH_KINDS:
-            raise BadInput(f"adapters[{i}] must be {{\"id\": str, \"kind\": one of {list(PATCH_KINDS)}, ...}}")
-        aid, kind = item["id"], item["kind"]
-        alpha = None if item.get("alpha") is None else _number(item["alpha"], f"adapters[{i}].alpha")
-        names = ("up", "down") if kind == "lora" else ("diff",)
-        parts = {}
-        for n in names:
-            t = tensors.get(f"{aid}.{n}")
-            least = 2 if kind == "lora" else 1
-            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.ndim < least:
-                raise BadInput(f"adapter {aid!r} ({kind}) needs tensor '{aid}.{n}'")
-            if not bool(torch.isfinite(t).all()):
-                raise BadInput(f"adapter {aid!r}: tensor '{aid}.{n}' holds NaN or infinite values; the LoRA file is "
-                               "damaged")
-            parts[n] = t
-        new[aid] = (kind, alpha, parts)
-    return new
-
-
 @register_engine("model_patches")
 def model_patches_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Merge ComfyUI's weight patches into the resident transformer on every rank.
@@ -251,26 +220,9 @@ def model_patches_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
     """
     name = params.get("model", codec.DEFAULT_MODEL)
     resident = resident_transformer(ctx, name, params.get("key"))
-    new = _adapters(resident, params.get("adapters"), tensors)
-    held = {**resident.adapters, **new}
-    patches: dict[str, list[WeightPatch]] = {}
-    for i, entry in enumerate(params["entries"]):
-        key, plist = entry.get("key"), entry.get("patches")
-        if not isinstance(key, str) or not isinstance(plist, list) or key in patches:
-            raise BadInput(f"entries[{i}] must be {{\"key\": str, \"patches\": [...]}}, one per key")
-        out = []
-        for j, p in enumerate(plist):
-            aid = p.get("adapter") if isinstance(p, dict) else None
-            if aid not in held:
-                raise BadInput(f"entries[{i}].patches[{j}] references adapter {aid!r} the pool does not hold",
-                               reason="unknown_adapter")
-            kind, alpha, parts = held[aid]
-            strength = _number(p.get("strength", 1.0), f"entries[{i}].patches[{j}].strength")
-            strength_model = _number(p.get("strength_model", 1.0), f"entries[{i}].patches[{j}].strength_model")
-            out.append(WeightPatch(kind, strength, strength_model, up=parts.get("up"), down=parts.get("down"),
-                                   alpha=alpha, diff=parts.get("diff")))
-        patches[key] = out
-    used = {p.get("adapter") for e in params["entries"] for p in e["patches"]}
+    held = {**resident.adapters, **parse_adapters(params.get("adapters"), tensors)}
+    patches = parse_entries(params["entries"], held)
+    used = used_adapters(params["entries"])
     set_weight_patches(ctx, name, resident, patches, params["patches"])
     resident.adapters = {k: v for k, v in held.items() if k in used}
     return {"patches": resident.patches, "keys": len(resident.patched_keys),

@@ -16,6 +16,13 @@ the holders' copy carries the model; ``status`` reports its ``key``, placement a
 after an ``encode`` with ``keep`` (the default), ``text_embeddings``: the last encode's
 embeddings on every rank's device, for a following job. A new load frees both first; ``unload``
 frees them.
+
+Text-encoder LoRAs (``text_patches``, ComfyUI's ``LoraLoader`` on the Gemma Loader's CLIP): the
+resident encoder holds one patch set at a time, named by the client's content id
+(``patches``; ``"none"`` for the loaded weights), merged into the holders' Gemma
+(``ltx_mgpu.text.gemma.lora.TowerPatches``). ``encode`` and ``generate`` name the set they
+expect; any other is refused with reason ``stale_patches`` and the client sends its set and
+retries, so an encode never runs on another CLIP's LoRA.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,11 +42,15 @@ from ltx_mgpu.text.config import COMPILE_NF4, MAX_KEY, TextEncoderConfig
 from ltx_mgpu.text.encoder import placement as tp
 from ltx_mgpu.text.encoder.device_map import describe_device_map
 from ltx_mgpu.text.encoder.prompt import PromptEncoder
+from ltx_mgpu.text.gemma.lora import TowerPatches
 from ltx_mgpu.text.gemma.tokenizer import check_prompts
+from ltx_mgpu.wire.messages import NO_PATCHES
+
+__all__ = ["TEXT_ENCODER", "EMBEDDINGS", "LoadRequest", "ResidentTextEncoder", "parse_load_request",
+           "resident_text_encoder", "load_text_encoder", "encode", "text_patches"]
 
 TEXT_ENCODER = "text_encoder"
 EMBEDDINGS = "text_embeddings"
-#: The request fields, declared once in the protocol's schemas (unknown ones are refused at receipt).
 
 
 @dataclass(frozen=True)
@@ -114,12 +125,28 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
 @dataclass(eq=False)
 class ResidentTextEncoder:
     """The loaded text encoder as one rank knows it: the request, the model (holders only),
-    the broadcast dtype and, for ``accelerate``, the device map."""
+    the broadcast dtype and, for ``accelerate``, the device map; the merged patch set's id
+    (``patches``, the same on every rank), the adapters held for it and, on holders, the
+    patches merged into Gemma; the generator (``ltx_mgpu.pool.generate_jobs``), made by the
+    first ``generate``."""
 
     request: LoadRequest
     encoder: PromptEncoder | None
     wire: torch.dtype
     device_map: dict | None = None
+    patches: str = NO_PATCHES
+    adapters: dict = field(default_factory=dict)
+    merged: TowerPatches | None = None
+    generation: Any = None
+
+    def weights_changed(self) -> None:
+        """After the holders' weights changed (a patch set merged): the encoder's CUDA graphs and
+        the generator are made again on next use (hooks and packed-layer patches are not in a
+        graph captured before them; a dense copy of the embedding table is stale)."""
+        if self.encoder is not None and self.encoder.graphs is not None:
+            self.encoder.graphs.clear()
+        if self.generation is not None:
+            self.generation.reset()
 
     def info(self) -> dict:
         """``status`` entry: key, placement, weights, whether this rank holds Gemma, and the
@@ -202,6 +229,29 @@ def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
     return {**summary, "reused": False, "seconds": seconds, "layers": describe_device_map(device_map)}, {}
 
 
+def resident_text_encoder(ctx: JobContext, params: dict, *, check_patches: bool = True) -> ResidentTextEncoder:
+    """The resident text encoder a request (``encode``, ``generate``, ``text_patches``) is for,
+    checked the same way on every rank: one is loaded, it is the ``expect`` ed one and (with
+    ``check_patches``) its merged patch set is the request's ``patches`` (default ``"none"``).
+
+    Raises:
+        BadInput: no encoder loaded; another one than ``expect``; another patch set (reason
+            ``stale_patches``: the client sends its set and retries).
+    """
+    state = ctx.models.get(TEXT_ENCODER)
+    if state is None:
+        raise BadInput("no text encoder is loaded in the pool; send load_text_encoder first")
+    expect = params.get("expect")
+    if expect is not None and expect != state.request.key:
+        raise BadInput(f"the pool's text encoder is {state.request.key!r:.120}, not the expected {expect!r:.120} "
+                       "(another client loaded a different one); load yours again")
+    want = params.get("patches", NO_PATCHES)
+    if check_patches and want != state.patches:
+        raise BadInput(f"the pool's text encoder holds the weight patches {state.patches!r:.80}, not "
+                       f"{want!r:.80}; send them with text_patches", reason="stale_patches")
+    return state
+
+
 def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, list[str], int, bool, bool]:
     """The resident encoder and the request's prompts and options. The schema typed and bounded
     every field at receipt (``ltx_mgpu.wire.messages``: strings, at most ``MAX_PROMPTS``, a
@@ -210,20 +260,14 @@ def _encode_params(ctx: JobContext, params: dict) -> tuple[ResidentTextEncoder, 
 
     Raises:
         BadInput: a prompt that is not Unicode text (first: a bad prompt never costs a Gemma load),
-            no encoder loaded, another one than ``expect``.
+            and what :func:`resident_text_encoder` raises.
     """
     prompts = list(params["prompts"])
     try:
         check_prompts(prompts)  # the tokenizer cannot take a lone surrogate
     except ValueError as e:
         raise BadInput(str(e)) from None
-    state = ctx.models.get(TEXT_ENCODER)
-    if state is None:
-        raise BadInput("no text encoder is loaded in the pool; send load_text_encoder first")
-    expect = params.get("expect")
-    if expect is not None and expect != state.request.key:
-        raise BadInput(f"the pool's text encoder is {state.request.key!r:.120}, not the expected {expect!r:.120} "
-                       "(another client loaded a different one); load yours again")
+    state = resident_text_encoder(ctx, params)
     batch_size, keep, verify = params.get("batch_size", 8), params.get("keep", True), params.get("verify", False)
     return state, prompts, batch_size, keep, verify
 
@@ -272,7 +316,8 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     ``text_embeddings`` on every rank), ``verify`` (a diagnostic of the broadcast: gather every
     rank's SHA-256 of each embedding it holds to rank 0), ``max_tokens`` (optional: encode every
     prompt whole up to that many tokens, BOS included, ignoring the loaded ``token_budget`` and
-    ``truncate``, as ComfyUI's LTX-2 text encoder does; ``PromptEncoder.encode(max_tokens=)``).
+    ``truncate``, as ComfyUI's LTX-2 text encoder does; ``PromptEncoder.encode(max_tokens=)``),
+    ``patches`` (the weight patch set the client expects merged, default ``"none"``).
 
     ``single``/``accelerate``: rank 0 encodes in sub-batches; ``batch_parallel``: each rank
     its contiguous slice. Between sub-batches every rank passes ``check_cancel`` the same
@@ -288,7 +333,8 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     ``embeddings_from_result`` restores exactly), prompt order.
 
     Raises:
-        BadInput: no encoder loaded, an ``expect`` mismatch, bad parameters (more than
+        BadInput: no encoder loaded, an ``expect`` mismatch, another patch set merged
+            (``stale_patches``), bad parameters (more than
             ``MAX_PROMPTS`` prompts or a ``batch_size`` over it: refused at receipt), a prompt
             that is not valid Unicode text (a lone surrogate, from a non-UTF-8 command-line
             argument); a prompt over the token budget with ``truncate=False`` (or over
@@ -370,3 +416,61 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         result["rank_digests"] = digests
         result["consistent"] = all(d == digests[0] for d in digests)
     return result, {f"prompt_{i}": r for i, r in enumerate(rows)}
+
+
+@register_engine("text_patches")
+def text_patches(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
+    """Merge ComfyUI's weight patches (``LoraLoader``'s CLIP strength) into the resident text
+    encoder, on every rank that holds Gemma (``ltx_mgpu.text.gemma.lora.TowerPatches``).
+
+    Params: ``patches`` (the set's id), ``entries`` and ``adapters`` (ComfyUI's patch set:
+    ``ltx_mgpu.pool.patch_requests``; keys ``gemma3_12b.transformer.model.<weight>``), ``expect``.
+    Empty ``entries`` restores the loaded weights.
+
+    Returns (rank 0):
+        ``{"patches": id, "keys": patched weights, "adapters": ids held}``.
+
+    Raises:
+        BadInput: no encoder loaded or another one (as :func:`resident_text_encoder`); an adapter
+            neither sent nor held (``unknown_adapter``); malformed entries; a key the Gemma does
+            not have or a factor that does not fit its weight (names the key; agreed). On any
+            failure the loaded weights are restored (patch set ``"none"``); when even that
+            fails the text encoder is unloaded.
+    """
+    # loads ltx-core (WeightPatch): only a text encoder with LoRAs needs it
+    from ltx_mgpu.pool.patch_requests import parse_adapters, parse_entries, used_adapters
+
+    state = resident_text_encoder(ctx, params, check_patches=False)
+    held = {**state.adapters, **parse_adapters(params.get("adapters"), tensors)}
+    patches = parse_entries(params["entries"], held)
+    error = broken = None
+    keys: set[str] = set()
+    if state.encoder is not None:
+        if state.merged is None:
+            state.merged = TowerPatches(state.encoder.tower)
+        try:
+            keys = state.merged.set(patches)
+        except Exception as e:  # noqa: BLE001 - a key that does not fit, out of memory: agreed below
+            error = str(e) if isinstance(e, ValueError) else failure_message(e, "merging the text encoder's LoRA")
+            try:
+                state.merged.set({})
+            except Exception as e2:  # noqa: BLE001 - the weights are neither loaded nor patched
+                broken = failure_message(e2, "restoring the text encoder's loaded weights")
+        state.weights_changed()
+    try:
+        ctx.agree(broken)
+    except BadInput as e:
+        ctx.models.pop(TEXT_ENCODER)
+        ctx.models.pop(EMBEDDINGS)
+        free_memory(ctx.device)
+        raise BadInput(f"{e}; the text encoder was unloaded (load it again)") from None
+    try:
+        ctx.agree(error)
+    except BadInput:
+        state.patches, state.adapters = NO_PATCHES, {}
+        raise
+    used = used_adapters(params["entries"])
+    state.patches = params["patches"] if patches else NO_PATCHES
+    state.adapters = {k: v for k, v in held.items() if k in used}
+    ctx.models.put(TEXT_ENCODER, state, info={**state.info(), "patches": state.patches})
+    return {"patches": state.patches, "keys": len(keys), "adapters": sorted(state.adapters)}, {}

@@ -37,6 +37,8 @@ __all__ = [
     "NO_PATCHES",
     "MAX_ADAPTERS",
     "MAX_PATCH_KEYS",
+    "MAX_NEW_TOKENS",
+    "MAX_STOP_TOKENS",
 ]
 
 ERROR_KINDS = ("bad_input", "cancelled", "fatal")
@@ -73,6 +75,10 @@ MAX_LORAS = 64
 #: and the adapters (LoRA factor pairs, diffs) it may reference.
 MAX_PATCH_KEYS = 16384
 MAX_ADAPTERS = 65536
+#: Tokens one ``generate`` may produce (its ``max_length``; ComfyUI's ``TextGenerate`` offers up
+#: to 2048), and the stop tokens it may name.
+MAX_NEW_TOKENS = 16384
+MAX_STOP_TOKENS = 64
 #: The keyword arguments of ComfyUI's LTXAV model call a ``forward`` implements
 #: (``LTXAV.extra_conds``): the denoise masks (ComfyUI has folded them into the per-token
 #: timesteps, ``LTXAV.process_timestep``; with keyframe guides the video one also drops tokens),
@@ -212,8 +218,30 @@ for _s in (
         F("expect", ("str", "null"), False),
         F("keep", ("bool",), False), F("verify", ("bool",), False),
         F("max_tokens", ("int",), False, bounds=(1, MAX_TEXT_TOKENS),
-          hint="tokens a prompt encoded whole may have (BOS included)")),
+          hint="tokens a prompt encoded whole may have (BOS included)"),
+        F("patches", ("str",), False)),
         doc="encode prompts; every rank ends holding every embedding"),
+    MessageSchema("generate", (
+        F("text", ("str",)), F("expect", ("str", "null"), False), F("patches", ("str",), False),
+        F("do_sample", ("bool",), False),
+        F("max_length", ("int",), False, bounds=(1, MAX_NEW_TOKENS), hint="generate fewer tokens per request"),
+        F("temperature", ("number",), False, bounds=(0, 1e4)),
+        F("top_k", ("int",), False, bounds=(0, 1 << 31)),
+        F("top_p", ("number",), False, bounds=(0, 1)), F("min_p", ("number",), False, bounds=(0, 1)),
+        F("repetition_penalty", ("number",), False, bounds=(0, 1e4)),
+        F("presence_penalty", ("number",), False, bounds=(-1e4, 1e4)),
+        F("seed", ("int", "null"), False, bounds=(0, (1 << 64) - 1), hint="ComfyUI's seeds are 0..2**64-1"),
+        F("stop_tokens", ("list",), False, items="int", max_items=MAX_STOP_TOKENS),
+        F("pad_to", ("int",), False, bounds=(0, MAX_TEXT_TOKENS),
+          hint="ComfyUI pads a Gemma prompt on the left to 1024 tokens")),
+        doc="generate text with the resident Gemma 3 as a causal LM on a prompt (ComfyUI's CLIP.generate); "
+            "the values are a GenerateOptions' (ltx_mgpu.text.generate.options checks them)"),
+    MessageSchema("text_patches", (
+        F("expect", ("str", "null"), False), F("patches", ("str",)),
+        F("entries", ("list",), items="object", max_items=MAX_PATCH_KEYS, hint="apply fewer LoRAs"),
+        F("adapters", ("list",), False, items="object", max_items=MAX_ADAPTERS, hint="apply fewer LoRAs")),
+        tensors=True, doc="merge ComfyUI's weight patches (LoraLoader's CLIP strength) into the resident text "
+                          "encoder, by content id; an empty entries list restores its loaded weights"),
     MessageSchema("unload", (F("names", ("list", "null"), False, items="str"),),
                   doc="free resident models (all when names is null)"),
     MessageSchema("selftest", (

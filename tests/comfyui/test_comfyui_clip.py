@@ -17,9 +17,9 @@ our Gemma Loader (its ``clip`` output, on a pool of 2 CPU ranks), and encodes wi
 * ComfyUI's ``SamplerCustomAdvanced`` (``CFGGuider``, euler, ComfyUI's own model) and our SP
   Sampler give the same latent with our conditioning as with ComfyUI's;
 * inside a node's execution, our encode's progress bar is that node's;
-* ``LoraLoader`` with our CLIP applies the LoRA to the model, returns our CLIP with unchanged
-  embeddings, and says once that text-encoder LoRA weights are not applied; ComfyUI's own loader
-  reports the LoRA's text-encoder key as not loaded.
+* ``LoraLoader`` with our CLIP applies the LoRA to the model and its text-encoder key to our
+  CLIP (the pool's Gemma): the conditioning equals ComfyUI's LoRA'd encoder's (fp32, 1e-4), no key
+  reported as not loaded (more LoRA cases and prompt enhancement: test_comfyui_generate.py).
 
 The text projection of the tiny LTX-2.3 checkpoint is stored in bf16 for this test, as in the real
 LTX-2 checkpoints: ComfyUI keeps the projection in the Gemma file's dtype (bf16), so an fp32 one
@@ -146,7 +146,6 @@ def test_lora_loader_with_our_clip(run):
     tensors, report = run
     lora = report["lora"]
     assert lora["clip_type"] == "GemmaClip" and not lora["same_clip_object"] and lora["model_patched"]
-    assert torch.equal(tensors["lora.ours"], tensors["short.ours"])
-    said = [m for m in lora["logs"] if "not applied" in m]
-    assert len(said) == 1 and "strength_clip" in said[0] and not lora["logs_second"]
-    assert any("lora key not loaded" in m and TE_KEY in m for m in lora["logs"])
+    assert _rel(tensors["lora.ours"], tensors["short.ours"]) > 1e-3  # the text encoder's LoRA is merged
+    assert _rel(tensors["lora.ours"], tensors["lora.comfy"]) <= REL  # as ComfyUI's LoRA'd encoder
+    assert not [m for m in lora["logs"] if "lora key not loaded" in m and TE_KEY in m]

@@ -2,7 +2,9 @@
 
 A key is a SHA-256 over the prompt text (exactly, whitespace included), the content digests
 of the Gemma weights + tokenizer and of the text projection, the weights mode (bf16 / nf4),
-the token budget, the compute dtype and :data:`FORMAT_VERSION`. A cache keyed on the prompt
+the token budget, the compute dtype, the text-encoder LoRAs merged (their content and strengths:
+``ltx_mgpu.client.lora``; absent without one, so a plain encoder's keys are unchanged) and
+:data:`FORMAT_VERSION`. A cache keyed on the prompt
 alone serves stale embeddings after a model or precision change (kijai/ComfyUI-WanVideoWrapper
 issue #2046); :class:`CacheKeyParts` holds the rest of the key, and :func:`cache_key_parts`
 computes them for a :class:`~ltx_mgpu.text.config.TextEncoderConfig` from the files' contents.
@@ -51,6 +53,9 @@ class CacheKeyParts:
         token_budget: Gemma token budget in tokens (1024 for LTX-2).
         dtype: the compute dtype's name, e.g. ``"bfloat16"``; a ``torch.dtype`` is accepted
             and stored as its name.
+        lora: the content id of the text-encoder weight patches (LoRAs) merged into Gemma
+            (``ltx_mgpu.client.lora.TextPatches.identity``), ``""`` for none; left out of the key
+            and of :meth:`to_json` when empty.
 
     Raises:
         ValueError: an empty identity, an unknown weights mode, a non-positive budget or an
@@ -62,6 +67,7 @@ class CacheKeyParts:
     weights_mode: str
     token_budget: int = TOKEN_BUDGET
     dtype: str = "bfloat16"
+    lora: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -74,10 +80,19 @@ class CacheKeyParts:
             raise ValueError(f"CacheKeyParts.weights_mode must be one of {WEIGHTS}, got {self.weights_mode!r}")
         if isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or self.token_budget < 1:
             raise ValueError(f"CacheKeyParts.token_budget must be a positive int (tokens), got {self.token_budget!r}")
+        if not isinstance(self.lora, str):
+            raise ValueError(f"CacheKeyParts.lora must be a string, got {self.lora!r}")
+
+    def fields(self) -> dict:
+        """The parts as a dict, ``lora`` only when set (a plain encoder's keys stay what they were)."""
+        out = dataclasses.asdict(self)
+        if not self.lora:
+            del out["lora"]
+        return out
 
     def to_json(self) -> str:
         """Canonical JSON of the parts (sorted keys, no spaces); stored in each entry."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.fields(), sort_keys=True, separators=(",", ":"))
 
 
 def cache_key(prompt: str, parts: CacheKeyParts) -> str:
@@ -92,7 +107,7 @@ def cache_key(prompt: str, parts: CacheKeyParts) -> str:
     """
     if not isinstance(parts, CacheKeyParts):
         raise TypeError(f"parts must be a CacheKeyParts, got {type(parts).__name__}")
-    record = {"domain": _KEY_DOMAIN, "format": FORMAT_VERSION, "parts": dataclasses.asdict(parts), "prompt": prompt}
+    record = {"domain": _KEY_DOMAIN, "format": FORMAT_VERSION, "parts": parts.fields(), "prompt": prompt}
     return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode("ascii")).hexdigest()
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -42,6 +41,7 @@ from safetensors import safe_open
 from ltx_mgpu.choices import PLACEMENTS, check_choice
 from ltx_mgpu.text.cache.keys import weights_mode
 from ltx_mgpu.text.config import COMPILE_ACCELERATE, TextEncoderConfig
+from ltx_mgpu.text.encoder.configs import read_gemma_config
 from ltx_mgpu.text.encoder.device_map import dispatch_text_tower
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
@@ -53,10 +53,7 @@ from ltx_mgpu.text.features import (
     load_projection,
     projection_gemma,
 )
-from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
-from ltx_mgpu.text.gemma.gguf_file import open_gemma_gguf
-from ltx_mgpu.text.gemma.sources import detect_gemma_format, gemma_source_files
-from ltx_mgpu.text.nf4.artifact import read_manifest
+from ltx_mgpu.text.gemma.sources import detect_gemma_format
 
 __all__ = [
     "GemmaShape", "ProjectionShape", "ReplicatedEmbeddings", "check_pairing",
@@ -142,22 +139,8 @@ def read_gemma_shape(path: str | os.PathLike) -> GemmaShape:
     Raises:
         FileNotFoundError, GemmaFormatError (a ValueError): as ``gemma_source_files``.
     """
-    p = Path(path)
-    fmt = detect_gemma_format(p)
-    gemma_source_files(p)  # raises when the tokenizer is missing
-    if fmt == "hf_snapshot":
-        from transformers import AutoConfig  # deferred: transformers takes seconds to import
-
-        cfg = AutoConfig.from_pretrained(str(p))
-        cfg = cfg.text_config if cfg.model_type == "gemma3" else cfg
-    elif fmt == "comfy_file":
-        cfg = open_comfy_file(p).config()
-    elif fmt == "gguf_file":
-        cfg = open_gemma_gguf(p).config()
-    else:
-        from transformers import Gemma3TextConfig  # deferred: transformers takes seconds to import
-
-        cfg = Gemma3TextConfig.from_dict(read_manifest(p)["config"])
+    fmt = detect_gemma_format(path)
+    cfg = read_gemma_config(path)
     return GemmaShape(fmt, int(cfg.num_hidden_layers), int(cfg.hidden_size))
 
 

@@ -196,10 +196,13 @@ class GemmaGGUF:
         proto = spm.ModelProto()
         spec, norm = proto.trainer_spec, proto.normalizer_spec
         spec.model_type, spec.byte_fallback, spec.vocab_size = spm.TrainerSpec.BPE, True, len(tokens)
-        for attr, key, default in (("pad_id", "padding", 0), ("eos_id", "eos", 1), ("bos_id", "bos", 2),
-                                   ("unk_id", "unknown", 3)):
+        for attr, key, default in (("pad", "padding", 0), ("eos", "eos", 1), ("bos", "bos", 2),
+                                   ("unk", "unknown", 3)):
             value = self.field(f"tokenizer.ggml.{key}_token_id")
-            setattr(spec, attr, int(default if value is None else value))
+            index = int(default if value is None else value)
+            setattr(spec, f"{attr}_id", index)
+            if 0 <= index < len(tokens):  # SentencePiece finds <bos> etc. by these names when it adds them
+                setattr(spec, f"{attr}_piece", tokens[index])
         norm.name = "identity"
         norm.add_dummy_prefix = bool(self.field("tokenizer.ggml.add_space_prefix") or False)
         norm.remove_extra_whitespaces, norm.escape_whitespaces = False, True

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
 __all__ = ["PromptTooLongError", "prompt_too_long", "GEMMA_TOKENIZER_KWARGS", "tokenizer_from_spm", "load_tokenizer",
-           "check_prompts", "tokenize"]
+           "check_prompts", "comfy_unescape", "tokenize"]
 
 #: How LTX-2 / ComfyUI use Gemma 3's tokenizer: BOS first, no EOS, left padding.
 GEMMA_TOKENIZER_KWARGS = {"add_bos_token": True, "add_eos_token": False, "padding_side": "left"}
@@ -161,7 +161,7 @@ def check_prompts(prompts: Sequence[str], what: str = "prompts") -> None:
             ) from None
 
 
-def _comfy_unescape(text: str) -> str:
+def comfy_unescape(text: str) -> str:
     """ComfyUI's ``unescape_important(escape_important(text))`` (``comfy/sd1_clip.py``)."""
     text = text.replace("\\)", "\0\1").replace("\\(", "\0\2")
     return text.replace("\0\1", ")").replace("\0\2", "(")
@@ -206,7 +206,7 @@ def tokenize(
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    texts = [_comfy_unescape(p) for p in prompts]
+    texts = [comfy_unescape(p) for p in prompts]
     encoded = tower.tokenizer(texts, add_special_tokens=True)["input_ids"]
     dropped = []
     for i, ids in enumerate(encoded):

@@ -28,14 +28,15 @@ same bytes; ``save_nf4`` keeps working) and :meth:`FastDequant.remove` restores 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+import contextlib
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
 
 from ltx_mgpu.text.nf4.kernel import UnitDequant
 
-__all__ = ["METHODS", "UnitFill", "dequantize_nf4", "FastDequant"]
+__all__ = ["METHODS", "UnitFill", "dequantize_nf4", "FastDequant", "installed_fast_dequant"]
 
 Method = Literal["bnb", "triton"]
 METHODS = ("bnb", "triton")
@@ -95,6 +96,8 @@ class _DenseLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         owner = self._refs[1]
+        if owner.bypass:
+            return self._refs[0](x)
         if owner.scope == "linear":
             owner._begin(self.unit)
         dense = self.dense
@@ -166,6 +169,7 @@ class FastDequant:
         self._stream = torch.cuda.Stream(self.units[0][0].weight.device) if self.prefetch else None
         self._triton: dict[tuple[int, int], Any] = {}  # (unit, buffer) -> kernel.UnitDequant
         self._view_cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, buffer) -> weight views
+        self.bypass = False  # bypassed(): the Linear4bit modules compute, no unit is dequantized
         self._ready: dict[int, Any] = {}  # unit -> event: its weights are in its buffer
         self._free: dict[int, Any] = {}  # buffer -> event: the unit that used it has run
 
@@ -203,7 +207,22 @@ class FastDequant:
         for w, v in zip(unit, self._views(u, buf)):
             dequantize_nf4(w.weight, v, self.method)
 
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Within it, every projection runs its original ``Linear4bit`` (bitsandbytes' own path,
+        whose one-token inference kernel reads the 4-bit weight once) and no unit is dequantized:
+        a decode step of one token would otherwise dequantize every layer's weights in full."""
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+        self.bypass = True
+        try:
+            yield
+        finally:
+            self.bypass = False
+
     def _begin(self, u: int) -> None:
+        if self.bypass:
+            return
         device = self.units[u][0].weight.device
         k = u % 2 if self.prefetch else 0
         buf = self._buffer(k, device)
@@ -231,6 +250,8 @@ class FastDequant:
                 self._ready[u + 1] = self._stream.record_event()
 
     def _end(self, u: int) -> None:
+        if self.bypass:
+            return
         for w in self.units[u]:
             w.dense = None
         if self.prefetch:
@@ -246,3 +267,11 @@ class FastDequant:
             torch.cuda.current_stream().wait_stream(self._stream)
         self._hooks, self._slots, self._buffers, self._ready, self._free, self._triton = [], [], [], {}, {}, {}
         self._view_cache = {}
+
+
+def installed_fast_dequant(model: torch.nn.Module) -> FastDequant | None:
+    """The :class:`FastDequant` installed on ``model``'s projections, or None."""
+    for module in model.modules():
+        if isinstance(module, _DenseLinear):
+            return module._refs[1]
+    return None

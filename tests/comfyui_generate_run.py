@@ -1,0 +1,159 @@
+"""Prompt enhancement and a text-encoder LoRA with ComfyUI's own LTX-2 text encoder and with our
+Gemma Loader's CLIP, in-process.
+
+Used by ``tests/comfyui/test_comfyui_generate.py``; run with ComfyUI's Python (``$COMFYUI_PYTHON``)::
+
+    python tests/comfyui_generate_run.py SPEC.json OUT_DIR
+
+``SPEC.json``: ``{"comfyui": dir, "gemma_config": the model's config.json, "text_encoders": dir,
+"gemma": file name there (ComfyUI's single-file format), "checkpoints": dir, "checkpoint": file
+name there, "loras": dir, "lora": file name there or null, "prompts": [...], "max_length": n, "plain":
+TextGenerate's cases too (default true)}``.
+
+ComfyUI hard-codes Gemma 3 12B's sizes; ``comfyui_clip_run.shrink_gemma`` replaces them by the
+model's. For a config that is not 12B-like in its other settings (the real Gemma 3 270M: no RoPE
+scaling on its global layers, no vision tower) :func:`comfy_config` states ComfyUI's equivalents
+first (``rope_scale`` 1, the same float32 norm epsilon, a one-layer vision tower that generation
+never runs). Then, on ``LTXAVTextEncoderLoader``'s CLIP (``comfy``) and on our Gemma Loader's
+``clip`` (a pool of 2 CPU ranks) made to compute in fp32 as ComfyUI's text encoder does (``ours``):
+
+* ``TextGenerateLTX2Prompt`` on each prompt, sampling off and on (the templates' settings:
+  temperature 0.7, top-k 64, top-p 0.95, min-p 0.05, repetition penalty 1.05, seed 0), and
+  ``TextGenerate`` with ComfyUI's default chat template and without; each call's token ids
+  (``clip.generate`` recorded) and text;
+* with a LoRA (``lora``): ComfyUI's ``LoraLoader`` (strength_clip 0.8) on each CLIP, then
+  ``CLIPTextEncode`` and the greedy enhancement on the LoRA'd CLIPs, and ``CLIPTextEncode`` on
+  the plain ones.
+
+Writes ``OUT_DIR/report.json`` (``{"runs": {case: {who: {"ids", "text"}}}, "lora_logs": [...]}``)
+and ``OUT_DIR/conds.safetensors`` (``<case>.<who>`` conditioning tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from comfyui_clip_run import shrink_gemma  # noqa: E402 - this script runs from tests/
+from comfyui_support import collect_warnings, load_pack_in_process  # noqa: E402
+
+#: A one-layer vision tower for a text-only Gemma (ComfyUI's Gemma 3 always builds one).
+SMALL_VISION = {"hidden_size": 32, "image_size": 28, "intermediate_size": 64, "num_attention_heads": 2,
+                "num_hidden_layers": 1, "patch_size": 14}
+SAMPLING_ON = {"sampling_mode": "on", "temperature": 0.7, "top_k": 64, "top_p": 0.95, "min_p": 0.05,
+               "repetition_penalty": 1.05, "seed": 0, "presence_penalty": 0.0}
+SAMPLING_OFF = {"sampling_mode": "off"}
+
+
+def comfy_config(config: dict) -> dict:
+    """``config`` (a ``config.json``) in the form ``shrink_gemma`` takes, with ComfyUI's
+    equivalents of what it does not name (module doc); ComfyUI's ``rope_scale`` set to match."""
+    import comfy.text_encoders.llama as llama
+
+    config = copy.deepcopy(config)
+    if "text_config" not in config:  # a text-only Gemma 3 (Gemma3ForCausalLM)
+        config = {"text_config": config, "vision_config": dict(SMALL_VISION), "mm_tokens_per_image": 4}
+    text = config["text_config"]
+    full = text["rope_parameters"]["full_attention"]
+    if "factor" not in full:  # rope_type "default": no scaling, ComfyUI's rope_scale 1
+        full["factor"] = 1.0
+        llama.Gemma3_12B_Config.rope_scale = [1.0, 1.0]
+    import numpy as np
+
+    if float(np.float32(text["rms_norm_eps"])) == float(np.float32(1e-6)):  # the same float32 epsilon
+        text["rms_norm_eps"] = 1e-6
+    return config
+
+
+def main() -> int:
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    spec = json.loads(spec_path.read_text())
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import comfy.model_management  # noqa: F401 - ComfyUI's device setup, after args
+    import comfy.sd
+    import folder_paths
+    import torch
+    from comfy_extras.nodes_lt_audio import LTXAVTextEncoderLoader
+    from comfy_extras.nodes_textgen import TextGenerate, TextGenerateLTX2Prompt
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import nodes as comfy_nodes
+
+    checkpoint = str(Path(spec["checkpoints"]) / spec["checkpoint"])
+    with safe_open(checkpoint, "pt") as f:
+        widths = (f.get_slice("text_embedding_projection.video_aggregate_embed.bias").get_shape()[0],
+                  f.get_slice("text_embedding_projection.audio_aggregate_embed.bias").get_shape()[0])
+    shrink_gemma(comfy_config(json.loads(Path(spec["gemma_config"]).read_text())), widths)
+    for folder in ("text_encoders", "checkpoints", "loras"):
+        folder_paths.add_model_folder_path(folder, spec[folder])
+
+    ours_nodes = load_pack_in_process()
+    logs = collect_warnings()
+    theirs = LTXAVTextEncoderLoader.execute(text_encoder=spec["gemma"], ckpt_name=spec["checkpoint"]).result[0]
+    (pool,) = ours_nodes["LTXMGPU_Pool"].execute(gpus="cpu", cpu_ranks=2, lifetime="with-owner", free_comfy_vram=False)
+    te, clip_bf16 = ours_nodes["LTXMGPU_GemmaLoader"].execute(pool, spec["gemma"], f"checkpoints/{spec['checkpoint']}",
+                                                             "bf16", "single", True)
+    # ComfyUI's LTX-2 text encoder computes in fp32 on the CPU (its weights upcast per layer)
+    ours = type(clip_bf16)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+
+    def recording(clip, sink: list):
+        """The CLIP with its ``generate`` results appended to ``sink`` (the node decodes them)."""
+        generate = clip.generate
+
+        def record(*a, **k):
+            ids = generate(*a, **k)
+            sink.append([int(t) for t in ids])
+            return ids
+
+        clip.generate = record
+        return clip
+
+    runs: dict = {}
+
+    def enhance(case: str, node, clips: dict, prompt: str, mode: dict, **kw) -> None:
+        for who, clip in clips.items():
+            sink: list = []
+            out = node.execute(recording(clip, sink), prompt, spec["max_length"], dict(mode), **kw)
+            (text,) = out.result
+            runs.setdefault(case, {})[who] = {"ids": sink[-1], "text": text}
+
+    both = {"comfy": theirs, "ours": ours}
+    with torch.inference_mode():
+        for i, prompt in enumerate(spec["prompts"]):
+            enhance(f"ltx2.greedy.{i}", TextGenerateLTX2Prompt, both, prompt, SAMPLING_OFF)
+            enhance(f"ltx2.sampled.{i}", TextGenerateLTX2Prompt, both, prompt, SAMPLING_ON)
+        if spec.get("plain", True):
+            enhance("plain.template", TextGenerate, both, spec["prompts"][0], SAMPLING_OFF, use_default_template=True)
+            enhance("plain.raw", TextGenerate, both, spec["prompts"][0], SAMPLING_ON, use_default_template=False)
+
+        tensors: dict = {}
+        if spec.get("lora"):
+            model = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clip=False)[0]
+            logs.clear()
+            lora_clips = {who: comfy_nodes.LoraLoader().load_lora(model, clip, spec["lora"], 0.0, 0.8)[1]
+                          for who, clip in both.items()}
+            encode = comfy_nodes.CLIPTextEncode().encode
+            for who in both:
+                for case, clip in (("lora", lora_clips[who]), ("plain", both[who])):
+                    for i, prompt in enumerate(spec["prompts"]):
+                        (cond,) = encode(clip, prompt)
+                        tensors[f"{case}.{i}.{who}"] = cond[0][0].contiguous()
+            enhance("lora.greedy", TextGenerateLTX2Prompt, lora_clips, spec["prompts"][0], SAMPLING_OFF)
+    pool.client.shutdown()
+    if tensors:
+        save_file(tensors, str(out_dir / "conds.safetensors"))
+    (out_dir / "report.json").write_text(json.dumps({"runs": runs, "lora_logs": logs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
