@@ -12,7 +12,8 @@ A transformer loaded by ``load_transformer`` (:mod:`ltx_mgpu.pool.denoise_jobs`)
   ``x.1`` audio latent ``[B, 8, N, 16]`` (optional), ``t.0`` / ``t.1`` their timesteps (``[B]``
   or per token), ``context`` (only when new), and the call's keyframe guides, guide attention,
   reference audio and text mask (``wire.messages.FORWARD_TENSORS``, params ``kwargs`` /
-  ``guides``; applied by :mod:`ltx_mgpu.denoise.comfyui.extra_conds`). The text context
+  ``guides``; applied by :mod:`ltx_mgpu.denoise.comfyui.extra_conds`), and the blocks to skip
+  (param ``skip_blocks``: ComfyUI's skip-layer guidance, :mod:`ltx_mgpu.denoise.comfyui.skip_blocks`). The text context
   is kept per model under the client's ``context_id`` (:data:`CONTEXT_SLOTS`, oldest dropped), so
   a sampling run sends it once, not per step. Returns ``out.0`` / ``out.1``, the velocities in
   the model dtype (into the client's shared memory when offered: ``JobContext.result_buffers``).
@@ -41,6 +42,7 @@ from ltx_mgpu.denoise.comfyui.conditioning import ConditioningError
 from ltx_mgpu.denoise.comfyui.extra_conds import ExtraConds, ExtraCondsError, extra_conds, grid_mask
 from ltx_mgpu.denoise.comfyui.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
 from ltx_mgpu.denoise.comfyui.latents import LatentFormatError
+from ltx_mgpu.denoise.comfyui.skip_blocks import SkipBlocksError, skipped_blocks
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError
 from ltx_mgpu.denoise.patches import PATCH_KINDS, WeightPatch
 from ltx_mgpu.pool.denoise_jobs import ResidentTransformer, resident_transformer, set_weight_patches
@@ -75,15 +77,22 @@ def _context(context: torch.Tensor) -> torch.Tensor:
 @register_engine("text_contexts")
 def text_contexts_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """ComfyUI's ``preprocess_text_embeds`` on tensor ``context`` ``[B, L, D]`` with the resident
-    model's connectors (``unprocessed``: the CONDITIONING's ``unprocessed_ltxav_embeds`` flag).
+    model's connectors (``unprocessed``: the CONDITIONING's ``unprocessed_ltxav_embeds`` flag;
+    ``patches``, when given: the weight patches the call expects merged, as ``forward``'s).
 
     Returns:
         On rank 0 ``({"shape": [B, L, Dv + Da]}, {"context": tensor})`` (model dtype, CPU).
     Raises:
-        BadInput: no such model (reason ``no_model``); a tensor that is not ``[B, L, D]`` float
-            of the width the model's connectors (or its processed form) take.
+        BadInput: no such model (reason ``no_model``); other weight patches merged (reason
+            ``stale_patches``); a tensor that is not ``[B, L, D]`` float of the width the
+            model's connectors (or its processed form) take.
     """
-    resident = resident_transformer(ctx, params.get("model", codec.DEFAULT_MODEL), params.get("key"))
+    name = params.get("model", codec.DEFAULT_MODEL)
+    resident = resident_transformer(ctx, name, params.get("key"))
+    want = params.get("patches")
+    if want is not None and want != resident.patches:
+        raise BadInput(f"the pool's '{name}' has weight patches {resident.patches}, the call expects {want}",
+                       reason="stale_patches")
     context = _context(_float_tensor(tensors, "context", (3,), "the CONDITIONING tensor"))
     extra = sorted(set(tensors) - {"context"})
     if extra:
@@ -129,7 +138,8 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     Raises:
         BadInput: reasons ``no_model`` / ``stale_patches`` / ``unknown_context`` (module doc);
             tensors of the wrong names, shapes or values; ComfyUI keyword arguments outside
-            ``FORWARD_KWARGS``; more video or audio tokens than the model's ``max_tokens``.
+            ``FORWARD_KWARGS``; more video or audio tokens than the model's ``max_tokens``; a block
+            to skip that the model does not have.
     """
     name = params.get("model", codec.DEFAULT_MODEL)
     resident = resident_transformer(ctx, name, params.get("key"))
@@ -172,10 +182,11 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     video = parts[0]
     steps = [t.to(m.device, non_blocking=True) for t in steps]
     try:
-        with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")):
+        with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")), \
+                skipped_blocks(m.transformer, params.get("skip_blocks") or ()):
             out = comfy_forward(m, resident.velocity, parts if len(parts) == 2 else video, tuple(steps), context,
                                 frame_rate=frame_rate, conds=conds)
-    except (ForwardError, ExtraCondsError, LatentFormatError, SequenceParallelConfigError) as e:
+    except (ForwardError, ExtraCondsError, LatentFormatError, SequenceParallelConfigError, SkipBlocksError) as e:
         # raised before the transformer's first collective, from the request alone (every rank)
         raise BadInput(str(e)) from None
     if not ctx.is_main:
@@ -204,7 +215,7 @@ def _adapters(resident: ResidentTransformer, raw: list, tensors: dict) -> dict:
             raise BadInput(f"adapters[{i}] must be {{\"id\": str, \"kind\": one of {list(PATCH_KINDS)}, ...}}")
         aid, kind = item["id"], item["kind"]
         alpha = None if item.get("alpha") is None else _number(item["alpha"], f"adapters[{i}].alpha")
-        names = ("up", "down") if kind == "lora" else ("diff",)
+        names = {"lora": ("up", "down"), "diff": ("diff",), "scale": ()}[kind]
         parts = {}
         for n in names:
             t = tensors.get(f"{aid}.{n}")
@@ -225,8 +236,8 @@ def model_patches_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
 
     Params: ``patches`` (the set's id), ``entries`` ([{"key": ComfyUI key, "patches":
     [{"adapter": id, "strength", "strength_model"}]}], ComfyUI's order), ``adapters`` (the new
-    ones: [{"id", "kind": "lora" | "diff", "alpha"}], tensors ``<id>.up`` / ``<id>.down`` or
-    ``<id>.diff``). An empty ``entries`` restores the loaded weights.
+    ones: [{"id", "kind": "lora" | "diff" | "scale", "alpha"}], tensors ``<id>.up`` / ``<id>.down``
+    or ``<id>.diff``; none for ``scale``). An empty ``entries`` restores the loaded weights.
 
     Returns:
         ``{"patches": id, "keys": patched weights, "adapters": ids held}``.
