@@ -47,7 +47,7 @@ LOG = logging.getLogger("ltx_mgpu")
 #: The key of the pack's sampling wrapper (``WrappersMP.OUTER_SAMPLE``) on its MODEL.
 WRAPPER_KEY = "ltx_mgpu"
 _said: set[str] = set()
-#: Ids of ComfyUI's bypass hooks (``BypassForwardHook``) for the patch-set ids sent to the pool.
+#: Ids of the bypass LoRAs' adapters (weakly held), for the patch-set ids sent to the pool.
 _HOOK_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

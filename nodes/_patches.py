@@ -27,9 +27,9 @@ treated as ComfyUI 0.20.1's own LTX-2 model treats it (``comfy/ldm/lightricks/av
   here either; the log says so once per node.
 * **refused**, naming the node and what to use instead, before the first model call: attention
   overrides (``optimized_attention_override``), LTX-2's branch switches
-  (``run_vx``/``run_ax``/``a2v_cross_attn``/``v2a_cross_attn`` off), weight wrappers, a compute
-  dtype other than the pool's (``ModelComputeDtype``), merges and saves (the weights live in the
-  pool).
+  (``run_vx``/``run_ax``/``a2v_cross_attn``/``v2a_cross_attn`` off), weight wrappers, module
+  injections other than the bypass LoRAs', conditioning hooks, a compute dtype other than the
+  pool's (``ModelComputeDtype``), merges and saves (the weights live in the pool).
 
 Which node made a patch is read from its function's ``__qualname__`` (``SkipLayerGuidanceDiT.
 execute.<locals>.skip``) or, for a node running now, from the call stack, mapped to ComfyUI's
@@ -216,15 +216,22 @@ def call_plan(transformer_options: Mapping | None, blocks: int) -> tuple[int, ..
 
 def check_sampling(model_options: Mapping, patcher: Any, compute_dtype: Any, blocks: int) -> None:
     """Check a sampling run's ``model_options`` (its guider's) and ``patcher`` before its first
-    model call (:func:`call_plan` on its ``transformer_options``, the weight wrappers, the module
-    injections, the compute dtype), and say once that ``TorchCompileModel`` compiles nothing of ours.
+    model call (:func:`call_plan` on its ``transformer_options``, conditioning hooks, the weight
+    wrappers, the module injections, the compute dtype), and say once that ``TorchCompileModel``
+    compiles nothing of ours.
 
     Raises:
-        ModelPatchRefused: see :func:`call_plan`; weight wrappers or module injections other than
-            the bypass LoRAs' (their node named); ComfyUI's compute dtype (``ModelComputeDtype``)
-            other than the pool's ``compute_dtype``.
+        ModelPatchRefused: see :func:`call_plan`; conditioning hooks (``registered_hooks``: they
+            patch ComfyUI's weights per conditioning); weight wrappers or module injections other
+            than the bypass LoRAs' (their node named); ComfyUI's compute dtype
+            (``ModelComputeDtype``) other than the pool's ``compute_dtype``.
     """
     call_plan(model_options.get("transformer_options"), blocks)
+    hooks = model_options.get("registered_hooks")
+    if hooks is not None and len(hooks) > 0:
+        raise refuse("a conditioning hook node (CreateHookLora, CreateHookModelAsLora, ...)", "hooks change the "
+                     "model per conditioning in ComfyUI's process, which the pool does not do",
+                     "put the LoRA on the MODEL with LoraLoaderModelOnly instead")
     wrappers = getattr(patcher, "weight_wrapper_patches", None) or {}
     for key, functions in wrappers.items():
         node = patch_node(functions[0]) if functions else "a node"

@@ -108,6 +108,28 @@ def test_attention_overrides_and_branch_switches_are_refused(comfy_nodes):
         patches.call_plan({"a2v_cross_attn": False, "run_vx": True}, blocks=2)
 
 
+def test_sampling_with_hooks_wrappers_injections_or_another_dtype_is_refused(comfy_nodes, caplog):
+    skip, _, _, _ = comfy_nodes
+    patcher = types.SimpleNamespace(weight_wrapper_patches={}, injections={}, object_patches={})
+    f32 = torch.float32
+    patches.check_sampling({"transformer_options": {}}, patcher, f32, 2)
+    with caplog.at_level(logging.INFO, logger="ltx_mgpu"):
+        patches.check_sampling({"torch_compile_kwargs": {"backend": "inductor"}}, patcher, f32, 2)
+    assert "TorchCompileModel compiles nothing" in caplog.text and "compiles its own blocks" in caplog.text
+    with pytest.raises(patches.ModelPatchRefused, match="^a conditioning hook node .*LoraLoaderModelOnly"):
+        patches.check_sampling({"registered_hooks": [object()]}, patcher, f32, 2)
+    wrapped = types.SimpleNamespace(**{**vars(patcher), "weight_wrapper_patches": {"x.weight": [skip]}})
+    with pytest.raises(patches.ModelPatchRefused, match=r"^SkipLayerGuidanceDiT on .*weight wrappers \(x.weight\)"):
+        patches.check_sampling({}, wrapped, f32, 2)
+    injected = types.SimpleNamespace(**{**vars(patcher), "injections": {
+        "other": [types.SimpleNamespace(inject=skip)], patches.BYPASS_INJECTIONS: []}})
+    with pytest.raises(patches.ModelPatchRefused, match=r"module injections \('other'\)"):
+        patches.check_sampling({}, injected, f32, 2)
+    cast = types.SimpleNamespace(**{**vars(patcher), "object_patches": {"manual_cast_dtype": torch.bfloat16}})
+    with pytest.raises(patches.ModelPatchRefused, match=r"^ModelComputeDtype on .*\(float32\), not bfloat16"):
+        patches.check_sampling({}, cast, f32, 2)
+
+
 def test_a_patch_outside_a_node_class_is_named_by_its_files_nodes_or_its_module(comfy_nodes):
     def wrapper(executor, *args):
         return executor(*args)
