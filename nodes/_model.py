@@ -10,7 +10,13 @@ shapes (meta tensors) of ComfyUI's own ``LTXAVModel`` for that config, and a ``f
 ``preprocess_text_embeds`` that are calls into the pool (:class:`ltx_mgpu.client.model.PoolModel`).
 So ComfyUI runs its own sampling loop (any sampler, guider, scheduler), its LoRA loaders patch
 our keys exactly as theirs (the patches reach the pool at the next call), and ComfyUI's model
-management sees a model of one byte: ComfyUI reads no transformer weight.
+management sees a model of one byte: ComfyUI reads no transformer weight. The other attributes of
+ComfyUI's ``LTXAVModel`` (its modules with meta weights, ``in_channels``...) are read through to
+that reference model, so nodes that look at them (``RenormCFG``, the bypass LoRA loaders) find
+what they find on ComfyUI's own model. The MODEL is a ``PoolModelPatcher``
+(``ModelPatcher`` whose merges, saves and compute-dtype changes are refused by node name), and
+what ComfyUI's MODEL -> MODEL nodes add to it is honoured or refused as
+:mod:`nodes._patches` says, checked when sampling starts (an ``OUTER_SAMPLE`` wrapper) and per call.
 
 The audio-video cross-attention AdaLN convention of the installed ComfyUI is read from its
 ``LTXAVModel._prepare_timestep`` (raw sigma up to 0.20.1, scaled after Comfy-Org/ComfyUI#14097)
@@ -21,24 +27,28 @@ Needs ComfyUI loaded in this process (:func:`~nodes._comfy.comfy_module`).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import logging
 import struct
+import uuid
 import weakref
 from typing import Any
 
 import torch
 
 from . import _comfy
+from ._patches import bypass_patches, call_plan, caller_node, check_sampling, compute_dtype_refusal, refuse
 
 __all__ = ["PoolDiffusionModel", "av_timestep_convention", "checkpoint_vae", "pool_model_patcher"]
 
 LOG = logging.getLogger("ltx_mgpu")
-#: ComfyUI's ``transformer_options`` entries that patch the model's blocks (``set_model_*_patch``);
-#: the pool cannot run them.
-_BLOCK_PATCHES = ("patches", "patches_replace")
+#: The key of the pack's sampling wrapper (``WrappersMP.OUTER_SAMPLE``) on its MODEL.
+WRAPPER_KEY = "ltx_mgpu"
 _said: set[str] = set()
+#: Ids of the bypass LoRAs' adapters (weakly held), for the patch-set ids sent to the pool.
+_HOOK_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _need(name: str):
@@ -70,59 +80,160 @@ class PoolDiffusionModel(torch.nn.Module):
     """The ``diffusion_model`` of our MODEL: ComfyUI's ``LTXAVModel`` interface, run in the pool.
 
     It holds no parameters; ``state_dict()`` lists ComfyUI's keys for this checkpoint as meta
-    tensors (the key names and shapes ComfyUI's LoRA loaders match). ``forward`` takes what
+    tensors (the key names and shapes ComfyUI's LoRA loaders match), and any other attribute of
+    ComfyUI's ``LTXAVModel`` is its ``reference``'s (meta modules: what ComfyUI's bypass LoRA
+    loader hooks, read back by :func:`nodes._patches.bypass_patches`). ``forward`` takes what
     ``BaseModel._apply_model`` passes (``x``: ``[video, audio]`` or the video latent in the model
     dtype, ``timestep``: ``(video, audio)`` from ``LTXAV.process_timestep``, ``context``: the
     processed text context, ``frame_rate``, ``attention_mask``, ``transformer_options`` and the
-    extra conditions) and returns the velocities in ``x``'s layout.
+    extra conditions), runs ComfyUI's ``DIFFUSION_MODEL`` wrappers around the pool call as
+    ``LTXAVModel.forward`` runs them around its ``_forward`` (EasyCache), and returns the
+    velocities in ``x``'s layout.
 
     Raises (from ``forward``):
-        ltx_mgpu.client.errors.BadInputError: a ControlNet, block patches of other nodes, or
-            conditioning the pool does not implement (keyframe guides, reference audio...), all
-            named; inputs the pool refuses.
+        ltx_mgpu.client.errors.BadInputError: a ControlNet; conditioning the pool does not
+            implement (keyframe guides, reference audio...), named; inputs the pool refuses.
+        nodes._patches.ModelPatchRefused: a model patch the pool does not run (names its node).
         ltx_mgpu.client.model.PatchFormatError: LoRA patches the pool cannot merge exactly.
         ComfyUI's interrupt on Stop (the pool call in flight is abandoned; the pool finishes it
         and serves on).
     """
 
-    def __init__(self, pool_model, keys: dict[str, torch.Tensor], patchifier, a_patchifier, dtype: torch.dtype,
-                 owner: torch.nn.Module):
+    def __init__(self, pool_model, reference: torch.nn.Module, dtype: torch.dtype, owner: torch.nn.Module):
         super().__init__()
         self.pool_model = pool_model
-        self.patchifier, self.a_patchifier, self.dtype = patchifier, a_patchifier, dtype
-        self._keys = keys
+        self.patchifier, self.a_patchifier, self.dtype = reference.patchifier, reference.a_patchifier, dtype
+        self._keys = dict(reference.state_dict())
+        self.block_count = len(reference.transformer_blocks)
+        self.__dict__["reference"] = reference  # not a submodule: no keys, nothing for ComfyUI to load or move
         self._owner = weakref.ref(owner)  # the BaseModel (not a submodule: no cycle in modules())
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            reference = self.__dict__.get("reference")
+            if reference is None or name.startswith("__"):
+                raise
+            return getattr(reference, name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ARG002 - nn.Module's signature
         for k, v in self._keys.items():
             destination[prefix + k] = v
 
     def _patches(self) -> tuple[str, Any]:
+        """``(id, patches)`` of the calling ModelPatcher: its weight patches, then its bypass
+        LoRAs' as LoRA patches (:func:`nodes._patches.bypass_patches`)."""
         from ltx_mgpu.wire.messages import NO_PATCHES  # the wire loads only where a pool can run
 
         owner = self._owner()
         patcher = getattr(owner, "current_patcher", None) if owner is not None else None
         if patcher is None:
             return NO_PATCHES, None
-        return str(patcher.patches_uuid), patcher.patches
+        patches, pid = patcher.patches, str(patcher.patches_uuid)
+        if getattr(patcher, "injections", None):
+            bypass = bypass_patches(self.__dict__["reference"])
+            if bypass:
+                patches = {k: [*patches.get(k, ()), *bypass.get(k, ())] for k in {*patches, *bypass}}
+                hooks = [_HOOK_IDS.setdefault(p[1], uuid.uuid4().hex[:8]) + f"x{p[0]!r}"
+                         for k in sorted(bypass) for p in bypass[k]]
+                pid += "+bypass-" + hashlib.sha1(",".join(hooks).encode()).hexdigest()[:16]
+        return pid, patches
 
     def preprocess_text_embeds(self, context: torch.Tensor, unprocessed: bool = False) -> torch.Tensor:
-        """ComfyUI's ``LTXAVModel.preprocess_text_embeds``, by the pool's connectors."""
-        return self.pool_model.text_contexts(context, unprocessed, check_interrupt=_check_interrupt)
+        """ComfyUI's ``LTXAVModel.preprocess_text_embeds``, by the pool's connectors (with the
+        calling ModelPatcher's weight patches merged, as ComfyUI's model has them)."""
+        return self.pool_model.text_contexts(context, unprocessed, check_interrupt=_check_interrupt,
+                                             patches=self._patches())
 
+    @torch.compiler.disable  # a call into the pool: nothing for ComfyUI's torch.compile (TorchCompileModel)
     def forward(self, x, timestep, context, attention_mask=None, frame_rate=25, transformer_options=None,
-                keyframe_idxs=None, control=None, **kwargs):
-        from ltx_mgpu.client.errors import BadInputError
+                keyframe_idxs=None, **kwargs):
+        """``LTXAVModel.forward``: the audio timestep split off as ``a_timestep``, then ComfyUI's
+        ``DIFFUSION_MODEL`` wrappers around :meth:`_forward` with ``LTXBaseModel.forward``'s arguments."""
+        extension = _need("comfy.patcher_extension")
+        options = transformer_options if transformer_options is not None else {}
+        if isinstance(timestep, (tuple, list)) and len(timestep) == 2:
+            timestep, kwargs["a_timestep"] = timestep
+        else:
+            kwargs["a_timestep"] = timestep
+        denoise_mask = kwargs.pop("denoise_mask", None)
+        wrappers = extension.get_all_wrappers(extension.WrappersMP.DIFFUSION_MODEL, options)
+        return extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers).execute(
+            x, timestep, context, attention_mask, frame_rate, options, keyframe_idxs, denoise_mask=denoise_mask,
+            **kwargs)
+
+    def _forward(self, x, timestep, context, attention_mask=None, frame_rate=25, transformer_options=None,
+                 keyframe_idxs=None, denoise_mask=None, a_timestep=None, control=None, **kwargs):
+        from ltx_mgpu.client.errors import BadInputError  # the client loads only where a pool can run
 
         if control is not None:
             raise BadInputError(f"a ControlNet cannot be applied to the multi-GPU LTX-2 model{_in_node()}")
-        patched = [k for k in _BLOCK_PATCHES if (transformer_options or {}).get(k)]
-        if patched:
-            raise BadInputError(f"a node patched the model's blocks ({', '.join(patched)} in transformer_options)"
-                                f"{_in_node()}: the multi-GPU LTX-2 model runs in the pool and cannot apply them")
-        conds = {**kwargs, "keyframe_idxs": keyframe_idxs, "attention_mask": attention_mask}
-        return self.pool_model.forward(x, timestep, context, frame_rate=float(frame_rate), conds=conds,
-                                       patches=self._patches(), check_interrupt=_check_interrupt, where=_in_node())
+        if isinstance(x, torch.Tensor):  # ComfyUI's LTXAVModel takes x[0] as the video latent: it fails too
+            raise refuse(caller_node("a node"), "it calls the model with a latent that is not ComfyUI's "
+                         "[video, audio] list (its conditioning lacks latent_shapes), on which ComfyUI's own LTX-2 "
+                         "model fails as well", "remove the node (for PerpNeg: use PerpNegGuider)")
+        skip = call_plan(transformer_options, self.block_count)
+        conds = {**kwargs, "keyframe_idxs": keyframe_idxs, "attention_mask": attention_mask,
+                 "denoise_mask": denoise_mask}
+        steps = (timestep, timestep if a_timestep is None else a_timestep)
+        return self.pool_model.forward(x, steps, context, frame_rate=float(frame_rate), conds=conds,
+                                       patches=self._patches(), check_interrupt=_check_interrupt, where=_in_node(),
+                                       skip_blocks=skip)
+
+
+_PATCHER: dict[str, type] = {}
+
+
+def _patcher_class() -> type:
+    """``PoolModelPatcher``: ComfyUI's ``ModelPatcher`` (a MODEL; its clones keep the class) whose
+    weights live in the pool, so ComfyUI's merges and saves are refused by the name of the node
+    that asks (they read or mix in weights: ``get_key_patches``, a patch made of another model's
+    weights, ``state_dict_for_saving``), and so is a compute dtype other than the pool's
+    (``set_model_compute_dtype``: ``ModelComputeDtype``). Each raises
+    :class:`nodes._patches.ModelPatchRefused` inside that node, before any model call. Made once,
+    when ComfyUI's ``ModelPatcher`` can be subclassed."""
+    cls = _PATCHER.get("class")
+    if cls is not None:
+        return cls
+
+    class PoolModelPatcher(_need("comfy.model_patcher").ModelPatcher):
+        def get_key_patches(self, filter_prefix=None):  # noqa: ARG002 - ModelPatcher's signature
+            raise refuse(caller_node("a merge node"), "its weights live in the pool, so ComfyUI cannot merge them "
+                         "into another model", _MERGE_INSTEAD)
+
+        def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+            if any(isinstance(v, list) for v in patches.values()):  # another model's weights (a merge's model2)
+                raise refuse(caller_node("a merge node"), "another model's weights cannot be merged into the pool's",
+                             _MERGE_INSTEAD)
+            return super().add_patches(patches, strength_patch, strength_model)
+
+        def state_dict_for_saving(self, *args, **kwargs):  # noqa: ARG002 - ModelPatcher's signature
+            raise refuse(caller_node("a save node"), "its weights live in the pool, so ComfyUI cannot save them",
+                         "save from ComfyUI's own CheckpointLoaderSimple model with the same LoRA nodes instead")
+
+        def set_model_compute_dtype(self, dtype):
+            own = self.model.diffusion_model.dtype
+            if dtype is not None and dtype != own:
+                raise compute_dtype_refusal(caller_node("ModelComputeDtype"), dtype, own)
+            return super().set_model_compute_dtype(dtype)
+
+    _PATCHER["class"] = PoolModelPatcher
+    return PoolModelPatcher
+
+
+_MERGE_INSTEAD = ("merge the checkpoints with ComfyUI's own loaders (CheckpointLoaderSimple -> ModelMergeSimple -> "
+                  "ModelSave) and load the saved file with the Model Loader")
+
+
+def _outer_sample(executor, *args, **kwargs):
+    """The MODEL's ``OUTER_SAMPLE`` wrapper: :func:`nodes._patches.check_sampling` on the guider's
+    model options before the run's first model call, then the run."""
+    guider = executor.class_obj
+    patcher = guider.model_patcher
+    model = patcher.model.diffusion_model
+    check_sampling(guider.model_options, patcher, model.dtype, model.block_count)
+    return executor(*args, **kwargs)
 
 
 def _in_node() -> str:
@@ -235,7 +346,8 @@ def _is_gguf(path: str) -> bool:
 
 
 def pool_model_patcher(pool_model, checkpoint: str, compute_dtype: str):
-    """A ComfyUI ``ModelPatcher`` for ``checkpoint`` whose transformer is ``pool_model`` (module doc).
+    """A ComfyUI ``ModelPatcher`` (a ``PoolModelPatcher``, :func:`_patcher_class`) for ``checkpoint`` whose
+    transformer is ``pool_model`` (module doc).
 
     Args:
         pool_model: the :class:`ltx_mgpu.client.model.PoolModel` of the transformer loaded from
@@ -247,21 +359,19 @@ def pool_model_patcher(pool_model, checkpoint: str, compute_dtype: str):
     Raises:
         RuntimeError: ComfyUI is not loaded. ValueError: not an LTX-2 audio-video checkpoint.
     """
-    patcher_mod, mm, ops = _need("comfy.model_patcher"), _need("comfy.model_management"), _need("comfy.ops")
+    mm, ops = _need("comfy.model_management"), _need("comfy.ops")
     avm = _need("comfy.ldm.lightricks.av_model")
     sd, _, prefix, config = _config(checkpoint)
     torch_dtype = getattr(torch, compute_dtype)
     config.set_inference_dtype(torch_dtype, None)
     unet_config = {k: v for k, v in config.unet_config.items() if k != "disable_unet_model_creation"}
-    with torch.device("meta"):  # ComfyUI's own module, only for its key names, shapes and patchifiers
+    with torch.device("meta"):  # ComfyUI's own module: its key names, shapes, patchifiers and attributes
         reference = avm.LTXAVModel(**unet_config, device="meta", operations=ops.disable_weight_init)
-    keys = dict(reference.state_dict())
     config.unet_config["disable_unet_model_creation"] = True
     base = config.get_model(sd, prefix, device=torch.device("cpu"))
-    base.diffusion_model = PoolDiffusionModel(pool_model, keys, reference.patchifier, reference.a_patchifier,
-                                              torch_dtype, base)
+    base.diffusion_model = PoolDiffusionModel(pool_model, reference, torch_dtype, base)
     base.memory_usage_factor = 0.0  # activations live in the pool: ComfyUI batches cond and uncond freely
-    del reference, sd
+    del sd
     pool_model.av_timestep = av_timestep_convention()
     if pool_model.av_timestep not in _said:
         _said.add(pool_model.av_timestep)
@@ -269,5 +379,7 @@ def pool_model_patcher(pool_model, checkpoint: str, compute_dtype: str):
                "sigma x 1000, as this ComfyUI and ltx-core do")
         LOG.info("ltx_mgpu: the pool's LTX-2 MODEL feeds its audio-video cross-attention AdaLNs %s, so it equals "
                  "this ComfyUI's own model", how)
-    return patcher_mod.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device(),
-                                    size=1)
+    patcher = _patcher_class()(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device(),
+                               size=1)
+    patcher.add_wrapper_with_key(_need("comfy.patcher_extension").WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _outer_sample)
+    return patcher

@@ -398,11 +398,13 @@ def test_fp8_compute_runs_every_block_linear_as_an_e4m3_gemm_within_its_rounding
 def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
     """``dtype: fp8`` through a one-GPU pool's MODEL path equals the in-process fp8 model, also
     with FSDP2-sharded weights (world size 1, the compiled blocks inside FSDP's hooks); a ComfyUI
-    LoRA patch changes the result and removing it restores the unpatched one."""
+    LoRA patch changes the result and removing it restores the unpatched one; a skipped block
+    (skip-layer guidance) equals the in-process skip and gives the compiled block back."""
     from ltx_mgpu.client.denoise import remote_load_transformer
     from ltx_mgpu.client.model import PoolModel
     from ltx_mgpu.client.pool_client import PoolClient
     from ltx_mgpu.denoise.comfyui.forward import comfy_forward
+    from ltx_mgpu.denoise.comfyui.skip_blocks import skipped_blocks
     from ltx_mgpu.denoise.model import load_ltx_model
 
     ckpt = _fp8_sized_checkpoint(tmp_path)
@@ -410,6 +412,8 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
     x, t, ctx = _fp8_inputs()
     with torch.no_grad():
         want = comfy_forward(local, local.transformer, x, t, ctx)
+        with skipped_blocks(local.transformer, [0]):
+            want_skipped = comfy_forward(local, local.transformer, x, t, ctx)
     g = torch.Generator().manual_seed(8)
 
     class Lora:
@@ -429,15 +433,20 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
             plain = pm.forward(x, t, ctx)
             patched = pm.forward(x, t, ctx, patches=patches)
             pm.sync_patches("none", {})
-            got[weights] = (plain, patched, pm.forward(x, t, ctx))
+            restored = pm.forward(x, t, ctx)
+            skipped = pm.forward(x, t, ctx, skip_blocks=[0])
+            got[weights] = (plain, patched, restored, skipped, pm.forward(x, t, ctx))
     finally:
         client.shutdown()
         cleanup(base)
-    for weights, (plain, patched, restored) in got.items():
+    for weights, (plain, patched, restored, skipped, after) in got.items():
         for a, b in zip(plain, want, strict=True):
             assert _rel(a, b) <= 1e-2, (weights, _rel(a, b))
-        assert _rel(patched[0], plain[0]) > 1e-3
+        for a, b in zip(skipped, want_skipped, strict=True):
+            assert _rel(a, b) <= 1e-2, (weights, "skipped", _rel(a, b))
+        assert _rel(patched[0], plain[0]) > 1e-3 and _rel(skipped[0], plain[0]) > 1e-3
         assert all(torch.equal(a, b) for a, b in zip(restored, plain))
+        assert all(torch.equal(a, b) for a, b in zip(after, plain))  # the compiled block is back
 
 
 def test_one_gpu_pool_encodes_with_cuda_graphs_then_samples_with_fp8(tmp_path):

@@ -41,8 +41,8 @@ from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.wire.codec import DEFAULT_MODEL
 from ltx_mgpu.wire.messages import FORWARD_KWARGS, GUIDE_FIELDS, NO_PATCHES
 
-__all__ = ["BUSY_WINDOW_S", "CONTEXTS_KEPT", "PatchFormatError", "PoolModel", "WirePatches", "model_activity",
-           "wire_conds", "wire_patches"]
+__all__ = ["BUSY_WINDOW_S", "CONTEXTS_KEPT", "SCALE", "PatchFormatError", "PoolModel", "WirePatches",
+           "model_activity", "wire_conds", "wire_patches"]
 
 #: Text contexts the client remembers having sent (the pool keeps as many; see
 #: ``ltx_mgpu.pool.model_jobs.CONTEXT_SLOTS``).
@@ -53,6 +53,8 @@ _TRIES = 4
 #: between two calls): :func:`model_activity`.
 BUSY_WINDOW_S = 2.0
 _MODELS: weakref.WeakSet = weakref.WeakSet()
+#: The adapter id of a scale-only patch (kind ``"scale"``: no tensors).
+SCALE = "scale"
 
 
 def model_activity(pool_dir: str, within: float = BUSY_WINDOW_S) -> dict | None:
@@ -138,6 +140,8 @@ def _adapter(v: Any, key: str, ids: _AdapterIds) -> tuple[str, dict, dict]:
     if isinstance(v, tuple) and len(v) >= 1 and isinstance(v[0], torch.Tensor):
         aid = ids(v[0])
         return aid, {"id": aid, "kind": "diff", "alpha": None}, {f"{aid}.diff": _tensor(v[0], key, "diff")}
+    if isinstance(v, tuple) and len(v) == 1 and v[0] is None:  # ComfyUI's scale-only diff (strength 0)
+        return SCALE, {"id": SCALE, "kind": "scale", "alpha": None}, {}
     raise PatchFormatError(f"{key}: a patch of type {type(v).__name__} cannot be merged in the pool (only LoRAs and "
                            "diffs)")
 
@@ -146,9 +150,12 @@ def wire_patches(patches: Mapping[str, Sequence], ids: Callable[[Any], str]) -> 
     """ComfyUI's ``ModelPatcher.patches`` (key -> ``[(strength, adapter, strength_model, offset,
     function)]``) as a :class:`WirePatches`.
 
+    A diff patch without a tensor, ``(None,)`` at strength 0 (the attention multiplier nodes'),
+    only scales the weight by its ``strength_model``: it references the adapter :data:`SCALE`.
+
     Raises:
         PatchFormatError: an offset or function patch, or an adapter kind other than a plain
-            LoRA or a diff (names the key).
+            LoRA, a diff or a scale (names the key).
     """
     entries, adapters = [], {}
     for key in sorted(patches):
@@ -160,6 +167,9 @@ def wire_patches(patches: Mapping[str, Sequence], ids: Callable[[Any], str]) -> 
             if offset is not None or function is not None:
                 raise PatchFormatError(f"{key}: patches with an offset or a function cannot be merged in the pool")
             aid, desc, tensors = _adapter(v, key, ids)
+            if aid == SCALE and float(strength) != 0.0:
+                raise PatchFormatError(f"{key}: a diff patch without a tensor at strength {strength} (ComfyUI cannot "
+                                       "merge it either)")
             adapters[aid] = (desc, tensors)
             plist.append({"adapter": aid, "strength": float(strength), "strength_model": float(strength_model)})
         if plist:
@@ -282,26 +292,35 @@ class PoolModel:
 
     # ------------------------------------------------------------------ calls
 
-    def text_contexts(self, context: torch.Tensor, unprocessed: bool, check_interrupt=None) -> torch.Tensor:
+    def text_contexts(self, context: torch.Tensor, unprocessed: bool, check_interrupt=None,
+                      patches: tuple[str, Mapping[str, Sequence] | None] = (NO_PATCHES, None)) -> torch.Tensor:
         """ComfyUI's ``preprocess_text_embeds(context, unprocessed)``: the processed context
-        ``[B, L, Dv + Da]`` in the model dtype, on ``context``'s device.
+        ``[B, L, Dv + Da]`` in the model dtype, on ``context``'s device, by the connectors with
+        ``patches`` merged (``(patches_uuid, patches)`` of the calling ModelPatcher, as in
+        :meth:`forward`: a patch of a connector weight changes the context, as in ComfyUI's model).
 
         ``check_interrupt()`` is called while waiting; what it raises abandons the call.
 
         Raises:
             BadInputError: a context the model's connectors do not take (names the widths).
+            PatchFormatError: see :meth:`sync_patches`.
         """
         with self._lock:
             for _ in range(_TRIES):
+                self.sync_patches(*patches, check_interrupt=check_interrupt)
                 try:
-                    _, out = self._request("text_contexts", {"unprocessed": bool(unprocessed)},
+                    _, out = self._request("text_contexts", {"unprocessed": bool(unprocessed),
+                                                             "patches": self._pool_patches},
                                            {"context": _cpu(context)}, check_interrupt)
                     return out["context"].to(context.device)
                 except BadInputError as e:
+                    if e.reason == "stale_patches":
+                        self._pool_patches = None
+                        continue
                     if e.reason != "no_model":
                         raise
                     self._reloaded()
-            raise BadInputError(f"the pool lost model '{self.name}' {_TRIES} times in a row")
+            raise BadInputError(f"the pool could not process a text context for model '{self.name}' ({_TRIES} tries)")
 
     def _context_id(self, context: torch.Tensor) -> tuple[str, bool]:
         """``(id, new)``: the id of a context sent before with equal content, or a new one."""
@@ -349,7 +368,7 @@ class PoolModel:
     def forward(self, x: Any, timestep: Any, context: torch.Tensor, *, frame_rate: float = 25.0,
                 conds: Mapping[str, Any] | None = None,
                 patches: tuple[str, Mapping[str, Sequence] | None] = (NO_PATCHES, None),
-                check_interrupt=None, where: str = "") -> Any:
+                check_interrupt=None, where: str = "", skip_blocks: Sequence[int] = ()) -> Any:
         """One call of the transformer as ComfyUI's ``LTXAVModel.forward`` (``x``: the video
         latent or ``[video, audio]``; ``timestep``: ``(video, audio)`` timesteps or one;
         ``context``: the processed context). Returns ``[video, audio]`` velocities, or the video
@@ -360,6 +379,8 @@ class PoolModel:
         text ``attention_mask``; None values are absent), sent as :func:`wire_conds` encodes
         them; ``patches`` is ``(patches_uuid, patches)`` of the calling ModelPatcher, merged
         first when the pool holds others. ``where`` names the caller in messages (``" in node 12"``).
+        ``skip_blocks``: the transformer blocks this call passes through unchanged (ComfyUI's
+        skip-layer guidance; ``ltx_mgpu.denoise.comfyui.skip_blocks``).
 
         Raises:
             BadInputError: a keyword argument outside ``FORWARD_KWARGS`` or a guide entry of
@@ -367,6 +388,8 @@ class PoolModel:
             PatchFormatError: see :meth:`sync_patches`.
         """
         cond_params, cond_tensors = wire_conds(conds or {}, where)
+        if skip_blocks:
+            cond_params["skip_blocks"] = sorted({int(i) for i in skip_blocks})
         parts = list(x) if isinstance(x, (list, tuple)) else [x]
         if len(parts) == 2 and parts[1].numel() == 0:
             parts = parts[:1]

@@ -49,9 +49,11 @@ __all__ = ["COMFY_PREFIX", "PATCH_KINDS", "PatchError", "WeightPatch", "apply_pa
 
 #: The prefix of the diffusion model's keys in ComfyUI's model state dict (``BaseModel``).
 COMFY_PREFIX = "diffusion_model."
-#: The adapters merged here: ComfyUI's plain LoRA (``LoRAAdapter`` without mid / DoRA / reshape)
-#: and the ``"diff"`` patch.
-PATCH_KINDS = ("lora", "diff")
+#: The adapters merged here: ComfyUI's plain LoRA (``LoRAAdapter`` without mid / DoRA / reshape),
+#: the ``"diff"`` patch, and ``"scale"``: a diff patch without a tensor, ``(None,)`` at strength 0,
+#: which only multiplies the weight by ``strength_model`` (the attention multiplier nodes',
+#: ``comfy_extras/nodes_attention_multiply.py``).
+PATCH_KINDS = ("lora", "diff", "scale")
 #: Weights re-read and merged at a time (bounds the extra device memory of a merge).
 _CHUNK = 32
 
@@ -65,8 +67,8 @@ class WeightPatch:
     """One entry of a weight's patch list.
 
     Attributes:
-        kind: ``"lora"`` (``up [out, r]``, ``down [r, in...]``, ``alpha`` or None) or ``"diff"``
-            (``diff``, the weight's shape).
+        kind: ``"lora"`` (``up [out, r]``, ``down [r, in...]``, ``alpha`` or None), ``"diff"``
+            (``diff``, the weight's shape) or ``"scale"`` (no tensor, ``strength`` 0).
         strength / strength_model: ComfyUI's ``strength_patch`` / ``strength_model``.
     """
 
@@ -94,6 +96,10 @@ class WeightPatch:
             if up.shape[1] != down.shape[0] or up.shape[0] * down.shape[1] != numel:
                 raise PatchError(f"{key}: LoRA factors {tuple(self.up.shape)} x {tuple(self.down.shape)} do not make "
                                  f"the weight's {tuple(shape)}; the LoRA was made for another model")
+        elif self.kind == "scale":
+            if self.strength != 0.0:
+                raise PatchError(f"{key}: a diff patch without a tensor needs strength 0 (it only scales the weight by "
+                                 f"strength_model), got {self.strength}")
         elif self.diff is None or tuple(self.diff.shape) != tuple(shape):
             got = None if self.diff is None else tuple(self.diff.shape)
             raise PatchError(f"{key}: a diff patch of shape {got} does not fit the weight's {tuple(shape)}")
@@ -109,7 +115,7 @@ class WeightPatch:
             down = self.down.to(device=weight.device, dtype=torch.float32).flatten(1)
             alpha = self.alpha / down.shape[0] if self.alpha is not None else 1.0
             weight += ((self.strength * alpha) * torch.mm(up, down).reshape(weight.shape)).type(weight.dtype)
-        elif self.strength != 0.0:
+        elif self.kind == "diff" and self.strength != 0.0:
             diff = self.diff if rows is None else self.diff[rows]
             weight += self.strength * diff.to(device=weight.device, dtype=weight.dtype)
 

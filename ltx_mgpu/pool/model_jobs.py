@@ -12,7 +12,8 @@ A transformer loaded by ``load_transformer`` (:mod:`ltx_mgpu.pool.denoise_jobs`)
   ``x.1`` audio latent ``[B, 8, N, 16]`` (optional), ``t.0`` / ``t.1`` their timesteps (``[B]``
   or per token), ``context`` (only when new), and the call's keyframe guides, guide attention,
   reference audio and text mask (``wire.messages.FORWARD_TENSORS``, params ``kwargs`` /
-  ``guides``; applied by :mod:`ltx_mgpu.denoise.comfyui.extra_conds`). The text context
+  ``guides``; applied by :mod:`ltx_mgpu.denoise.comfyui.extra_conds`), and the blocks to skip
+  (param ``skip_blocks``: ComfyUI's skip-layer guidance, :mod:`ltx_mgpu.denoise.comfyui.skip_blocks`). The text context
   is kept per model under the client's ``context_id`` (:data:`CONTEXT_SLOTS`, oldest dropped), so
   a sampling run sends it once, not per step. Returns ``out.0`` / ``out.1``, the velocities in
   the model dtype (into the client's shared memory when offered: ``JobContext.result_buffers``).
@@ -42,6 +43,7 @@ from ltx_mgpu.denoise.comfyui.conditioning import ConditioningError
 from ltx_mgpu.denoise.comfyui.extra_conds import ExtraConds, ExtraCondsError, extra_conds, grid_mask
 from ltx_mgpu.denoise.comfyui.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
 from ltx_mgpu.denoise.comfyui.latents import LatentFormatError
+from ltx_mgpu.denoise.comfyui.skip_blocks import SkipBlocksError, skipped_blocks
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError
 from ltx_mgpu.pool.denoise_jobs import resident_transformer, set_weight_patches
 from ltx_mgpu.pool.engines import BadInput, JobCancelled, JobContext, register_engine
@@ -76,15 +78,22 @@ def _context(context: torch.Tensor) -> torch.Tensor:
 @register_engine("text_contexts")
 def text_contexts_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """ComfyUI's ``preprocess_text_embeds`` on tensor ``context`` ``[B, L, D]`` with the resident
-    model's connectors (``unprocessed``: the CONDITIONING's ``unprocessed_ltxav_embeds`` flag).
+    model's connectors (``unprocessed``: the CONDITIONING's ``unprocessed_ltxav_embeds`` flag;
+    ``patches``, when given: the weight patches the call expects merged, as ``forward``'s).
 
     Returns:
         On rank 0 ``({"shape": [B, L, Dv + Da]}, {"context": tensor})`` (model dtype, CPU).
     Raises:
-        BadInput: no such model (reason ``no_model``); a tensor that is not ``[B, L, D]`` float
-            of the width the model's connectors (or its processed form) take.
+        BadInput: no such model (reason ``no_model``); other weight patches merged (reason
+            ``stale_patches``); a tensor that is not ``[B, L, D]`` float of the width the
+            model's connectors (or its processed form) take.
     """
-    resident = resident_transformer(ctx, params.get("model", codec.DEFAULT_MODEL), params.get("key"))
+    name = params.get("model", codec.DEFAULT_MODEL)
+    resident = resident_transformer(ctx, name, params.get("key"))
+    want = params.get("patches")
+    if want is not None and want != resident.patches:
+        raise BadInput(f"the pool's '{name}' has weight patches {resident.patches}, the call expects {want}",
+                       reason="stale_patches")
     context = _context(_float_tensor(tensors, "context", (3,), "the CONDITIONING tensor"))
     extra = sorted(set(tensors) - {"context"})
     if extra:
@@ -132,7 +141,7 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
             tensors of the wrong names, shapes or values; ComfyUI keyword arguments outside
             ``FORWARD_KWARGS``; more video or audio tokens (reference audio included) than the
             model's ``max_tokens``; latents, timesteps, guides or reference audio that do not fit
-            the model or the latent (``check_call``).
+            the model or the latent (``check_call``); a block to skip that the model does not have.
         JobCancelled: cancelled between transformer blocks (on every rank together).
     """
     name = params.get("model", codec.DEFAULT_MODEL)
@@ -182,10 +191,10 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
         # comfy_forward checks every input against the model (check_call) before it moves the
         # latents to the model's device (patchifying and the positions run there)
         with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")), \
-                m.stoppable(cancelled) as stopped:
+                skipped_blocks(m.transformer, params.get("skip_blocks") or ()), m.stoppable(cancelled) as stopped:
             out = comfy_forward(m, resident.velocity, parts if len(parts) == 2 else video, tuple(steps), context,
                                 frame_rate=frame_rate, conds=conds)
-    except (ForwardError, ExtraCondsError, LatentFormatError, SequenceParallelConfigError) as e:
+    except (ForwardError, ExtraCondsError, LatentFormatError, SequenceParallelConfigError, SkipBlocksError) as e:
         # raised before the transformer's first collective, from the request alone (every rank)
         raise BadInput(str(e)) from None
     if stopped():  # cancelled between blocks, on every rank together: the outputs are discarded
@@ -208,8 +217,8 @@ def model_patches_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
 
     Params: ``patches`` (the set's id), ``entries`` ([{"key": ComfyUI key, "patches":
     [{"adapter": id, "strength", "strength_model"}]}], ComfyUI's order), ``adapters`` (the new
-    ones: [{"id", "kind": "lora" | "diff", "alpha"}], tensors ``<id>.up`` / ``<id>.down`` or
-    ``<id>.diff``). An empty ``entries`` restores the loaded weights.
+    ones: [{"id", "kind": "lora" | "diff" | "scale", "alpha"}], tensors ``<id>.up`` / ``<id>.down``
+    or ``<id>.diff``; none for ``scale``). An empty ``entries`` restores the loaded weights.
 
     Returns:
         ``{"patches": id, "keys": patched weights, "adapters": ids held}``.

@@ -4,7 +4,8 @@
 Both requests carry ComfyUI's patch set in one form (``ltx_mgpu.client.model.wire_patches``):
 ``entries`` ``[{"key", "patches": [{"adapter": id, "strength", "strength_model"}]}]`` in
 ComfyUI's order, and the adapters the pool does not hold yet, ``adapters`` ``[{"id", "kind":
-"lora" | "diff", "alpha"}]`` with tensors ``<id>.up`` / ``<id>.down`` (a LoRA) or ``<id>.diff``.
+"lora" | "diff" | "scale", "alpha"}]`` with tensors ``<id>.up`` / ``<id>.down`` (a LoRA),
+``<id>.diff``, or none (``scale``).
 Adapters are kept by the resident model under their ids, on the CPU, so a set sent before is
 referenced, not resent. Every check runs on every rank alike (the same request reaches each)
 and raises :class:`~ltx_mgpu.pool.engines.BadInput` naming the field.
@@ -45,7 +46,7 @@ def parse_adapters(raw: list | None, tensors: Mapping[str, torch.Tensor]) -> dic
             raise BadInput(f"adapters[{i}] must be {{\"id\": str, \"kind\": one of {list(PATCH_KINDS)}, ...}}")
         aid, kind = item["id"], item["kind"]
         alpha = None if item.get("alpha") is None else _number(item["alpha"], f"adapters[{i}].alpha")
-        names = ("up", "down") if kind == "lora" else ("diff",)
+        names = {"lora": ("up", "down"), "diff": ("diff",), "scale": ()}[kind]
         parts = {}
         for n in names:
             t = tensors.get(f"{aid}.{n}")

@@ -33,6 +33,7 @@ __all__ = [
     "FORWARD_KWARGS",
     "FORWARD_TENSORS",
     "MAX_GUIDES",
+    "MAX_SKIP_BLOCKS",
     "GUIDE_FIELDS",
     "NO_PATCHES",
     "MAX_ADAPTERS",
@@ -95,6 +96,8 @@ FORWARD_TENSORS = ("x.0", "x.1", "t.0", "t.1", "context", "attention_mask", "den
                    "ref_audio")
 #: Guide attention entries one ``forward`` may carry.
 MAX_GUIDES = 256
+#: Transformer blocks one ``forward`` may skip (``skip_blocks``; LTX-2 has 48).
+MAX_SKIP_BLOCKS = 1024
 #: The fields of a guide attention entry (``LTXVAddGuide``'s ``guide_attention_entries`` items,
 #: ``comfy_extras/nodes_lt.py``) the pool implements: its tokens before the grid mask, strength,
 #: latent shape and pixel mask. An entry with another field is refused by name, never ignored.
@@ -272,7 +275,8 @@ register_request(MessageSchema("sample", (
 
 # The MODEL path (ltx_mgpu.pool.model_jobs): ComfyUI's sampler runs its loop and calls the model.
 register_request(MessageSchema("text_contexts", (
-    F("model", ("str",), False), F("key", ("str",), False), F("unprocessed", ("bool",), False)),
+    F("model", ("str",), False), F("key", ("str",), False), F("unprocessed", ("bool",), False),
+    F("patches", ("str",), False)),
     tensors=True, doc="the text connectors (ComfyUI's preprocess_text_embeds) on tensor 'context' [B, L, D]"))
 register_request(MessageSchema("forward", (
     F("model", ("str",), False), F("key", ("str",), False), F("context_id", ("str",)),
@@ -282,9 +286,12 @@ register_request(MessageSchema("forward", (
     F("kwargs", ("list",), False, items="str", max_items=16, choices=FORWARD_KWARGS,
       hint="a node upstream of the sampler added an argument this pool does not implement: remove it, or update "
            "ltx_mgpu if a newer ComfyUI adds it"),
-    F("guides", ("list",), False, items="object", max_items=MAX_GUIDES, hint="use fewer LTXVAddGuide nodes")),
+    F("guides", ("list",), False, items="object", max_items=MAX_GUIDES, hint="use fewer LTXVAddGuide nodes"),
+    F("skip_blocks", ("list",), False, items="int", max_items=MAX_SKIP_BLOCKS,
+      hint="the transformer blocks this call skips (skip-layer guidance)")),
     tensors=True, doc="one call of the transformer on ComfyUI's tensors (FORWARD_TENSORS): 'x.0' video, 'x.1' "
-                      "audio latent, 't.0' / 't.1' their timesteps, 'context' (when new), the guide inputs"))
+                      "audio latent, 't.0' / 't.1' their timesteps, 'context' (when new), the guide inputs, the "
+                      "blocks to skip"))
 register_request(MessageSchema("model_patches", (
     F("model", ("str",), False), F("key", ("str",), False), F("patches", ("str",)),
     F("entries", ("list",), items="object", max_items=MAX_PATCH_KEYS, hint="apply fewer LoRAs"),

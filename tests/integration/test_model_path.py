@@ -12,7 +12,10 @@
   nothing, keyword arguments of nodes the pool does not implement; a model the pool freed is
   loaded again;
 * a call names the model it was made for: another one loaded under the same name since is
-  never run in its place.
+  never run in its place;
+* what ComfyUI's model-patching nodes need of the pool: blocks skipped for one call (skip-layer
+  guidance) and scale-only weight patches (the attention multipliers), also on the connectors'
+  weights, which the text contexts are processed with.
 
 The ComfyUI side (the MODEL object and ComfyUI's own samplers) is in ``test_comfyui_model.py``.
 """
@@ -29,6 +32,7 @@ from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.client.model import PatchFormatError, PoolModel, wire_patches
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.denoise.comfyui.forward import av_timestep_convention, comfy_forward, processed_context
+from ltx_mgpu.denoise.comfyui.skip_blocks import skipped_blocks
 from ltx_mgpu.denoise.model import load_ltx_model
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.nested import NestedTensorLike
@@ -248,6 +252,51 @@ def test_the_sp_sampler_after_a_patched_forward_samples_the_loaded_weights(pool,
     model.forward(x, t, ctx, patches=("lora-b", _patches((_factors(6), _adapters(_factors(6)), 1.0))))
     after = remote_sample(pool, request, timeout=120)
     assert all(torch.equal(p, q) for p, q in zip(before["samples"].tensors, after["samples"].tensors, strict=True))
+
+
+# --------------------------------------------------------------------------- model-patching nodes
+
+
+def test_skipped_blocks_on_two_ranks_equal_the_call_in_process(model, local):
+    """ComfyUI's skip-layer guidance: the named blocks pass their inputs through, on every rank."""
+    x, t = _inputs()
+    ctx = _context(local)
+    with skipped_blocks(local.transformer, [1]):
+        want = _reference(local, x, t, ctx)
+    got = model.forward(x, t, ctx, skip_blocks=[1])
+    assert _diff(got, want) <= TOL
+    assert _diff(got, model.forward(x, t, ctx)) > 1e-3
+    with pytest.raises(BadInputError, match=r"blocks \[5\] to skip are not among this model's 2"):
+        model.forward(x, t, ctx, skip_blocks=[5])
+    assert model.sent["forward"] >= 3  # serving
+
+
+def test_scale_patches_of_block_and_connector_weights_equal_the_scaled_weights_in_process(model, local):
+    """The attention multipliers' ``(None,)`` patches scale weights in the pool; one on a connector
+    weight changes the processed text context, as in ComfyUI's model (the context is processed
+    with the call's patches merged)."""
+    block, conn = Q, "diffusion_model.video_embeddings_connector.transformer_1d_blocks.0.attn1.to_q.weight"
+    patches = ("scaled", {block: [(0.0, (None,), 1.3, None, None)], conn: [(0.0, (None,), 0.7, None, None)]})
+    text = _text(3, tokens=11)
+    x, t = _inputs(batch=1)
+    weights = [local.transformer.transformer_blocks[0].attn1.to_q.weight,
+               local.video_connector.transformer_1d_blocks[0].attn1.to_q.weight]
+    with torch.no_grad():
+        plain_ctx = processed_context(local, text, True)
+        for w, s in zip(weights, (1.3, 0.7)):
+            w.mul_(s)
+        try:
+            want_ctx = processed_context(local, text, True)
+            want = _reference(local, x, t, want_ctx)
+        finally:
+            for w, s in zip(weights, (1.3, 0.7)):
+                w.div_(s)
+    got_ctx = model.text_contexts(text, True, patches=patches)
+    assert _diff(got_ctx, want_ctx) <= TOL and _diff(got_ctx, plain_ctx) > 1e-4
+    assert _diff(model.forward(x, t, got_ctx, patches=patches), want) <= TOL
+    assert _diff(model.text_contexts(text, True), plain_ctx) <= TOL  # the loader's MODEL again: no patches
+    with pytest.raises(PatchFormatError, match="without a tensor at strength 0.5"):
+        model.forward(x, t, got_ctx, patches=("bad", {block: [(0.5, (None,), 1.0, None, None)]}))
 
 
 # --------------------------------------------------------------------------- refusals

@@ -7,7 +7,8 @@ together with Ulysses sequence parallelism, on real gloo ranks:
   block runs at most two blocks (it and the prefetched next one) are whole;
 * through a real pool (the tiny LTX-2.3 checkpoint, fp32): a ``sharded`` load equals the
   ``replicated`` one on the MODEL path's forward and the SP Sampler (audio-video and video, LoRAs
-  fused at load and ComfyUI patches merged into the shards), at world sizes 2 and 4; the pool's
+  fused at load and ComfyUI patches merged into the shards, scale-only patches, a skipped block),
+  at world sizes 2 and 4; the pool's
   status shows each rank's bytes of weights; the fit check's arithmetic and messages.
 """
 
@@ -154,21 +155,26 @@ def test_a_sharded_load_equals_the_replicated_one_through_the_pool(base, tiny_lt
             name, weights = "lora", (up, down, None, None, None, None)
 
         patches = ("p1", {q: [(0.5, Lora(), 1.0, None, None)]})
+        scaled = ("p2", {q: [(0.0, (None,), 1.3, None, None)]})  # an attention multiplier's patch
         outs = {}
         for name, res in loaded.items():
             pm = PoolModel(lambda: pool, lambda n=name: None, name=name, key=res["key"])
             outs[name] = {"av": pm.forward(x, t, ctx, frame_rate=24.0),
                           "video": pm.forward(x[0], t, ctx, frame_rate=24.0),
-                          "patched": pm.forward(x, t, ctx, frame_rate=24.0, patches=patches)}
+                          "patched": pm.forward(x, t, ctx, frame_rate=24.0, patches=patches),
+                          "scaled": pm.forward(x, t, ctx, frame_rate=24.0, patches=scaled),
+                          "skipped": pm.forward(x, t, ctx, frame_rate=24.0, skip_blocks=[0])}  # skip-layer guidance
             pm.sync_patches("none", {})
         for lora_on in (0, 1):
             rep, sh = outs[f"replicated-{lora_on}"], outs[f"sharded-{lora_on}"]
-            for case in ("av", "video", "patched"):
+            for case in ("av", "video", "patched", "scaled", "skipped"):
                 a = rep[case] if isinstance(rep[case], list) else [rep[case]]
                 b = sh[case] if isinstance(sh[case], list) else [sh[case]]
                 assert all(_rel(p, q_) <= REL for p, q_ in zip(b, a)), (lora_on, case)
         assert _rel(outs["sharded-1"]["av"][0], outs["sharded-0"]["av"][0]) > 1e-3  # the LoRA did something
         assert _rel(outs["sharded-0"]["patched"][0], outs["sharded-0"]["av"][0]) > 1e-4
+        assert _rel(outs["sharded-0"]["scaled"][0], outs["sharded-0"]["av"][0]) > 1e-4
+        assert _rel(outs["sharded-0"]["skipped"][0], outs["sharded-0"]["av"][0]) > 1e-3
 
         latent = {"samples": NestedTensorLike([torch.zeros(1, 128, 3, 3, 5), torch.zeros(1, 8, 7, 16)]),
                   "type": "audio"}
