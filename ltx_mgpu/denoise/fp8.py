@@ -46,12 +46,14 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from ltx_core.guidance.perturbations import BatchedPerturbationConfig, PerturbationType
+from ltx_core.model.transformer.transformer import BasicAVTransformerBlock
 
 from ltx_mgpu.denoise.plan import Fp8Config
 from ltx_mgpu.quantized import kernels
 from ltx_mgpu.shards import local_rows, local_tensor
 
-__all__ = ["E4M3_MAX", "MIN_FEATURES", "Float8Linear", "compile_blocks",
+__all__ = ["E4M3_MAX", "MIN_FEATURES", "BlockPerturbations", "Float8Linear", "compile_blocks",
            "fp8_linear_names", "fp8_support_error", "fp8_weight", "rounding_noise", "quantize_rows", "swap_linears"]
 
 #: The largest finite e4m3 value (``torch.finfo(torch.float8_e4m3fn).max``).
@@ -256,13 +258,66 @@ def swap_linears(model: torch.nn.Module, config: Fp8Config, names: list[str] | N
     return names
 
 
+class BlockPerturbations:
+    """ltx-core's :class:`~ltx_core.guidance.perturbations.BatchedPerturbationConfig` as one
+    block sees it: the same answers to the queries ``BasicAVTransformerBlock.forward`` makes
+    (``all_in_batch``, ``any_in_batch``, ``mask``, ``mask_like``), computed for ``block`` when
+    made, so that the queries ignore the block index they are passed.
+
+    Why: the block passes its ``self.idx`` to every query, and Dynamo treats an int attribute of
+    a module as a constant it guards on (``self.idx == 0``; torch 2.9 guards it even for an
+    empty config, where the queries' generator expressions capture it), so each of the identical
+    blocks failed the previous block's guards and was traced and compiled again. With this view
+    in its place the traced code reads only the per-sample flags (constants: blocks perturbed
+    alike share one graph).
+
+    ``perturbations``: the config or None (nothing perturbed, as the block takes None);
+    ``batch``: the samples (the config's length when given). Masks are 1 for a kept sample and 0
+    for a skipped one, in the ``dtype`` / on the ``device`` asked, as ltx-core makes them.
+    """
+
+    def __init__(self, perturbations: BatchedPerturbationConfig | None, block: int, batch: int):
+        configs = perturbations.perturbations if perturbations is not None else [None] * batch
+        self.skipped = {t: tuple(c is not None and c.is_perturbed(t, block) for c in configs)
+                        for t in PerturbationType}
+
+    def all_in_batch(self, perturbation_type: PerturbationType, block: int) -> bool:
+        return all(self.skipped[perturbation_type])
+
+    def any_in_batch(self, perturbation_type: PerturbationType, block: int) -> bool:
+        return any(self.skipped[perturbation_type])
+
+    def mask(self, perturbation_type: PerturbationType, block: int, device, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([0.0 if s else 1.0 for s in self.skipped[perturbation_type]], device=device, dtype=dtype)
+
+    def mask_like(self, perturbation_type: PerturbationType, block: int, values: torch.Tensor) -> torch.Tensor:
+        mask = self.mask(perturbation_type, block, values.device, values.dtype)
+        return mask.view(mask.numel(), *([1] * (values.ndim - 1)))
+
+
+def _shared_graph_forward(block: BasicAVTransformerBlock, compiled):
+    """``forward(video, audio, perturbations=None)`` of ``block``: ``compiled`` (its compiled
+    forward) given the :class:`BlockPerturbations` of ``block.idx`` instead of ``perturbations``."""
+
+    def forward(video, audio, perturbations=None):
+        if video is None and audio is None:  # the block's own error
+            return compiled(video, audio, perturbations)
+        batch = (video if video is not None else audio).x.shape[0]
+        return compiled(video, audio, BlockPerturbations(perturbations, block.idx, batch))
+
+    return forward
+
+
 def compile_blocks(model: torch.nn.Module, dynamic: bool | None = None) -> int:
     """``torch.compile`` every transformer block's ``forward`` (the module call, with its hooks
     such as FSDP2's gathers, stays eager); returns how many. ltx-core's blocks are alike, so one
-    compiled graph serves them all (inductor fuses each activation's FP8 quantisation into the
-    kernel that produces it). Attention wrappers that exchange tokens between ranks run outside
-    the graph (``torch.compiler.disable``). ``dynamic``: ``torch.compile``'s (None: a second token
-    count recompiles with symbolic shapes; False: one compiled graph per token count)."""
+    compiled graph serves them all, per code object and input shapes (inductor fuses each
+    activation's FP8 quantisation into the kernel that produces it): an ltx-core
+    ``BasicAVTransformerBlock`` gets its perturbations as :class:`BlockPerturbations`, so no
+    graph depends on the block's index. Attention wrappers that exchange tokens between ranks
+    run outside the graph (``torch.compiler.disable``). ``dynamic``: ``torch.compile``'s (None: a
+    second token count recompiles with symbolic shapes; False: one compiled graph per token
+    count)."""
     blocks = list(model.transformer_blocks)
     # One graph per token count, layout and batch, for each code object the attention wrappers'
     # graph breaks make (``Attention.forward`` and its resume functions): a pool that meets many
@@ -271,5 +326,7 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool | None = None) -> int:
     cfg.recompile_limit = max(cfg.recompile_limit, _RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * _RECOMPILE_LIMIT)
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=dynamic)
+        compiled = torch.compile(block.forward, dynamic=dynamic)
+        shared = isinstance(block, BasicAVTransformerBlock)
+        block.forward = _shared_graph_forward(block, compiled) if shared else compiled
     return len(blocks)

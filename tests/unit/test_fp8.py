@@ -15,7 +15,9 @@ whose torch also runs ``torch._scaled_mm``.
 * a pool: ``dtype: fp8`` on CPU ranks is refused, naming the fix, before anything loads; a
   sharded fp8 file on the MODEL path equals the replicated load, ComfyUI LoRA patches merge
   into the e4m3 shards (stochastically rounded per row) and removing them restores the file's
-  weights; FP8 compute under Ulysses, CFG-parallel and FSDP2 on 2 ranks equals world size 1.
+  weights; FP8 compute under Ulysses, CFG-parallel and FSDP2 on 2 ranks equals world size 1;
+* compiling: the perturbation view a compiled block gets answers as ltx-core's config (the
+  graphs shared across blocks: ``tests/integration/test_compile_blocks.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_support import rel, tiny_files
+from ltx_core.guidance.perturbations import (
+    BatchedPerturbationConfig,
+    Perturbation,
+    PerturbationConfig,
+    PerturbationType,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.denoise.checkpoint import CheckpointError, StateDictLoader, inspect_checkpoint
 from ltx_mgpu.denoise.fp8 import (
     E4M3_MAX,
+    BlockPerturbations,
     Float8Linear,
     fp8_support_error,
     quantize_rows,
@@ -164,3 +173,24 @@ def test_an_fp8_scale_of_the_wrong_size_is_refused_naming_the_fix(tmp_path):
 # --------------------------------------------------------------------------- a pool
 
 
+
+
+def test_a_blocks_perturbation_view_answers_as_ltx_cores_config():
+    """``BlockPerturbations`` (what a compiled block gets) gives ltx-core's answers for each block
+    and perturbation type: STG configs mixed per sample, and None (nothing perturbed)."""
+    mixed = BatchedPerturbationConfig([
+        PerturbationConfig([Perturbation(PerturbationType.SKIP_VIDEO_SELF_ATTN, [1]),
+                            Perturbation(PerturbationType.SKIP_V2A_CROSS_ATTN, None)]),
+        PerturbationConfig(None),
+        PerturbationConfig([Perturbation(PerturbationType.SKIP_V2A_CROSS_ATTN, [0, 2])]),
+    ])
+    values = torch.ones(3, 5, 4, dtype=torch.bfloat16)
+    for config, ref in ((mixed, mixed), (None, BatchedPerturbationConfig.empty(3))):
+        for block in range(4):
+            view = BlockPerturbations(config, block, 3)
+            for t in PerturbationType:
+                assert view.all_in_batch(t, -1) == ref.all_in_batch(t, block)
+                assert view.any_in_batch(t, -1) == ref.any_in_batch(t, block)
+                want = ref.mask_like(t, block, values)
+                got = view.mask_like(t, -1, values)
+                assert got.dtype == want.dtype and got.shape == want.shape == (3, 1, 1) and torch.equal(got, want)
