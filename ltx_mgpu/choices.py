@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "DTYPE_NAMES", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_COMPUTE_DTYPES",
-           "TRANSFORMER_WEIGHTS", "TRANSFORMER_STORAGE", "FP8_COMPUTES", "FP8_SCALINGS",
+__all__ = ["WEIGHTS", "PLACEMENTS", "DTYPE_NAMES", "TEXT_DTYPES", "AUTO_DTYPE", "TEXT_COMPUTE_DTYPES",
+           "TRANSFORMER_DTYPES", "TRANSFORMER_COMPUTE_DTYPES", "TRANSFORMER_WEIGHTS", "TRANSFORMER_STORAGE",
+           "FP8_COMPUTES", "FP8_SCALINGS",
            "SP_LAYOUTS", "ATTENTION_TYPES", "LIFETIMES", "SAMPLERS", "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
 
 #: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
@@ -24,6 +25,12 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Gemma's compute dtype, by torch's name (``float32`` for reference runs); the short names of
 #: :data:`DTYPE_NAMES` are taken too.
 TEXT_DTYPES = ("bfloat16", "float32", "float16")
+#: The compute dtype that follows the device Gemma runs on: what ComfyUI's own text encoder computes
+#: in there (``ltx_mgpu.text.config.resolve_text_dtype``).
+AUTO_DTYPE = "auto"
+#: The Gemma Loader's compute dtype choices: :data:`AUTO_DTYPE` (the default), or one of
+#: :data:`DTYPE_NAMES`' short names.
+TEXT_COMPUTE_DTYPES = (AUTO_DTYPE, "bf16", "fp32", "fp16")
 #: The LTX-2 transformer's compute dtype; ``fp8``: the blocks' large linears as e4m3 GEMMs on FP8
 #: tensor cores (Ada, Hopper or newer), everything else bf16 (``ltx_mgpu.denoise.fp8``).
 TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32", "fp8")
