@@ -48,10 +48,10 @@ TRANSFORMER_STORAGE = ("dense", "e4m3", "ggml", "comfy_quant")
 FP8_COMPUTES = ("upcast", "fp8")
 #: The scale granularity of an e4m3 GEMM: a scale per token and per output channel, or one per tensor.
 FP8_SCALINGS = ("row", "tensor")
-#: How a model call is split over the pool's ranks: ``ulysses`` (the video tokens over all ranks),
-#: ``cfg_ulysses`` (the cond and uncond halves of the batch on two halves of the pool, each
-#: Ulysses over its ranks) or ``auto`` (``cfg_ulysses`` whenever the batch and the world size are
-#: even: ``ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer.cfg_parallel``).
+#: How a model call is split over the pool's ranks (``ltx_mgpu.denoise.parallel.layout``): ``auto``
+#: (the batch's guidance passes over gcd(batch, ranks) groups of ranks, each Ulysses over its ranks;
+#: Ulysses when that is one group), ``ulysses`` (the video tokens over all ranks) or ``cfg_ulysses``
+#: (any batch of two or more on two halves of the pool).
 SP_LAYOUTS = ("auto", "ulysses", "cfg_ulysses")
 #: ltx-core 1.0.0's attention backends (``AttentionFunction``'s values).
 ATTENTION_TYPES = ("default", "pytorch", "xformers", "flash_attention_3")
