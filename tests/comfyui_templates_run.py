@@ -25,6 +25,7 @@ record its MODEL's pool calls for the report (it computes nothing differently).
 Writes ``OUT_DIR/<run id>.safetensors`` (``<sampler id>.<output|denoised>.<part>``, the parts of
 a NestedTensor latent in order: video, audio) and ``OUT_DIR/report.json``: per run whether it
 succeeded, the error ComfyUI reported (node id, type, exception message), the seconds it took,
+whether a ``TextGenerate*`` node (prompt enhancement) ran,
 the latents' shapes, and for our MODEL the pool requests it sent by type, each patch set the
 pool merged (the executing node, the seconds the request took) and any reload of the model.
 """
@@ -228,6 +229,9 @@ def main() -> int:
             entry.update(ok=False, error={"exception_message": traceback.format_exc()[-4000:]})
         finally:
             entry["seconds"] = round(time.monotonic() - started, 2)
+            executed = {d.get("node") for e, d in server.messages if e == "executing" and isinstance(d, dict)}
+            entry["generated"] = any(prompt[i]["class_type"].startswith("TextGenerate") for i in executed
+                                     if i in prompt)
         tensors = {}
         for sampler, latents in captured.items():
             for which, samples in latents.items():
