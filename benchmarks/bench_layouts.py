@@ -1,14 +1,20 @@
-"""CFG-parallel x Ulysses against pure Ulysses: one model call of a cond + uncond batch.
+"""The call layouts against pure Ulysses: one model call of a batch of guidance passes.
 
 A pool of ``--nproc`` CPU ranks (or ``--gpus``) loads a header-only LTX-2-shaped checkpoint
 (``bench_model_path.write_shaped_checkpoint``; the shape from ``bench_sp``'s options, zero
-weights) once per layout (``ulysses``, ``cfg_ulysses``: ``ltx_mgpu.choices.SP_LAYOUTS``) and times
-``PoolModel.forward`` on a batch of 2 (the MODEL path's call per step of ComfyUI's sampler):
-median of ``--runs`` after ``--warmup``, per size (``--shapes``)::
+weights) once per layout of ``--layouts`` (``ltx_mgpu.choices.SP_LAYOUTS``; ``ulysses`` first, the
+baseline) and times ``PoolModel.forward`` on a batch of ``--batch`` passes (2: the cond + uncond
+call per step of ComfyUI's sampler; 3: DualCFGGuider or CFG with a perturbed pass; 4: a batch of
+two latents with CFG): median of ``--runs`` after ``--warmup``, per size (``--shapes``). Which
+layout each call takes is ``ltx_mgpu.denoise.parallel.layout.call_layout``'s::
 
     python benchmarks/bench_layouts.py --device cpu --nproc 2 --layers 4 --video-heads 8 --video-head-dim 64 \\
         --audio-heads 8 --audio-head-dim 32 --caption-channels 512 --shapes 4x8x12 --text-tokens 128 \\
         --out benchmarks/results/layouts_cpu.json
+    python benchmarks/bench_layouts.py --device cuda --gpus 0,1,2,3 --batch 4 --layouts ulysses,auto
+
+The JSON keeps ``<layout>_ms`` per size, ``speedup`` (ulysses over cfg_ulysses, when both ran) and
+``<layout>_speedup`` (ulysses over each other layout).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=2, help="guidance passes in the call")
+    ap.add_argument("--layouts", default="ulysses,cfg_ulysses", help="comma-separated; ulysses is the baseline")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
@@ -47,12 +55,14 @@ def main(argv=None) -> int:
     config = transformer_config(a)
     checkpoint = str(work / "shaped.safetensors")
     write_shaped_checkpoint(checkpoint, config, dtype)
-    results: dict = {"config": config["transformer"], "sizes": {}, "ranks": a.nproc if a.device == "cpu" else a.gpus}
+    layouts = list(dict.fromkeys(["ulysses", *a.layouts.split(",")]))
+    results: dict = {"config": config["transformer"], "sizes": {}, "batch": a.batch,
+                     "ranks": a.nproc if a.device == "cpu" else a.gpus}
     client = PoolClient.connect(gpus=a.gpus if a.device == "cuda" else "cpu",
                                 nproc=a.nproc if a.device == "cpu" else None, runtime_dir=work / "rt",
                                 lifetime="with-owner", startup_timeout=300)
     try:
-        for layout in ("ulysses", "cfg_ulysses"):
+        for layout in layouts:
             plan = TransformerPlan(checkpoint, dtype="bf16" if a.device == "cuda" else "fp32", max_tokens=1 << 17,
                                    layout=layout)
             loaded = remote_load_transformer(client, plan, name=layout, timeout=1800)
@@ -67,11 +77,14 @@ def main(argv=None) -> int:
             client.request("unload", {"names": [layout]}, timeout=300)
         for row in results["sizes"].values():
             outs = row.pop("outputs")
-            # zero weights: the outputs carry no signal (parity is tests/integration/test_cfg_parallel.py's)
-            row["max_abs_diff"] = max(float((p - q).abs().max()) for p, q in zip(outs["cfg_ulysses"], outs["ulysses"]))
-            row["speedup"] = row["ulysses_ms"] / row["cfg_ulysses_ms"]
-            print(f"cfg_ulysses vs ulysses: {row['speedup']:.2f}x (outputs within {row['max_abs_diff']:.1e})",
-                  flush=True)
+            for layout in layouts[1:]:
+                # zero weights: the outputs carry no signal (parity is tests/integration/test_cfg_parallel.py's)
+                diff = max(float((p - q).abs().max()) for p, q in zip(outs[layout], outs["ulysses"]))
+                row[f"{layout}_max_abs_diff"] = diff
+                row[f"{layout}_speedup"] = row["ulysses_ms"] / row[f"{layout}_ms"]
+                print(f"{layout} vs ulysses: {row[f'{layout}_speedup']:.2f}x (outputs within {diff:.1e})", flush=True)
+            if "cfg_ulysses_speedup" in row:
+                row["speedup"], row["max_abs_diff"] = row["cfg_ulysses_speedup"], row["cfg_ulysses_max_abs_diff"]
         if a.out:
             write_json(a.out, results)
     finally:

@@ -93,23 +93,26 @@ def write_shaped_checkpoint(path: str | os.PathLike, config: dict, dtype: torch.
 
 
 def forward_inputs(shape: str, audio_tokens: int, text_tokens: int, width: int, device: torch.device,
-                   dtype: torch.dtype) -> tuple[list, tuple, torch.Tensor]:
-    """``(x, timesteps, context)`` of one MODEL-path call for a latent ``"FxHxW"``: the cond +
-    uncond batch of 2 (video ``[2, 128, F, H, W]``, audio ``[2, 8, N, 16]``), sigma 0.9 for both,
-    a processed text context ``[2, L, width]``; seeded, on ``device`` in ``dtype``."""
+                   dtype: torch.dtype, batch: int = 2) -> tuple[list, tuple, torch.Tensor]:
+    """``(x, timesteps, context)`` of one MODEL-path call for a latent ``"FxHxW"``: a batch of
+    ``batch`` guidance passes (2: cond + uncond; video ``[B, 128, F, H, W]``, audio
+    ``[B, 8, N, 16]``), sigma 0.9 for all, a processed text context ``[B, L, width]``; seeded, on
+    ``device`` in ``dtype``."""
     f, h, w = _shape(shape)
     g = torch.Generator().manual_seed(1)
-    x = [torch.randn(2, 128, f, h, w, generator=g).to(device, dtype),
-         torch.randn(2, 8, audio_tokens, 16, generator=g).to(device, dtype)]
-    t = (torch.full((2,), 0.9, device=device), torch.full((2,), 0.9, device=device))
-    return x, t, torch.randn(2, text_tokens, width, generator=g).to(device, dtype)
+    x = [torch.randn(batch, 128, f, h, w, generator=g).to(device, dtype),
+         torch.randn(batch, 8, audio_tokens, 16, generator=g).to(device, dtype)]
+    t = (torch.full((batch,), 0.9, device=device), torch.full((batch,), 0.9, device=device))
+    return x, t, torch.randn(batch, text_tokens, width, generator=g).to(device, dtype)
 
 
 def time_forward(pm: PoolModel, shape: str, args, width: int, device: torch.device, dtype: torch.dtype):
     """``(video tokens, median ms, every run's ms, the last output)`` of ``pm.forward`` on
     :func:`forward_inputs` of ``shape`` (``args``: ``audio_tokens``, ``text_tokens``, ``warmup``,
-    ``runs``), wall clock (``timing.wall_ms``: the call waits on the pool)."""
-    x, t, context = forward_inputs(shape, args.audio_tokens, args.text_tokens, width, device, dtype)
+    ``runs``, and ``batch`` where it has one: 2 otherwise), wall clock (``timing.wall_ms``: the
+    call waits on the pool)."""
+    x, t, context = forward_inputs(shape, args.audio_tokens, args.text_tokens, width, device, dtype,
+                                   getattr(args, "batch", 2))
     box = {}
 
     def call():

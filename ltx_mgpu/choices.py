@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["WEIGHTS", "PLACEMENTS", "DTYPE_NAMES", "TEXT_DTYPES", "TRANSFORMER_DTYPES", "TRANSFORMER_COMPUTE_DTYPES",
-           "TRANSFORMER_WEIGHTS", "TRANSFORMER_STORAGE", "FP8_COMPUTES", "FP8_SCALINGS",
+__all__ = ["WEIGHTS", "PLACEMENTS", "DTYPE_NAMES", "TEXT_DTYPES", "AUTO_DTYPE", "TEXT_COMPUTE_DTYPES",
+           "TRANSFORMER_DTYPES", "TRANSFORMER_COMPUTE_DTYPES", "TRANSFORMER_WEIGHTS", "TRANSFORMER_STORAGE",
+           "FP8_COMPUTES", "FP8_SCALINGS",
            "SP_LAYOUTS", "ATTENTION_TYPES", "LIFETIMES", "SAMPLERS", "AV_TIMESTEP_CONVENTIONS", "check_choice", "spell"]
 
 #: Gemma 3 weights: ``bf16`` (as stored, upcast from fp16 / fp8) or ``nf4`` (bitsandbytes NF4).
@@ -24,6 +25,12 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: Gemma's compute dtype, by torch's name (``float32`` for reference runs); the short names of
 #: :data:`DTYPE_NAMES` are taken too.
 TEXT_DTYPES = ("bfloat16", "float32", "float16")
+#: The compute dtype that follows the device Gemma runs on: what ComfyUI's own text encoder computes
+#: in there (``ltx_mgpu.text.config.resolve_text_dtype``).
+AUTO_DTYPE = "auto"
+#: The Gemma Loader's compute dtype choices: :data:`AUTO_DTYPE` (the default), or one of
+#: :data:`DTYPE_NAMES`' short names.
+TEXT_COMPUTE_DTYPES = (AUTO_DTYPE, "bf16", "fp32", "fp16")
 #: The LTX-2 transformer's compute dtype; ``fp8``: the blocks' large linears as e4m3 GEMMs on FP8
 #: tensor cores (Ada, Hopper or newer), everything else bf16 (``ltx_mgpu.denoise.fp8``).
 TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -41,10 +48,10 @@ TRANSFORMER_STORAGE = ("dense", "e4m3", "ggml", "comfy_quant")
 FP8_COMPUTES = ("upcast", "fp8")
 #: The scale granularity of an e4m3 GEMM: a scale per token and per output channel, or one per tensor.
 FP8_SCALINGS = ("row", "tensor")
-#: How a model call is split over the pool's ranks: ``ulysses`` (the video tokens over all ranks),
-#: ``cfg_ulysses`` (the cond and uncond halves of the batch on two halves of the pool, each
-#: Ulysses over its ranks) or ``auto`` (``cfg_ulysses`` whenever the batch and the world size are
-#: even: ``ltx_mgpu.denoise.parallel.ulysses.SequenceParallelTransformer.cfg_parallel``).
+#: How a model call is split over the pool's ranks (``ltx_mgpu.denoise.parallel.layout``): ``auto``
+#: (the batch's guidance passes over gcd(batch, ranks) groups of ranks, each Ulysses over its ranks;
+#: Ulysses when that is one group), ``ulysses`` (the video tokens over all ranks) or ``cfg_ulysses``
+#: (any batch of two or more on two halves of the pool).
 SP_LAYOUTS = ("auto", "ulysses", "cfg_ulysses")
 #: ltx-core 1.0.0's attention backends (``AttentionFunction``'s values).
 ATTENTION_TYPES = ("default", "pytorch", "xformers", "flash_attention_3")

@@ -189,10 +189,12 @@ class LTXMGPUModelLoader(io.ComfyNode):
                     "every weight and gathers each block just before it runs (FSDP), so a model too big for one "
                     "GPU fits on several (e.g. LTX-2.3 22B on four 24 GB cards); a little slower per step.")),
                 io.Combo.Input("layout", options=list(SP_LAYOUTS), default="auto", optional=True, tooltip=(
-                    "How each model call is split over the GPUs. ulysses: the video tokens over all of them. "
-                    "cfg_ulysses: the positive and negative halves of a CFG batch on two halves of the GPUs, "
-                    "each splitting the tokens (less communication). auto: cfg_ulysses whenever the batch and "
-                    "the GPU count are even, else ulysses.")),
+                    "How each model call is split over the GPUs. A call carries the guidance passes ComfyUI "
+                    "batches (cond + uncond for CFG, three for DualCFGGuider or a perturbed pass). ulysses: the "
+                    "video tokens over all GPUs. auto: the passes over groups of GPUs, each group splitting the "
+                    "tokens, whenever they split evenly (2 passes on an even GPU count, 4 on 4 GPUs one each): "
+                    "the same work per GPU, less communication; else ulysses. cfg_ulysses: any batch of 2 or "
+                    "more on two halves of the GPUs, unevenly for an odd one (pays only on slow GPU links).")),
                 io.Combo.Input("connectors", options=connector_choices(), default=OWN_CONNECTORS, optional=True,
                                tooltip=(
                     "Where the text connectors come from. A transformer file without them (the LTX-2.0 GGUF "

@@ -5,8 +5,10 @@
   which Gemma 3 (a ComfyUI or GGUF file or a snapshot / NF4 directory from ``models/text_encoders``), which LTX-2
   text projection (the LTX checkpoint from ``models/checkpoints``, or a projection file from
   ``models/text_encoders``), weights ``bf16 | nf4``, placement ``single | accelerate |
-  batch_parallel``, keep loaded, compile (``torch.compile`` of the layers). Nothing is loaded
-  here: Gemma loads in the pool on the first prompt that is not in the cache.
+  batch_parallel``, keep loaded, compile (``torch.compile`` of the layers), compute dtype
+  (``auto``: ComfyUI's text encoder's on the pool's device, resolved by the client from the pool's
+  spec: ``ltx_mgpu.text.config.resolve_text_dtype``). Nothing is loaded here: Gemma loads in the
+  pool on the first prompt that is not in the cache.
 * **Prompt Encode** (``LTXMGPU_PromptEncode``) -> two CONDITIONING in ComfyUI's LTX-2 form
   (``[[float32 [1, T, D] on CPU, {"pooled_output": None, "unprocessed_ltxav_embeds": True}]]``,
   ``ltx_mgpu.text.features.PromptEmbedding.to_conditioning``), so core ``LTXVConditioning``,
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ltx_mgpu.choices import PLACEMENTS, WEIGHTS
+from ltx_mgpu.choices import AUTO_DTYPE, PLACEMENTS, TEXT_COMPUTE_DTYPES, WEIGHTS, check_choice
 from ltx_mgpu.text.config import TextEncoderConfig
 
 from . import _comfy
@@ -177,6 +179,12 @@ class LTXMGPUGemmaLoader(io.ComfyNode):
                     "Run Gemma's layers through torch.compile: Gemma takes longer to load (it compiles), and new "
                     "kinds of batch compile on first use; then encoding is faster. bf16 weights, placement single "
                     "or batch_parallel.")),
+                io.Combo.Input("dtype", options=list(TEXT_COMPUTE_DTYPES), default=AUTO_DTYPE, optional=True,
+                               tooltip=(
+                    "Gemma's compute dtype. auto: what ComfyUI's own text encoder uses on the pool's device: fp32 "
+                    "on CPU ranks (ComfyUI's result), bf16 on GPUs (ComfyUI computes fp32 there too: choose fp32 "
+                    "for its exact result, at twice Gemma's memory). NF4 weights always compute in bf16. Embeddings "
+                    "are cached per dtype.")),
             ],
             outputs=[
                 TextEncoderType.Output("text_encoder", tooltip=(
@@ -192,11 +200,12 @@ class LTXMGPUGemmaLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, pool: PoolHandle, gemma: str, projection: str, weights: str, placement: str,
-                keep_loaded: bool, compile: bool = False) -> io.NodeOutput:
+                keep_loaded: bool, compile: bool = False, dtype: str = AUTO_DTYPE) -> io.NodeOutput:
         from ltx_mgpu.client.text import check_sources
 
+        check_choice(dtype, TEXT_COMPUTE_DTYPES, "dtype")
         config = TextEncoderConfig(_comfy.full_path("text_encoders", gemma), resolve_projection(projection),
-                                   weights=weights, placement=placement, compile=bool(compile))
+                                   weights=weights, placement=placement, compile=bool(compile), dtype=dtype)
         check_sources(config)  # headers only: a wrong file fails here, naming the supported formats
         handle = TextEncoderHandle(pool, config, bool(keep_loaded))
         return io.NodeOutput(handle, GemmaClip(handle))

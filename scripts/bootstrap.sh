@@ -11,13 +11,17 @@
 # - comfy-kitchen (ComfyUI's kernel library; ltx_mgpu uses its eager dequantization of
 #   ComfyUI's quantized files) as its pure-Python wheel: pip would pick the 68 MB platform
 #   wheel, whose CUDA/HIP extensions ltx_mgpu never calls (override: LTX_MGPU_COMFY_KITCHEN).
+# - the official ComfyUI workflow templates the template tests run (requirements-templates.txt:
+#   JSON only) into .templates/ with --no-deps --target, never into an environment (ComfyUI's own
+#   environment keeps the templates package its requirements pin).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 venv="${LTX_MGPU_VENV:-$here/.venv}"
 stamp="$venv/.ltx_mgpu_bootstrap"
-want="$(cat requirements.txt requirements-dev.txt scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+templates="$here/.templates/comfyui-workflow-templates-json"
+want="$(cat requirements.txt requirements-dev.txt requirements-templates.txt scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -d "$templates" ]; then
   exit 0
 fi
 python3 -m venv "$venv"
@@ -34,6 +38,8 @@ wheels="$(mktemp -d)"
   -d "$wheels" "${LTX_MGPU_COMFY_KITCHEN:-comfy-kitchen==0.2.40}"
 "$py" -m pip install -q --no-deps "$wheels"/comfy_kitchen-*.whl
 rm -rf "$wheels"
+rm -rf "$templates"
+"$py" -m pip install -q --no-deps --target "$templates" -r requirements-templates.txt
 if "$py" -c "import torchaudio" >/dev/null 2>&1; then
   echo "note: torchaudio is importable in $venv" >&2
 fi

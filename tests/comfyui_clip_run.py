@@ -12,13 +12,13 @@ ComfyUI's tokenizer makes at least ``long_tokens`` tokens.
 
 ComfyUI hard-codes Gemma 3 12B's sizes; :func:`shrink_gemma` replaces those numbers (and only
 those) by the tiny model's. Then every case goes through ``nodes.CLIPTextEncode`` on the CLIP of
-``LTXAVTextEncoderLoader`` (``comfy``) and on our Gemma Loader's ``clip`` output made to compute
-in fp32 as ComfyUI's text encoder does (``ours``); the ``short`` case also on the output as the
-node loads it (bf16, ``ours_bf16``). Our conditioning then goes through ``ConditioningZeroOut``,
-``LTXVConditioning``, ``ConditioningCombine``, ComfyUI's ``SamplerCustomAdvanced`` (ComfyUI's own
-model) and our SP Sampler, and our CLIP through ``LoraLoader``; one encode runs inside a node's
-execution context, its progress ticks recorded. It writes
-``OUT_DIR/conds.safetensors`` (``<case>.<who>`` tensors, ``sample.<who>.<part>`` latents) and
+``LTXAVTextEncoderLoader`` (``comfy``) and on our Gemma Loader's ``clip`` output at its defaults
+(``ours``: dtype ``auto``, fp32 on this CPU pool, as ComfyUI's text encoder computes); the
+``short`` case also with the loader's dtype at ``bf16`` (``ours_bf16``). Our conditioning then
+goes through ``ConditioningZeroOut``, ``LTXVConditioning``, ``ConditioningCombine``, ComfyUI's
+``SamplerCustomAdvanced`` (ComfyUI's own model) and our SP Sampler, and our CLIP through
+``LoraLoader``; one encode runs inside a node's execution context, its progress ticks recorded.
+It writes ``OUT_DIR/conds.safetensors`` (``<case>.<who>`` tensors, ``sample.<who>.<part>`` latents) and
 ``OUT_DIR/report.json`` (each conditioning's dict, ComfyUI's token counts, the downstream nodes'
 results described, the progress ticks, the LoRA log lines).
 """
@@ -124,10 +124,11 @@ def main() -> int:
 
     theirs = LTXAVTextEncoderLoader.execute(text_encoder=spec["gemma"], ckpt_name=spec["checkpoint"]).result[0]
     (pool,) = ours_nodes["LTXMGPU_Pool"].execute(gpus="cpu", cpu_ranks=2, lifetime="with-owner", free_comfy_vram=False)
-    te, clip_bf16 = ours_nodes["LTXMGPU_GemmaLoader"].execute(pool, spec["gemma"], f"checkpoints/{spec['checkpoint']}",
-                                                             "bf16", "single", True)
-    # ComfyUI's LTX-2 text encoder computes in fp32 (bf16 weights upcast: sd1_clip.SDClipModel.forward)
-    ours = type(clip_bf16)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+    loader = ours_nodes["LTXMGPU_GemmaLoader"]
+    # the node as shipped: its dtype 'auto' is fp32 on this CPU pool, as ComfyUI's text encoder computes
+    _, ours = loader.execute(pool, spec["gemma"], f"checkpoints/{spec['checkpoint']}", "bf16", "single", True)
+    _, clip_bf16 = loader.execute(pool, spec["gemma"], f"checkpoints/{spec['checkpoint']}", "bf16", "single", True,
+                                  dtype="bf16")
 
     def comfy_tokens(text: str) -> int:
         (row,) = theirs.tokenize(text)["gemma3_12b"]

@@ -15,7 +15,8 @@ knows (``comfy.quant_ops.QUANT_ALGOS``; the others are listed as ``not_in_comfyu
   quantized one, as ``comfy/ops.py`` ``cast_bias_weight`` does) is compared with ours
   (``ltx_mgpu.text.gemma.comfy_file``) bit for bit;
 * every prompt goes through ``nodes.CLIPTextEncode`` on ComfyUI's CLIP (``comfy``), on our Gemma
-  Loader's ``clip`` (bf16 weights, made to compute in fp32 as ComfyUI's encoder does: ``ours``) and
+  Loader's ``clip`` at its defaults (bf16 weights, dtype ``auto``: fp32 on this CPU pool, as
+  ComfyUI's encoder computes: ``ours``), with its dtype at ``bf16`` (``ours_bf16``) and
   on our Gemma Loader with ``weights: nf4`` (``ours_nf4``), on a pool of one CPU rank.
 
 It writes ``OUT_DIR/conds.safetensors`` (``<format>.<case>.<who>``) and ``OUT_DIR/report.json``
@@ -25,7 +26,6 @@ It writes ``OUT_DIR/conds.safetensors`` (``<format>.<case>.<who>``) and ``OUT_DI
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -88,8 +88,10 @@ def main() -> int:
                         unequal.append(f"{m.group(1)} ({dtype})")
             report["weights"][fmt] = {"compared": compared, "quantized": quantized, "unequal": unequal,
                                       "ours_quantized": len(src.quant.layers)}
-            te, clip = loader.execute(pool, name, f"checkpoints/{spec['checkpoint']}", "bf16", "single", True)
-            ours = type(clip)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+            # the node as shipped (dtype 'auto': fp32 on this CPU pool), and with its dtype at bf16
+            _, ours = loader.execute(pool, name, f"checkpoints/{spec['checkpoint']}", "bf16", "single", True)
+            _, clip = loader.execute(pool, name, f"checkpoints/{spec['checkpoint']}", "bf16", "single", True,
+                                     dtype="bf16")
             _, ours_nf4 = loader.execute(pool, name, f"checkpoints/{spec['checkpoint']}", "nf4", "single", True)
             for case, text in spec["prompts"].items():
                 for who, c in (("comfy", theirs), ("ours", ours), ("ours_bf16", clip), ("ours_nf4", ours_nf4)):

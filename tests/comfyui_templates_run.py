@@ -15,17 +15,17 @@ pack's nodes registered as ComfyUI registers a custom node pack. Each run is one
 ``execution.validate_prompt`` and a fresh ``execution.PromptExecutor``, as ComfyUI runs a queued
 prompt, whose outputs are capture nodes added after the named ``SamplerCustomAdvanced`` nodes
 (both their outputs, ``output`` and ``denoised_output``); the rest of the graph (decoding,
-saving) is not run. Two test adaptations, the same as ``comfyui_clip_run.py``'s:
-
-* ComfyUI hard-codes Gemma 3 12B's sizes (``comfyui_clip_run.shrink_gemma`` replaces them by
-  the tiny Gemma's and the tiny checkpoints' projection widths);
-* our Gemma Loader's CLIP computes Gemma in fp32, as ComfyUI's text encoder does on the CPU
-  (the node itself computes in bf16, which rounds; the MODEL's dtype is the Model Loader's
-  ``dtype`` input, fp32 in the tests' graphs).
+saving) is not run. One test adaptation, the same as ``comfyui_clip_run.py``'s: ComfyUI
+hard-codes Gemma 3 12B's sizes (``comfyui_clip_run.shrink_gemma`` replaces them by the tiny
+Gemma's and the tiny checkpoints' projection widths). Our nodes run as shipped: the Gemma
+Loader at its defaults (dtype ``auto``: fp32 on this CPU pool, as ComfyUI's text encoder
+computes), the Model Loader as the swapped graph sets it. The Model Loader is only wrapped to
+record its MODEL's pool calls for the report (it computes nothing differently).
 
 Writes ``OUT_DIR/<run id>.safetensors`` (``<sampler id>.<output|denoised>.<part>``, the parts of
 a NestedTensor latent in order: video, audio) and ``OUT_DIR/report.json``: per run whether it
 succeeded, the error ComfyUI reported (node id, type, exception message), the seconds it took,
+whether a ``TextGenerate*`` node (prompt enhancement) ran,
 the latents' shapes, and for our MODEL the pool requests it sent by type, each patch set the
 pool merged (the executing node, the seconds the request took) and any reload of the model.
 """
@@ -33,7 +33,6 @@ pool merged (the executing node, the seconds the request took) and any reload of
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
 import json
 import os
@@ -124,7 +123,6 @@ def main() -> int:
     import comfy.nested_tensor
     import execution
     import folder_paths
-    from comfy_api.latest import io
     from safetensors.torch import save_file
     from server import PromptServer
 
@@ -161,17 +159,6 @@ def main() -> int:
             captured[name] = {"output": output["samples"], "denoised": denoised["samples"]}
             return {}
 
-    gemma_loader = ours["LTXMGPU_GemmaLoader"]
-
-    class Fp32GemmaLoader(gemma_loader):
-        """Our Gemma Loader with its CLIP computing in fp32 (ComfyUI's text encoder does)."""
-
-        @classmethod
-        def execute(cls, *a, **k):
-            handle, clip = super().execute(*a, **k)
-            handle = dataclasses.replace(handle, config=dataclasses.replace(handle.config, dtype="float32"))
-            return io.NodeOutput(handle, type(clip)(handle))
-
     pool_models: list = []  # our MODELs' PoolModels, each once
     syncs: list = []  # {"node", "seconds"} of each patch set the pool merged
     reloads: list = []  # node ids where a MODEL found its model gone from the pool and loaded it again
@@ -205,8 +192,7 @@ def main() -> int:
                 instrument(pool_model)
             return out
 
-    nodes.NODE_CLASS_MAPPINGS.update({**ours, "LTXMGPU_GemmaLoader": Fp32GemmaLoader,
-                                      "LTXMGPU_ModelLoader": RecordingModelLoader, CAPTURE: CaptureLatents})
+    nodes.NODE_CLASS_MAPPINGS.update({**ours, "LTXMGPU_ModelLoader": RecordingModelLoader, CAPTURE: CaptureLatents})
 
     report: dict = {"runs": {}}
     pools = []
@@ -243,6 +229,9 @@ def main() -> int:
             entry.update(ok=False, error={"exception_message": traceback.format_exc()[-4000:]})
         finally:
             entry["seconds"] = round(time.monotonic() - started, 2)
+            executed = {d.get("node") for e, d in server.messages if e == "executing" and isinstance(d, dict)}
+            entry["generated"] = any(prompt[i]["class_type"].startswith("TextGenerate") for i in executed
+                                     if i in prompt)
         tensors = {}
         for sampler, latents in captured.items():
             for which, samples in latents.items():

@@ -270,7 +270,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
         if ax is not None:
             tensors["audio"] = ax.contiguous()
         save_file(tensors, str(out_dir / f"rank{rank}_{name}.safetensors"))
-        report[name] = {"error": None, "cfg_parallel": sp.cfg_parallel(*_inputs_for(case)),
+        report[name] = {"error": None, "samples": list(sp.layout_for(_inputs_for(case)[0]).samples),
                         "gathered_bytes": traffic["bytes"],
                         **({"sharding": dict(shards[key], gathered=list(shards[key]["gathered"]),
                                                           held_after=held_bytes(models[key]))} if sharded else {})}

@@ -1,8 +1,8 @@
 """ComfyUI's official LTX-2 templates as the template tests use them (``test_comfyui_templates.py``).
 
-Nothing here imports ComfyUI or torch; it runs in either interpreter. A template is read as the
-frontend gets it from the server (``/templates/index.json``, ``/templates/<name>.json``: what
-*Browse Templates* loads), converted to API format by ComfyUI's own frontend in headless
+Nothing here imports ComfyUI or torch; it runs in either interpreter. A template is read from the
+official templates' JSON package (:func:`read_templates`: ``index.json`` and ``<name>.json``, the
+files *Browse Templates* loads), converted to API format by ComfyUI's own frontend in headless
 Chromium (:func:`convert_in_frontend`: ``app.loadGraphData`` then ``app.graphToPrompt``, which
 expands subgraphs, drops muted and bypassed nodes and resolves primitives), then edited in API
 format by the functions below:
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import copy
 import json
-import urllib.parse
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from pathlib import Path
 
 #: Name prefixes of ComfyUI's LTX-2.0 / 2.3 templates.
 LTX2_PREFIXES = ("video_ltx2", "template_ltx2_3")
@@ -59,27 +59,34 @@ INPUT_FILES = {"LoadImage": ("image", "image"), "LoadVideo": ("file", "video"), 
 
 
 def template_names(index: list) -> list[str]:
-    """The LTX-2 template names in ComfyUI's template index (``/templates/index.json``: a list of
+    """The LTX-2 template names in a template index (``templates/index.json``: a list of
     categories, each with ``templates`` entries named by ``name``), sorted."""
     names = {t["name"] for category in index for t in category.get("templates", [])}
     return sorted(n for n in names if n.startswith(LTX2_PREFIXES))
 
 
-def fetch_templates(url: str, http: Callable) -> dict[str, dict]:
-    """Every LTX-2 template the ComfyUI server at ``url`` offers, ``{name: UI workflow}``, fetched
-    as *Browse Templates* fetches them. ``http(url)`` -> ``(status, body)`` (``comfyui_support.http``).
+def read_templates(root: str | Path) -> tuple[str, dict[str, dict], dict[str, dict]]:
+    """``(version, {name: UI workflow}, {name: index entry})`` of every LTX-2 template of the
+    ``comfyui-workflow-templates-json`` package installed under ``root`` (``pip install --target``:
+    ``root/comfyui_workflow_templates_json/templates/`` holds ``index.json`` and one ``<name>.json``
+    per template, the files *Browse Templates* loads; the version is its ``.dist-info``'s).
 
     Raises:
-        AssertionError: the index or a template could not be fetched.
+        AssertionError: no such package under ``root``, or its index names a template it lacks.
     """
-    status, index = http(f"{url}/templates/index.json")
-    assert status == 200 and isinstance(index, list), f"/templates/index.json: {status} {str(index)[:500]}"
+    root = Path(root)
+    folder = root / "comfyui_workflow_templates_json" / "templates"
+    infos = sorted(root.glob("comfyui_workflow_templates_json-*.dist-info"))
+    assert folder.is_dir() and len(infos) == 1, f"no comfyui-workflow-templates-json package under {root}"
+    version = infos[0].name.removeprefix("comfyui_workflow_templates_json-").removesuffix(".dist-info")
+    index = json.loads((folder / "index.json").read_text())
+    entries = {t["name"]: t for category in index for t in category.get("templates", [])}
     out = {}
     for name in template_names(index):
-        status, body = http(f"{url}/templates/{urllib.parse.quote(name)}.json")
-        assert status == 200 and isinstance(body, dict), f"/templates/{name}.json: {status}"
-        out[name] = body
-    return out
+        path = folder / f"{name}.json"
+        assert path.is_file(), f"the index names {name}, which the package lacks"
+        out[name] = json.loads(path.read_text())
+    return version, out, {name: entries[name] for name in out}
 
 
 def ui_node_types(ui: dict) -> set[str]:

@@ -38,11 +38,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ltx_mgpu.choices import AUTO_DTYPE
 from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.client.lora import TextPatches, sync_text_patches
 from ltx_mgpu.client.pool_client import PoolClient
 from ltx_mgpu.client.spec import resolve_spec
-from ltx_mgpu.text.cache.keys import CacheKeyParts, cache_key_parts
+from ltx_mgpu.text.cache.keys import CacheKeyParts, cache_key_parts, resolve_dtype
 from ltx_mgpu.text.cache.store import CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.local import check_not_truncated
@@ -93,6 +94,12 @@ def pool_key(config: TextEncoderConfig, parts: CacheKeyParts | None = None) -> s
     return "text:" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
+def _on_pool_device(client: PoolClient, config: TextEncoderConfig) -> TextEncoderConfig:
+    """``config`` with a compute dtype of ``auto`` resolved for the device of the client's pool,
+    read from its spec (CPU ranks or GPUs: no pool is contacted); ``config`` when it names one."""
+    return resolve_dtype(config, client.spec.device) if config.dtype == AUTO_DTYPE else config
+
+
 def loaded_key(client: PoolClient, timeout: float = 30.0) -> str | None:
     """The key of the text encoder resident in the client's pool (``status``), or None."""
     models = client.status(timeout=timeout)["ranks"][0].get("models", {})
@@ -102,7 +109,8 @@ def loaded_key(client: PoolClient, timeout: float = 30.0) -> str | None:
 def ensure_text_encoder(client: PoolClient, config: TextEncoderConfig, key: str | None = None,
                         on_progress: ProgressCallback | None = None, should_cancel: Callable[[], bool] | None = None,
                         timeout: float | None = None) -> dict | None:
-    """Load ``config``'s text encoder into the pool unless it is already resident (compared by key).
+    """Load ``config``'s text encoder into the pool unless it is already resident (compared by key);
+    a compute dtype of ``auto`` is resolved for the pool's device (its spec: CPU ranks or GPUs).
 
     Returns:
         The ``load_text_encoder`` result, or None when nothing had to be loaded.
@@ -110,6 +118,7 @@ def ensure_text_encoder(client: PoolClient, config: TextEncoderConfig, key: str 
     Raises:
         BadInputError (the pool rejected it; it keeps serving), PoolError and subclasses.
     """
+    config = _on_pool_device(client, config)
     key = key or pool_key(config)
     if loaded_key(client) == key:
         return None
@@ -190,7 +199,9 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
     unconnected (``PoolClient(spec)``): it starts or attaches to the pool on the first miss.
 
     Args:
-        config: the text encoder (its placement included).
+        config: the text encoder (its placement included); a compute dtype of ``auto`` is
+            resolved for the pool's device from the client's spec (CPU ranks: float32, GPUs:
+            bfloat16; ``ltx_mgpu.text.config.resolve_text_dtype``), without contacting the pool.
         cache: ``None`` encodes everything (no cache read or write).
         batch_size: prompts per Gemma forward in the pool.
         on_progress, should_cancel, timeout: as ``Job.wait`` (``timeout`` per request).
@@ -221,6 +232,7 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
     if patches is not None and not isinstance(patches, TextPatches):
         raise ValueError(f"patches must be a TextPatches or None, got {type(patches).__name__}")
     prompts = list(prompts)
+    config = _on_pool_device(client, config)  # before any key: an embedding depends on its dtype
     parts = cache_key_parts(config)
     key = pool_key(config, parts)
     params = {"batch_size": batch_size, "expect": key, "keep": keep,

@@ -125,7 +125,8 @@ class TransformerPlan:
             (the blocks' large linears as e4m3 GEMMs, everything else bf16).
         weights: one of :data:`ltx_mgpu.choices.TRANSFORMER_WEIGHTS`: a whole copy per rank, or a
             1/N shard per rank gathered block by block (FSDP2).
-        layout: one of :data:`ltx_mgpu.choices.SP_LAYOUTS`: how a model call is split over the ranks.
+        layout: one of :data:`ltx_mgpu.choices.SP_LAYOUTS`: how a model call's batch and tokens are
+            split over the ranks (:func:`ltx_mgpu.denoise.parallel.layout.call_layout` decides per call).
         loras: the LoRAs merged at load (``(path, strength)`` pairs are taken too; paths made absolute).
         max_tokens: the largest video token count one call may have, and the largest audio token count
             (reference audio included) (bounds activation memory).

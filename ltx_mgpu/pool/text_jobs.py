@@ -97,6 +97,10 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
             NF4 weights or placement ``accelerate``, a bad ``key``); a path that does not exist
             or is not a supported Gemma 3 source / LTX-2 projection; a projection that does not
             fit the Gemma; NF4 with a dtype other than bf16; a bad ``max_memory``.
+
+    A compute dtype of ``auto`` is resolved here, for ``device_type`` and the weights loaded
+    (``ltx_mgpu.text.config.resolve_text_dtype``); our client resolves it before sending (its
+    cache key needs it), so this serves requests written by hand.
     """
     try:
         config, key = TextEncoderConfig.from_params(params)
@@ -109,6 +113,7 @@ def parse_load_request(params: dict, world_size: int, device_type: str) -> LoadR
         raise BadInput(f"{type(e).__name__} reading the text encoder's files: {e}; give a Gemma 3 source and an "
                        "LTX-2 checkpoint") from None
     weights_mode = "nf4" if gemma.format == "nf4_artifact" else config.weights
+    config = config.on_device(device_type, weights_mode)  # 'auto': this pool's device decides
     if weights_mode == "nf4" and config.dtype != "bfloat16":
         raise BadInput(f"NF4 weights compute in bfloat16 (fp16 gives empty outputs for Gemma 3); got dtype "
                        f"{config.dtype!r}")

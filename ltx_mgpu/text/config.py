@@ -12,13 +12,13 @@ A leaf module (no torch), so ComfyUI's node definitions import it cheaply.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from ltx_mgpu.choices import DTYPE_NAMES, PLACEMENTS, TEXT_DTYPES, WEIGHTS, check_choice
+from ltx_mgpu.choices import AUTO_DTYPE, DTYPE_NAMES, PLACEMENTS, TEXT_DTYPES, WEIGHTS, check_choice
 
 __all__ = ["TOKEN_BUDGET", "DTYPE_ALIASES", "COMPILE_NF4", "COMPILE_ACCELERATE", "MAX_KEY", "TextEncoderConfig",
-           "canonical_dtype"]
+           "canonical_dtype", "resolve_text_dtype"]
 
 #: Gemma token budget per prompt (LTX-2's ``max_length``): prompts are left-padded to 1024
 #: tokens, BOS included. Source: ltx-core ``LTXVGemmaTokenizer`` as used by ModelLedger
@@ -35,16 +35,42 @@ COMPILE_ACCELERATE = ("compile runs with placement 'single' or 'batch_parallel':
 MAX_KEY = 256
 
 
-def canonical_dtype(name: Any) -> str:
-    """A compute dtype name (or ``torch.dtype``) -> torch's name (``"bfloat16"``, ``"float32"``...).
+def canonical_dtype(name: Any, auto: bool = False) -> str:
+    """A compute dtype name (or ``torch.dtype``) -> torch's name (``"bfloat16"``, ``"float32"``...);
+    with ``auto``, :data:`~ltx_mgpu.choices.AUTO_DTYPE` is taken too (and kept).
 
     Raises:
         ValueError: an unknown name (the message lists the accepted ones).
     """
     text = str(name).removeprefix("torch.").lower() if name is not None else ""
+    if auto and text == AUTO_DTYPE:
+        return AUTO_DTYPE
     if text not in DTYPE_ALIASES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPE_ALIASES)}")
+        accepted = sorted(DTYPE_ALIASES) + ([AUTO_DTYPE] if auto else [])
+        raise ValueError(f"unknown dtype {name!r}; use one of {accepted}")
     return DTYPE_ALIASES[text]
+
+
+def resolve_text_dtype(device_type: str, weights_mode: str) -> str:
+    """What compute dtype ``auto`` means for Gemma on a device of ``device_type`` (``"cpu"``,
+    ``"cuda"``...) with weights ``weights_mode`` (``"bf16"`` / ``"nf4"``, as loaded): torch's name.
+
+    * NF4 weights: ``"bfloat16"``, the one dtype they compute in (fp16 gives empty outputs for
+      Gemma 3, bitsandbytes #1572).
+    * The CPU: ``"float32"``, what ComfyUI's own text encoder computes LTX-2's Gemma in there:
+      ComfyUI 0.20.1 runs it with float32 activations (``comfy/sd1_clip.py``
+      ``SDClipModel.forward`` passes ``dtype=torch.float32``; ``comfy.ops.manual_cast`` casts each
+      weight to its input's dtype; ``comfy/sd.py`` ``CLIP.__init__`` sets the compute dtype to
+      float32), its weights held in the file's dtype (``comfy/text_encoders/lt.py`` ``ltxav_te``).
+      The CPU has no faster dtype: bf16 there only rounds.
+    * A GPU: ``"bfloat16"``, the GPU's fast dtype. ComfyUI computes float32 activations there too
+      (the same code), from weights kept in the file's dtype; the pool holds Gemma's weights in the
+      compute dtype, so float32 would double Gemma's memory (about 48 GB for 12B) and run its
+      GEMMs off the bf16 tensor cores. ``fp32`` on the Gemma Loader gives ComfyUI's result there.
+    """
+    if weights_mode == "nf4":
+        return "bfloat16"
+    return "float32" if device_type == "cpu" else "bfloat16"
 
 
 def _flag(value: Any, name: str, spelling: str) -> bool:
@@ -66,7 +92,10 @@ class TextEncoderConfig:
         placement: one of :data:`ltx_mgpu.choices.PLACEMENTS` (in the pool; in-process encoding
             runs on one device whatever it says).
         dtype: Gemma's compute dtype by torch's name (``"bfloat16"``; ``"float32"`` for
-            reference runs; aliases as :data:`DTYPE_ALIASES`).
+            reference runs; aliases as :data:`DTYPE_ALIASES`), or ``"auto"``: the device's
+            (:func:`resolve_text_dtype`), resolved by :meth:`on_device` where the device is known
+            (the client from its pool's spec, the pool from its ranks, an in-process encoder from
+            its device) before any cache key or load is made of it.
         token_budget: tokens per prompt (:data:`TOKEN_BUDGET`).
         truncate: cut prompts over the budget (with a warning) instead of failing.
         compile: run Gemma's decoder layers through ``torch.compile`` (bf16 weights; placements
@@ -96,7 +125,7 @@ class TextEncoderConfig:
         object.__setattr__(self, "projection", os.path.abspath(os.fspath(self.projection)))
         check_choice(self.weights, WEIGHTS, "weights")
         check_choice(self.placement, PLACEMENTS, "placement")
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, auto=True))
         budget = self.token_budget
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"token_budget must be a positive int (tokens), got {budget!r}")
@@ -118,6 +147,13 @@ class TextEncoderConfig:
                     raise ValueError(f"max_memory keys must be device indices like '0', got {k!r}")
                 memory[int(k)] = v
             object.__setattr__(self, "max_memory", memory)
+
+    def on_device(self, device_type: str, weights_mode: str) -> TextEncoderConfig:
+        """This config with a ``dtype`` of ``auto`` resolved for Gemma on ``device_type`` with
+        ``weights_mode`` weights (:func:`resolve_text_dtype`); itself when the dtype is named."""
+        if self.dtype != AUTO_DTYPE:
+            return self
+        return replace(self, dtype=resolve_text_dtype(device_type, weights_mode))
 
     # ---- the wire form (the ``load_text_encoder`` request's params)
 
@@ -158,7 +194,7 @@ class TextEncoderConfig:
         if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY):
             raise ValueError(f"key must be a string of 1..{MAX_KEY} characters, got {key!r:.80}")
         try:
-            dtype = canonical_dtype(params.get("dtype", "bfloat16"))
+            dtype = canonical_dtype(params.get("dtype", "bfloat16"), auto=True)
         except ValueError as e:
             raise ValueError(f"load_text_encoder.dtype: {e}") from None
         settings = {f.name: params[f.name] for f in fields(cls) if f.name in params and f.name not in ("dtype",)}

@@ -10,8 +10,9 @@ our Gemma Loader (its ``clip`` output, on a pool of 2 CPU ranks), and encodes wi
 * a short prompt, a prompt of more than 1,100 tokens, a unicode prompt (umlauts, emoji, kanji),
   a prompt with ComfyUI's weight and escape syntax (literal for LTX-2) and the empty prompt give
   the same CONDITIONING: same entries, dict keys and values, shape and dtype, and tensors within
-  1e-4 relative (fp32 on both sides; the long prompt whole, as many tokens as ComfyUI's
-  tokenizer makes); the node's output as loaded (bf16 Gemma) agrees to bf16 rounding;
+  1e-4 relative (the Gemma Loader at its defaults: dtype ``auto``, fp32 on the CPU as ComfyUI's;
+  the long prompt whole, as many tokens as ComfyUI's tokenizer makes); with the loader's dtype at
+  ``bf16`` it agrees to bf16 rounding;
 * ``ConditioningZeroOut``, ``LTXVConditioning`` and ``ConditioningCombine`` treat our
   conditioning as they treat ComfyUI's;
 * ComfyUI's ``SamplerCustomAdvanced`` (``CFGGuider``, euler, ComfyUI's own model) and our SP

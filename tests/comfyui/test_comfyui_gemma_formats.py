@@ -11,9 +11,9 @@ fp8; its int8 layouts came later, and those files are then listed as not compara
 
 * ComfyUI holds the same layers quantized as our loader finds, and every text projection's
   weight ComfyUI computes with equals ours bit for bit;
-* ``CLIPTextEncode`` on our Gemma Loader's CLIP (computing in fp32, as ComfyUI's encoder does)
-  gives ComfyUI's CONDITIONING: same entries and dict, tensors within 1e-4 relative; as the node
-  loads it (bf16 compute) it agrees to bf16 rounding;
+* ``CLIPTextEncode`` on our Gemma Loader's CLIP at its defaults (dtype ``auto``: fp32 on the
+  CPU, as ComfyUI's encoder computes) gives ComfyUI's CONDITIONING: same entries and dict,
+  tensors within 1e-4 relative; with the loader's dtype at ``bf16`` it agrees to bf16 rounding;
 * with ``weights: nf4`` (NF4 made from the dequantized weights) it stays close: per-token cosine
   >= 0.7 on the tiny random model (NF4 of its bf16 weights alone gives a mean 0.87 on the final
   state, tests/unit/test_nf4_fidelity.py).

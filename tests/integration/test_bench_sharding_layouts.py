@@ -18,11 +18,15 @@ TINY = ["--device", "cpu", "--nproc", "2", "--layers", "2", "--video-heads", "4"
         "--audio-tokens", "5", "--shapes", "3x3x5", "--warmup", "1", "--runs", "2"]
 
 
-@pytest.mark.parametrize("script, keys", [("bench_sharded.py", ("replicated_ms", "sharded_ms", "overhead")),
-                                          ("bench_layouts.py", ("ulysses_ms", "cfg_ulysses_ms", "speedup"))])
-def test_the_bench_runs_on_cpu_ranks(tmp_path, script, keys):
+@pytest.mark.parametrize("script, keys, extra", [
+    ("bench_sharded.py", ("replicated_ms", "sharded_ms", "overhead"), []),
+    ("bench_layouts.py", ("ulysses_ms", "cfg_ulysses_ms", "speedup"), []),
+    ("bench_layouts.py", ("ulysses_ms", "auto_ms", "cfg_ulysses_speedup"),  # three guidance passes
+     ["--batch", "3", "--layouts", "cfg_ulysses,auto"]),
+])
+def test_the_bench_runs_on_cpu_ranks(tmp_path, script, keys, extra):
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, f"benchmarks/{script}", *TINY, "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", *TINY, *extra, "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text())["sizes"]["45"]

@@ -3,7 +3,7 @@
 * The loader's second output is a :class:`GemmaClip` of its first; ``tokenize`` ->
   ``encode_from_tokens_scheduled`` (what ``CLIPTextEncode`` calls) gives exactly the
   CONDITIONING ``LTXMGPU_PromptEncode`` gives for the same prompt (same structure, keys and
-  tensor), in bf16 as the node loads it and in fp32; ``encode_from_tokens`` in its three forms.
+  tensor), in bf16 and in fp32; ``encode_from_tokens`` in its three forms.
 * The embedding cache: a second encode of the same prompt never contacts the pool; entries of
   prompts within the 1024-token budget are shared with Prompt Encode both ways.
 * A 1,100-token prompt is encoded whole (as ComfyUI does), equal to an in-process encoder with
@@ -54,9 +54,11 @@ def pool(env):
 
 @pytest.fixture(scope="module")
 def loaded(pool):
-    """The Gemma Loader's two outputs (bf16, as the node loads Gemma)."""
+    """The Gemma Loader's two outputs, Gemma computing in bf16 (its ``dtype``; the default, ``auto``,
+    is fp32 on this CPU pool: the ``fp32`` fixture's)."""
     return run("LTXMGPU_GemmaLoader", pool, "tiny-gemma-comfy.safetensors",
-                                            "checkpoints/tiny-ltx-2.3.safetensors", "bf16", "single", True)
+                                            "checkpoints/tiny-ltx-2.3.safetensors", "bf16", "single", True,
+                                            dtype="bf16")
 
 
 @pytest.fixture(scope="module")

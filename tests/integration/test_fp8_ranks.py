@@ -62,7 +62,7 @@ def test_fp8_compute_under_sequence_parallelism_cfg_parallel_and_sharding_equals
             got = load_file(str(tmp_path / f"rank{r}_{case['name']}.safetensors"))
             assert rel(got["video"], ref_v) <= 1e-4 and rel(got["audio"], ref_a) <= 1e-4, \
                 (case["name"], r, rel(got["video"], ref_v), rel(got["audio"], ref_a))
-    assert reports[0]["fp8_cfg"]["cfg_parallel"] and not reports[0]["fp8_sharded_ulysses"]["cfg_parallel"]
+    assert reports[0]["fp8_cfg"]["samples"] == [1, 1] and reports[0]["fp8_sharded_ulysses"]["samples"] == [2]
 
 
 def _pool(base, ranks: int):

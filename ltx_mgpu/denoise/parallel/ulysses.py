@@ -30,12 +30,12 @@ tokens. No mask is passed when there is no padding, so SDPA keeps its flash back
 (ltx-core's FlashAttention3 backend takes no mask: with it, a token count that needs padding
 is rejected up front.)
 
-CFG-parallel (``layout`` ``cfg_ulysses``, or ``auto``: :meth:`SequenceParallelTransformer.cfg_parallel`):
-a call with an even batch (ComfyUI's cond + uncond) on an even number of ranks runs the first
-half of the batch on the first half of the ranks and the second on the second, each half
-Ulysses-parallel over its own process group (made once per pool group), and every rank then
-all-gathers both halves' outputs. Each rank holds the same tokens as under pure Ulysses
-(``B * T / W``); the all-to-alls run over half the ranks.
+The batch over groups of ranks (:mod:`ltx_mgpu.denoise.parallel.layout` decides when, from the
+plan's ``layout``; :meth:`SequenceParallelTransformer.layout_for`): group ``i`` of ``W / G``
+consecutive ranks runs its samples (and their perturbation configs), Ulysses-parallel over its
+own process group (made once per pool group and group count) or, one rank per group, on the
+plain model; every rank then all-gathers the groups' outputs. With ``auto`` each rank holds the
+same tokens as under pure Ulysses (``B * T / W``) and the all-to-alls run over fewer ranks.
 
 Every rank must call ``forward`` with the same inputs and perturbation config: the blocks
 skip attention (and so the collectives) on ``all_perturbed`` / skip flags, which is safe
@@ -50,10 +50,12 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 from ltx_core.model.transformer.attention import AttentionFunction, FlashAttention3
 from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.model import LTXModel
 
+from ltx_mgpu.denoise.parallel.layout import CallLayout, call_layout
 from ltx_mgpu.denoise.parallel.split import (
     ULYSSES_SPLIT,
     SequenceParallelConfigError,
@@ -291,27 +293,25 @@ def shard_video(video: Modality, world: int, rank: int) -> tuple[Modality, int]:
     return local, t_pad
 
 
-# --------------------------------------------------------------------------- CFG-parallel
+# --------------------------------------------------------------------------- the batch over groups
 
 
-#: The two halves of a pool group for CFG-parallel, by the group's ranks.
-_HALVES: dict[tuple[int, ...], list] = {}
+#: The process groups of a pool group split into G groups of consecutive ranks, by (its ranks, G).
+_GROUPS: dict[tuple[tuple[int, ...], int], list] = {}
 
 
-def _half_state(group, world: int, rank: int, mask_v2a_keys: bool) -> tuple[_ShardState, int]:
-    """This rank's half of ``group`` (ranks ``[0, W/2)`` and ``[W/2, W)`` of it) as a
-    :class:`_ShardState`, and W/2. ``new_group`` is called for both halves on every rank, in the
-    same order, as torch.distributed requires."""
+def _group_state(group, world: int, rank: int, groups: int, mask_v2a_keys: bool) -> _ShardState:
+    """This rank's group when ``group`` (``world`` ranks) is split into ``groups`` groups of
+    consecutive ranks, as a :class:`_ShardState`. ``new_group`` is called for every group on every
+    rank, in the same order, as torch.distributed requires (every rank decides the layout from the
+    same call, so all of them get here together)."""
     members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    half = world // 2
-    key = tuple(members)
-    if key not in _HALVES:  # made once per pool group (every rank builds its model alike)
+    size = world // groups
+    key = (tuple(members), groups)
+    if key not in _GROUPS:  # made once per pool group and group count
         backend = dist.get_backend(group)
-        _HALVES[key] = [dist.new_group(members[:half], backend=backend),
-                        dist.new_group(members[half:], backend=backend)]
-    groups = _HALVES[key]
-    side = rank // half
-    return _ShardState(groups[side], half, rank % half, mask_v2a_keys=mask_v2a_keys), half
+        _GROUPS[key] = [dist.new_group(members[i * size:(i + 1) * size], backend=backend) for i in range(groups)]
+    return _ShardState(_GROUPS[key][rank // size], size, rank % size, mask_v2a_keys=mask_v2a_keys)
 
 
 def _batch_slice(m: Modality, part: slice, batch: int) -> Modality:
@@ -323,6 +323,11 @@ def _batch_slice(m: Modality, part: slice, batch: int) -> Modality:
     return dataclasses.replace(m, latent=cut(m.latent), sigma=cut(m.sigma), timesteps=cut(m.timesteps),
                                positions=cut(m.positions), context=cut(m.context), context_mask=cut(m.context_mask),
                                attention_mask=cut(m.attention_mask))
+
+
+def _perturbations_slice(perturbations: BatchedPerturbationConfig | None, part: slice):
+    """The perturbation configs of the samples ``part`` (None stays None)."""
+    return None if perturbations is None else BatchedPerturbationConfig(list(perturbations.perturbations[part]))
 
 
 # --------------------------------------------------------------------------- the wrapper
@@ -351,7 +356,8 @@ class SequenceParallelTransformer(torch.nn.Module):
             than ``max_tokens`` tokens, or the video needs
             padding while the model uses the mask-less FlashAttention3 backend.
     At world size 1 no wrapper is installed and ``forward`` calls the model directly.
-    ``layout``: ``ulysses`` (default here), ``cfg_ulysses`` or ``auto`` (module doc; one of
+    ``layout``: ``ulysses`` (default here), ``cfg_ulysses`` or ``auto``: how a call's batch is
+    split over groups of ranks (:mod:`ltx_mgpu.denoise.parallel.layout`; one of
     ``ltx_mgpu.choices.SP_LAYOUTS``, as the plan checked it).
     ``_mask_v2a_keys=False`` reproduces the LTX-2 reference's flaw (no padded-key mask in
     video->audio attention); it exists only so a test can show the mask matters.
@@ -372,23 +378,21 @@ class SequenceParallelTransformer(torch.nn.Module):
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         check_sequence_parallel_config(model, self.world_size)
         self._state = None
-        self._half: _ShardState | None = None  # this rank's half of the pool (CFG-parallel)
-        self._half_ranks = 0
+        self._group = group
+        self._mask_v2a_keys = _mask_v2a_keys
         if self.world_size > 1:
             self._state = _ShardState(group, self.world_size, self.rank, mask_v2a_keys=_mask_v2a_keys)
             install_attention_wrappers(model, self._state)
-            if layout != "ulysses" and self.world_size % 2 == 0:
-                self._half, self._half_ranks = _half_state(group, self.world_size, self.rank, _mask_v2a_keys)
         self._maskless = self._state is not None and _takes_no_mask(model)
 
-    def cfg_parallel(self, video: Modality | None, perturbations=None) -> bool:
-        """Whether this call runs CFG-parallel: the layout allows it (``cfg_ulysses``, or
-        ``auto``), the pool has an even number of ranks >= 2, the batch is even (ComfyUI's cond +
-        uncond) and carries no perturbations. ``auto`` takes it whenever it can: each rank then
-        holds the same tokens as under pure Ulysses (``B * T / W``) and the all-to-alls run over
-        half the ranks (less traffic per rank), plus one exchange of the outputs."""
-        return (self._half is not None and video is not None and perturbations is None
-                and video.latent.shape[0] % 2 == 0)
+    def layout_for(self, video: Modality | None) -> CallLayout:
+        """How a call with this ``video`` runs (:func:`ltx_mgpu.denoise.parallel.layout.call_layout`
+        of the layout, its batch and the world size; one group, the plain model or Ulysses over
+        every rank, at world size 1 or without video)."""
+        batch = video.latent.shape[0] if video is not None else 1
+        if self._state is None or video is None:
+            return CallLayout((batch,), self.world_size)
+        return call_layout(self.layout, batch, self.world_size)
 
     def forward(self, video: Modality | None, audio: Modality | None, perturbations=None):
         if video is not None:
@@ -397,34 +401,41 @@ class SequenceParallelTransformer(torch.nn.Module):
             check_token_budget(audio.latent.shape[1], self.max_tokens, "audio", "latent frames and any reference audio")
         if self._state is None or video is None:
             return self.model(video, audio, perturbations)
-        if self.cfg_parallel(video, perturbations):
-            return self._cfg_forward(video, audio)
+        layout = self.layout_for(video)
+        if layout.groups > 1:
+            return self._grouped_forward(layout, video, audio, perturbations)
         return self._ulysses(self._state, video, audio, perturbations)
 
-    def _cfg_forward(self, video: Modality, audio: Modality | None):
-        """Each half of the pool runs its half of the batch (the first half: the first B/2
-        samples), Ulysses-parallel over its ranks; then every rank gathers both halves'
-        outputs. The whole pool's attention wrappers are back in place when it returns."""
-        batch, half = video.latent.shape[0], self._half
-        side = self.rank // self._half_ranks
-        part = slice(side * batch // 2, (side + 1) * batch // 2)
+    def _grouped_forward(self, layout: CallLayout, video: Modality, audio: Modality | None, perturbations):
+        """Each group of ranks runs its samples (and their perturbation configs), Ulysses-parallel
+        over its ranks or, one rank per group, on the plain model; then every rank gathers every
+        group's outputs (padded to the largest group's samples for the one all-gather, then cut).
+        The whole pool's attention wrappers are back in place when it returns."""
+        batch, size = video.latent.shape[0], layout.ranks_per_group
+        side = self.rank // size
+        part = layout.part(side)
         v, a = _batch_slice(video, part, batch), (_batch_slice(audio, part, batch) if audio is not None else None)
+        p = _perturbations_slice(perturbations, part)
         try:
-            if half.world > 1:
-                install_attention_wrappers(self.model, half)
-                vx, ax = self._ulysses(half, v, a, None)
-            else:  # one rank per half: the plain model
+            if size > 1:
+                state = _group_state(self._group, self.world_size, self.rank, layout.groups, self._mask_v2a_keys)
+                install_attention_wrappers(self.model, state)
+                vx, ax = self._ulysses(state, v, a, p)
+            else:  # one rank per group: the plain model
                 remove_attention_wrappers(self.model)
-                vx, ax = self.model(v, a, None)
+                vx, ax = self.model(v, a, p)
         finally:
             install_attention_wrappers(self.model, self._state)
+        rows = max(layout.samples)
         outs = []
         for out in (vx, ax):
             if out is None:
                 outs.append(None)
                 continue
-            gathered = _all_gather_stacked(out, self.world_size, self._state.group)  # [W, B/2, ...]
-            outs.append(torch.cat([gathered[0], gathered[self._half_ranks]]))
+            if out.shape[0] < rows:  # a smaller group of an uneven split (cfg_ulysses, odd batch)
+                out = torch.cat([out, out.new_zeros((rows - out.shape[0], *out.shape[1:]))])
+            gathered = _all_gather_stacked(out, self.world_size, self._state.group)  # [W, rows, ...]
+            outs.append(torch.cat([gathered[i * size][:n] for i, n in enumerate(layout.samples)]))
         return outs[0], outs[1]
 
     def _ulysses(self, s: _ShardState, video: Modality, audio: Modality | None, perturbations):

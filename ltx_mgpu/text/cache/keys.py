@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ltx_mgpu import settings
-from ltx_mgpu.choices import WEIGHTS
+from ltx_mgpu.choices import AUTO_DTYPE, WEIGHTS
 from ltx_mgpu.identity import home_dir, memoized_by_stats
 from ltx_mgpu.text.config import TOKEN_BUDGET, TextEncoderConfig
 from ltx_mgpu.text.features import projection_identity
@@ -139,14 +139,32 @@ def weights_mode(config: TextEncoderConfig) -> str:
     return "nf4" if detect_gemma_format(config.gemma) == "nf4_artifact" else config.weights
 
 
+def resolve_dtype(config: TextEncoderConfig, device_type: str) -> TextEncoderConfig:
+    """``config`` with a compute dtype of ``auto`` resolved for Gemma on ``device_type`` and the
+    weights the config actually loads (:func:`weights_mode`;
+    :func:`ltx_mgpu.text.config.resolve_text_dtype`); ``config`` itself when its dtype is named.
+
+    Raises:
+        FileNotFoundError, GemmaFormatError: as :func:`weights_mode` (``auto`` only).
+    """
+    if config.dtype != AUTO_DTYPE:
+        return config
+    return config.on_device(device_type, weights_mode(config))
+
+
 def cache_key_parts(config: TextEncoderConfig) -> CacheKeyParts:
     """The cache key parts of ``config``, from file contents without loading Gemma (digests are
     memoised by file stat; the parts themselves by the stats of every file they come from,
     ``identity.memoized_by_stats``, since they are asked for on every request).
 
     Raises:
+        ValueError: a compute dtype of ``auto`` (an embedding depends on the dtype it was
+            computed in: :func:`resolve_dtype` first).
         FileNotFoundError, GemmaFormatError, ProjectionFormatError.
     """
+    if config.dtype == AUTO_DTYPE:
+        raise ValueError("the text encoder's compute dtype is 'auto': resolve it for the device Gemma runs on "
+                         "(ltx_mgpu.text.cache.keys.resolve_dtype) before making a cache key of it")
     def watched():
         files, dirs = gemma_source_listing(config.gemma)
         return (*dirs, *files, config.projection)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ltx_mgpu.text.cache.keys import cache_key_parts, weights_mode
+from ltx_mgpu.text.cache.keys import cache_key_parts, resolve_dtype, weights_mode
 from ltx_mgpu.text.cache.store import CacheReport, EmbeddingCache, encode_cached
 from ltx_mgpu.text.config import COMPILE_NF4, TextEncoderConfig
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
@@ -29,16 +29,19 @@ log = logging.getLogger(__name__)
 class LocalTextEncoder:
     """A text encoder for this process: ``config`` loaded on ``device`` by :meth:`build`, once
     (later calls return the same :class:`~ltx_mgpu.text.encoder.PromptEncoder`). The config's
-    placement and ``max_memory`` are the pool's business and are not used here.
+    placement and ``max_memory`` are the pool's business and are not used here; a compute dtype
+    of ``auto`` becomes ``device``'s (``self.config`` holds the resolved one).
 
     Raises (at construction):
         ValueError: ``config`` is not a :class:`TextEncoderConfig`.
+        FileNotFoundError, GemmaFormatError: dtype ``auto`` with a Gemma source that is not there.
     """
 
     def __init__(self, config: TextEncoderConfig, device: str = "cpu"):
         if not isinstance(config, TextEncoderConfig):
             raise ValueError(f"config must be a TextEncoderConfig, got {type(config).__name__}")
-        self.config, self.device = config, str(device)
+        # 'auto': the dtype of this device (file names read to tell NF4 artifacts apart)
+        self.config, self.device = resolve_dtype(config, torch.device(device).type), str(device)
         self._encoder: PromptEncoder | None = None
 
     def build(self) -> PromptEncoder:

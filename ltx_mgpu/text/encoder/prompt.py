@@ -149,8 +149,26 @@ class PromptEncoder:
             rows = [index[p] for p in chunk]
             m = mask[rows]
             width = int(m.sum(dim=1).max())
-            return ids[rows][:, -width:].contiguous(), m[:, -width:].contiguous(), [dropped[i] for i in rows]
-        return tokenize(self.tower, chunk, max_length=limits[0], truncate=limits[1])
+            ids, mask, dropped = ids[rows][:, -width:], m[:, -width:], [dropped[i] for i in rows]
+        else:
+            ids, mask, dropped = tokenize(self.tower, chunk, max_length=limits[0], truncate=limits[1])
+        return (*self._padded(ids, mask, min(limits[0], TOKEN_BUDGET)), dropped)
+
+    def _padded(self, ids: torch.Tensor, mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids`` / ``mask`` left-padded to at least ``width`` columns: the length LTX-2's
+        tokenizers pad to, so the real tokens get the RoPE positions they have there. ltx-core pads
+        a prompt to its ``max_length`` (the budget, 1024); ComfyUI's LTX-2 tokenizer to
+        ``max(1024, T)`` (``min_length=1024``, ``Gemma3_12BTokenizer`` in
+        ``comfy/text_encoders/lt.py``), so ``min(max_length, 1024)``. RoPE is relative, but the
+        angles of other positions round differently, which the fp32 parity with ComfyUI's encoder
+        sees (``tests/comfyui/test_comfyui_templates.py``). The pad columns are not computed
+        (``run_tower``'s trim starts the real tokens at their padded positions; the CUDA graphs
+        do the same)."""
+        short = width - ids.shape[1]
+        if short <= 0:
+            return ids.contiguous(), mask.contiguous()
+        pad = torch.full((ids.shape[0], short), int(self.tower.tokenizer.pad_token_id), dtype=ids.dtype)
+        return torch.cat([pad, ids], 1), torch.cat([torch.zeros((mask.shape[0], short), dtype=mask.dtype), mask], 1)
 
     @torch.inference_mode()
     def encode(self, prompts: Sequence[str], batch_size: int = 8, out_dtype: torch.dtype = torch.float32,

@@ -185,7 +185,9 @@ def tokenize(
     positions (``position_ids`` are ``arange`` over the padded length, as in ComfyUI); RoPE is
     relative, so their hidden states change only by rounding, a few bf16 ulps in bf16
     (``tests/unit/test_gemma_tokenize.py`` checks it in fp32). Batched and one-at-a-time bf16
-    encodes therefore agree to bf16 rounding, not bit for bit.
+    encodes therefore agree to bf16 rounding, not bit for bit. The prompt encoder pads the rows
+    further, to the length LTX-2's tokenizers pad to, so the positions are theirs
+    (``PromptEncoder._padded`` in ``ltx_mgpu.text.encoder.prompt``).
 
     Args:
         tower: a loaded ``GemmaTextTower`` (only its ``tokenizer`` is used).
