@@ -412,6 +412,11 @@ class PoolClient:
         if self._sock is not None and self._dead is None:
             with contextlib.suppress(PoolError):
                 self.request("shutdown", {"reason": "client shutdown"}, timeout=10.0)
+        self._end_pool(procs, launched, instance, timeout)
+
+    def _end_pool(self, procs: list, launched, instance: str | None, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the pool's processes to end, kill what is left,
+        reap the launcher, remove the pool's files once its record is dead; close this client."""
         rendezvous.kill_processes(rendezvous.wait_gone(procs, timeout), grace=5.0)
         if launched is not None:
             with contextlib.suppress(Exception):
@@ -448,14 +453,7 @@ class PoolClient:
         if answer is not None and not answer.get("stopping"):
             self.close()
             return False
-        rendezvous.kill_processes(rendezvous.wait_gone(procs, timeout), grace=5.0)
-        with contextlib.suppress(Exception):
-            launched.popen.wait(timeout=5.0)
-        if instance is not None:
-            info = rendezvous.PoolInfo.read(self.dir)
-            if info is not None and not info.alive():
-                rendezvous.remove_pool_files(self.dir, instance)
-        self.close()
+        self._end_pool(procs, launched, instance, timeout)
         return True
 
     def close(self) -> None:
