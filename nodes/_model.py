@@ -179,7 +179,20 @@ class PoolDiffusionModel(torch.nn.Module):
         steps = (timestep, timestep if a_timestep is None else a_timestep)
         return self.pool_model.forward(x, steps, context, frame_rate=float(frame_rate), conds=conds,
                                        patches=self._patches(), check_interrupt=_check_interrupt, where=_in_node(),
-                                       skip_blocks=skip)
+                                       skip_blocks=skip, timestep_range=self._timestep_range())
+
+    def _timestep_range(self) -> tuple[float, float] | None:
+        """The timesteps the active model sampling gives (``ModelSampling*`` nodes patch it):
+        ``timestep(sigma)`` at its ``sigma_min`` and ``sigma_max``, and 0 (a denoise mask scales a
+        timestep towards 0), widened by 1e-4 of the span for rounding; None without one."""
+        sampling = getattr(self._owner(), "model_sampling", None)
+        try:
+            ends = [float(sampling.timestep(torch.tensor(float(s)))) for s in (sampling.sigma_min, sampling.sigma_max)]
+        except Exception:  # noqa: BLE001 - no or an unusual model sampling: the pool's default range applies
+            return None
+        low, high = min(0.0, *ends), max(0.0, *ends)
+        pad = 1e-4 * (high - low or 1.0)
+        return low - pad, high + pad
 
 
 _PATCHER: dict[str, type] = {}

@@ -368,7 +368,8 @@ class PoolModel:
     def forward(self, x: Any, timestep: Any, context: torch.Tensor, *, frame_rate: float = 25.0,
                 conds: Mapping[str, Any] | None = None,
                 patches: tuple[str, Mapping[str, Sequence] | None] = (NO_PATCHES, None),
-                check_interrupt=None, where: str = "", skip_blocks: Sequence[int] = ()) -> Any:
+                check_interrupt=None, where: str = "", skip_blocks: Sequence[int] = (),
+                timestep_range: tuple[float, float] | None = None) -> Any:
         """One call of the transformer as ComfyUI's ``LTXAVModel.forward`` (``x``: the video
         latent or ``[video, audio]``; ``timestep``: ``(video, audio)`` timesteps or one;
         ``context``: the processed context). Returns ``[video, audio]`` velocities, or the video
@@ -380,7 +381,8 @@ class PoolModel:
         them; ``patches`` is ``(patches_uuid, patches)`` of the calling ModelPatcher, merged
         first when the pool holds others. ``where`` names the caller in messages (``" in node 12"``).
         ``skip_blocks``: the transformer blocks this call passes through unchanged (ComfyUI's
-        skip-layer guidance; ``ltx_mgpu.denoise.comfyui.skip_blocks``).
+        skip-layer guidance; ``ltx_mgpu.denoise.comfyui.skip_blocks``). ``timestep_range``: the
+        ``(low, high)`` timesteps of the caller's model sampling (None: LTX-2's sigmas, 0..1).
 
         Raises:
             BadInputError: a keyword argument outside ``FORWARD_KWARGS`` or a guide entry of
@@ -390,6 +392,8 @@ class PoolModel:
         cond_params, cond_tensors = wire_conds(conds or {}, where)
         if skip_blocks:
             cond_params["skip_blocks"] = sorted({int(i) for i in skip_blocks})
+        if timestep_range is not None:
+            cond_params["timestep_range"] = [float(timestep_range[0]), float(timestep_range[1])]
         parts = list(x) if isinstance(x, (list, tuple)) else [x]
         if len(parts) == 2 and parts[1].numel() == 0:
             parts = parts[:1]

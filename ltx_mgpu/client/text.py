@@ -294,6 +294,7 @@ def generate_text(client: PoolClient, config: TextEncoderConfig, text: str, opti
         options = GenerateOptions(**options)  # ValueError naming a bad option, before any request
     if not isinstance(options, GenerateOptions):
         raise ValueError(f"options must be a GenerateOptions or a mapping of its fields, got {type(options).__name__}")
+    config = _on_pool_device(client, config)  # the key names the dtype the pool computes in
     key = pool_key(config)
     params = {"text": text, "expect": key, "patches": patches.identity if patches is not None else NO_PATCHES,
               **options.to_params()}

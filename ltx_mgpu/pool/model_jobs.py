@@ -37,11 +37,19 @@ transformer blocks (``LTXDenoiser.stoppable``), so a long call stops within a fe
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ltx_mgpu.denoise.comfyui.conditioning import ConditioningError
 from ltx_mgpu.denoise.comfyui.extra_conds import ExtraConds, ExtraCondsError, extra_conds, grid_mask
-from ltx_mgpu.denoise.comfyui.forward import ForwardError, av_timestep_convention, comfy_forward, processed_context
+from ltx_mgpu.denoise.comfyui.forward import (
+    SIGMA_RANGE,
+    ForwardError,
+    av_timestep_convention,
+    comfy_forward,
+    processed_context,
+)
 from ltx_mgpu.denoise.comfyui.latents import LatentFormatError
 from ltx_mgpu.denoise.comfyui.skip_blocks import SkipBlocksError, skipped_blocks
 from ltx_mgpu.denoise.parallel.split import SequenceParallelConfigError
@@ -179,6 +187,7 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     resident.contexts.move_to_end(cid)
     conds = _extra_conds(kwargs, guides, tensors)
     frame_rate = float(params.get("frame_rate", 25.0))
+    bounds = _timestep_range(params.get("timestep_range"))
     video = parts[0]
     def cancelled() -> bool:  # the cancel decision: a collective every rank reaches at the same blocks
         try:
@@ -193,7 +202,7 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
         with torch.no_grad(), av_timestep_convention(m.transformer, params.get("av_timestep", "scaled")), \
                 skipped_blocks(m.transformer, params.get("skip_blocks") or ()), m.stoppable(cancelled) as stopped:
             out = comfy_forward(m, resident.velocity, parts if len(parts) == 2 else video, tuple(steps), context,
-                                frame_rate=frame_rate, conds=conds)
+                                frame_rate=frame_rate, conds=conds, timestep_range=bounds)
     except (ForwardError, ExtraCondsError, LatentFormatError, SequenceParallelConfigError, SkipBlocksError) as e:
         # raised before the transformer's first collective, from the request alone (every rank)
         raise BadInput(str(e)) from None
@@ -209,6 +218,25 @@ def forward_job(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dic
     for n, t in zip(names, outs):
         buffers[n].copy_(t)
     return {"parts": len(outs)}, buffers
+
+
+#: The widest timestep range a call may declare (ComfyUI's model samplings stay far inside it).
+_TIMESTEP_LIMIT = 1e4
+
+
+def _timestep_range(raw) -> tuple[float, float]:
+    """A call's ``timestep_range`` as ``(low, high)``; :data:`SIGMA_RANGE` when not given.
+
+    Raises:
+        BadInput: not two finite numbers with ``low <= high`` inside +-:data:`_TIMESTEP_LIMIT`.
+    """
+    if raw is None:
+        return SIGMA_RANGE
+    if (len(raw) != 2 or not all(math.isfinite(v) and abs(v) <= _TIMESTEP_LIMIT for v in raw)
+            or raw[0] > raw[1]):
+        raise BadInput(f"timestep_range must be [low, high], finite, low <= high, within +-{_TIMESTEP_LIMIT:g}; "
+                       f"got {raw!r:.80}")
+    return float(raw[0]), float(raw[1])
 
 
 @register_engine("model_patches")

@@ -288,7 +288,9 @@ register_request(MessageSchema("forward", (
            "ltx_mgpu if a newer ComfyUI adds it"),
     F("guides", ("list",), False, items="object", max_items=MAX_GUIDES, hint="use fewer LTXVAddGuide nodes"),
     F("skip_blocks", ("list",), False, items="int", max_items=MAX_SKIP_BLOCKS,
-      hint="the transformer blocks this call skips (skip-layer guidance)")),
+      hint="the transformer blocks this call skips (skip-layer guidance)"),
+    F("timestep_range", ("list",), False, items="number", max_items=2,
+      hint="[low, high]: the timesteps of the model sampling in use (default [0, 1], LTX-2's sigmas)")),
     tensors=True, doc="one call of the transformer on ComfyUI's tensors (FORWARD_TENSORS): 'x.0' video, 'x.1' "
                       "audio latent, 't.0' / 't.1' their timesteps, 'context' (when new), the guide inputs, the "
                       "blocks to skip"))

@@ -91,6 +91,21 @@ def test_timesteps_outside_the_flow_matching_range_are_refused(model, context, t
     assert "0..1" in str(e.value)
 
 
+def test_a_call_may_declare_the_timestep_range_of_its_model_sampling(model, context):
+    """ComfyUI's ModelSamplingContinuousEDM gives 0.25 ln(sigma): 1.197 at sigma 120, negative
+    below sigma 1. The MODEL sends that range with the call; outside it is still refused."""
+    edm = (-1.6, 1.2)
+    t = (torch.full((1,), 1.19687), torch.full((1,), -1.5))
+    check_call(model, _x(), t, None, edm)
+    with torch.no_grad():
+        out = comfy_forward(model, model.transformer, _x(), t, context, timestep_range=edm)
+    assert all(bool(torch.isfinite(o).all()) for o in out)
+    with pytest.raises(ForwardError, match=r"timestep\[0\] \(video\) holds from 1.19687.* 0\.\.1"):
+        check_call(model, _x(), t, None)
+    with pytest.raises(ForwardError, match=r"timestep\[1\] \(audio\) .*-5.*-1.6\.\.1.2"):
+        check_call(model, _x(), (t[0], torch.full((1,), -5.0)), None, edm)
+
+
 def test_audio_and_reference_audio_tokens_are_bounded_by_max_tokens(model, context):
     with pytest.raises(SequenceParallelConfigError, match=r"audio .* 51 tokens.*max_tokens=50"):
         _call(model, context, x=_x(audio=(1, 8, 51, 16)))

@@ -59,7 +59,10 @@ __all__ = ["SIGMA_RANGE", "ForwardError", "av_timestep_convention", "check_call"
 #: LTX-2's FLUX-type sampling, ``LTXAV.process_timestep`` multiplies it by a denoise mask in
 #: ``0..1``, and ltx-core scales it by ``timestep_scale_multiplier`` into the ``0..1000`` its
 #: AdaLN timestep embedding was trained on). Tokens the grid mask drops (guide tokens with a
-#: negative mask, hence a negative timestep) are not in the call and not checked.
+#: negative mask, hence a negative timestep) are not in the call and not checked. A call may give
+#: its own range (``timestep_range``): ComfyUI's ``ModelSampling*`` nodes change what
+#: ``model_sampling.timestep(sigma)`` gives (``ModelSamplingContinuousEDM``: ``0.25 ln sigma``,
+#: negative below sigma 1), and the MODEL sends the active model sampling's range.
 SIGMA_RANGE = (0.0, 1.0)
 
 AvConvention = Literal["scaled", "raw"]
@@ -107,24 +110,28 @@ def _parts(x: Any) -> list[torch.Tensor]:
     return parts
 
 
-def _check_range(t: torch.Tensor, what: str, keep: torch.Tensor | None) -> None:
-    """Raise unless the timesteps ``t`` (``[B, T]``, the call's tokens) lie in :data:`SIGMA_RANGE`
-    at the tokens ``keep`` leaves in the call."""
+def _check_range(t: torch.Tensor, what: str, keep: torch.Tensor | None,
+                 bounds: tuple[float, float] = SIGMA_RANGE) -> None:
+    """Raise unless the timesteps ``t`` (``[B, T]``, the call's tokens) are finite and lie in
+    ``bounds`` (:data:`SIGMA_RANGE` unless the call gives its own) at the tokens ``keep`` leaves
+    in the call."""
     if keep is not None and t.shape[1] == keep.shape[0]:
         t = t[:, keep.to(t.device)]
     if not t.numel():
         return
-    low, high = SIGMA_RANGE
+    low, high = bounds
     lo, hi = float(t.min()), float(t.max())
     if not (bool(torch.isfinite(t).all()) and low <= lo and hi <= high):
         bad = t[~torch.isfinite(t)] if not bool(torch.isfinite(t).all()) else None
         shown = f"{float(bad[0])}" if bad is not None else f"from {lo:.6g} to {hi:.6g}"
-        raise ForwardError(f"{what} holds {shown} at the tokens of the call; LTX-2's timesteps are flow-matching "
-                           f"sigmas in {low:g}..{high:g} (0 = clean, 1 = noise; ComfyUI passes the sigma, times the "
-                           "denoise mask): check the SIGMAS (ManualSigmas, the scheduler) and the noise masks")
+        raise ForwardError(f"{what} holds {shown} at the tokens of the call; this call's timesteps lie in "
+                           f"{low:g}..{high:g} (LTX-2's flow-matching sigmas: 0 = clean, 1 = noise; ComfyUI passes "
+                           "model_sampling.timestep(sigma), times the denoise mask): check the SIGMAS (ManualSigmas, "
+                           "the scheduler) and the noise masks")
 
 
-def check_call(model, x: Any, timestep: Any, conds: ExtraConds | None = None) -> None:
+def check_call(model, x: Any, timestep: Any, conds: ExtraConds | None = None,
+               timestep_range: tuple[float, float] = SIGMA_RANGE) -> None:
     """Every input of one :func:`comfy_forward` call against ``model``, from shapes, the keyframe
     coordinates and the timesteps' values alone (nothing is computed, nothing moves to a device):
     what the pool runs, identically on every rank, before any work, and what
@@ -132,12 +139,12 @@ def check_call(model, x: Any, timestep: Any, conds: ExtraConds | None = None) ->
 
     Args:
         model: the :class:`~ltx_mgpu.denoise.model.LTXDenoiser` (its latent widths, ``max_tokens``).
-        x, timestep, conds: as :func:`comfy_forward` takes them.
+        x, timestep, conds, timestep_range: as :func:`comfy_forward` takes them.
     Raises:
         ForwardError: ``x`` that is not the model's latents (video ``[B, C, F, H, W]`` with its
             ``C``; audio ``[B, C, N, M]`` with ``C x M`` its audio width; audio for a video-only
             model; batches that differ), timesteps of the wrong shape, not finite or outside
-            :data:`SIGMA_RANGE` at the tokens of the call.
+            ``timestep_range`` at the tokens of the call.
         SequenceParallelConfigError: more video tokens (guide frames included) or audio tokens
             (reference audio included) than the model's ``max_tokens``.
         ExtraCondsError: conditions that do not fit the latent (:meth:`ExtraConds.check_fits`).
@@ -175,13 +182,16 @@ def check_call(model, x: Any, timestep: Any, conds: ExtraConds | None = None) ->
         check_token_budget(audio.frames + ref, model.max_tokens, "audio",
                            f"{audio.frames} + {ref} of the reference audio" if ref else None)
     v_t, a_t = timestep if isinstance(timestep, (list, tuple)) and len(timestep) == 2 else (timestep, timestep)
-    _check_range(_token_timesteps(v_t, video.batch, video.token_count(), "video"), "timestep[0] (video)", conds.keep)
+    _check_range(_token_timesteps(v_t, video.batch, video.token_count(), "video"), "timestep[0] (video)", conds.keep,
+                 timestep_range)
     if audio is not None:
-        _check_range(_token_timesteps(a_t, audio.batch, audio.frames, "audio"), "timestep[1] (audio)", None)
+        _check_range(_token_timesteps(a_t, audio.batch, audio.frames, "audio"), "timestep[1] (audio)", None,
+                     timestep_range)
 
 
 def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: torch.Tensor, *,
-                  frame_rate: float = 25.0, conds: ExtraConds | None = None) -> Any:
+                  frame_rate: float = 25.0, conds: ExtraConds | None = None,
+                  timestep_range: tuple[float, float] = SIGMA_RANGE) -> Any:
     """One ComfyUI-layout call of the transformer (see the module doc).
 
     Args:
@@ -203,7 +213,7 @@ def comfy_forward(model, velocity: Callable, x: Any, timestep: Any, context: tor
         ExtraCondsError: conditions that do not fit the latent or context.
         LatentFormatError: a latent that is not LTX-2's.
     """
-    check_call(model, x, timestep, conds)
+    check_call(model, x, timestep, conds, timestep_range)
     parts = [p.to(model.device, non_blocking=True) for p in _parts(x)]
     latent = {"samples": NestedTensorLike(parts)} if len(parts) == 2 else {"samples": parts[0]}
     state = latent_to_tokens(latent, float(frame_rate), audio_patchifier=AUDIO_PATCHIFIER)
