@@ -332,3 +332,12 @@ def test_the_unit_tier_starts_no_process_of_ours():
     for name, tool in TOOL_RUNNERS.items():  # and those two run only their tool
         calls = re.findall(r"subprocess\.run\(\[([^,\]]+)", (REPO / "tests" / "unit" / name).read_text())
         assert calls and all(tool in c for c in calls), (name, calls)
+
+
+def test_test_files_have_unique_names():
+    """pytest imports the test files by their base names (``rootdir`` import mode, no packages
+    under ``tests/``): two files of one name in different tiers stop the whole run at collection."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
