@@ -107,6 +107,9 @@ class PoolDiffusionModel(torch.nn.Module):
         self.block_count = len(reference.transformer_blocks)
         self.__dict__["reference"] = reference  # not a submodule: no keys, nothing for ComfyUI to load or move
         self._owner = weakref.ref(owner)  # the BaseModel (not a submodule: no cycle in modules())
+        # a call into the pool: nothing for ComfyUI's torch.compile (TorchCompileModel) to trace; set
+        # here, not as a decorator, so that importing the pack does not import torch's compiler
+        self.__dict__["forward"] = torch.compiler.disable(self.forward)
 
     def __getattr__(self, name: str):
         try:
@@ -146,7 +149,6 @@ class PoolDiffusionModel(torch.nn.Module):
         return self.pool_model.text_contexts(context, unprocessed, check_interrupt=_check_interrupt,
                                              patches=self._patches())
 
-    @torch.compiler.disable  # a call into the pool: nothing for ComfyUI's torch.compile (TorchCompileModel)
     def forward(self, x, timestep, context, attention_mask=None, frame_rate=25, transformer_options=None,
                 keyframe_idxs=None, **kwargs):
         """``LTXAVModel.forward``: the audio timestep split off as ``a_timestep``, then ComfyUI's
