@@ -37,6 +37,7 @@ from nodes_support import PACK, bridge, cpu_pool, run
 
 from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.denoise.patches import WeightPatch
+from ltx_mgpu.text.cache.keys import resolve_dtype
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
 from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX, TowerPatches
@@ -155,7 +156,8 @@ def test_nf4_and_gguf_weights_generate_what_they_compute_in_process(loaded, tiny
     for changes, source, weights in (({"weights": "nf4"}, loaded[0].config.gemma, "nf4"),
                                      ({"gemma": str(gguf), "dtype": "float32"}, gguf, "bf16")):
         te, clip = variant(loaded[0], **changes)
-        tower = load_gemma_text_tower(source, dtype=getattr(torch, te.config.dtype), weights=weights)
+        dtype = resolve_dtype(te.config, "cpu").dtype  # what the CPU pool computes in ('auto': ComfyUI's choice)
+        tower = load_gemma_text_tower(source, dtype=getattr(torch, dtype), weights=weights)
         tokens = GenerationTokenizer(tower, sentencepiece_model(tower))
         want = GemmaGenerator(tower).generate(tokens.prompt_ids(ENHANCE, 1024), GenerateOptions(**GREEDY)).tokens
         assert enhance(clip, **GREEDY)[0] == want
