@@ -94,3 +94,15 @@ def cpu_pool(ranks: int = 2):
         yield handle
     finally:
         handle.client.shutdown()
+
+
+class NoPool:
+    """A PoolHandle whose session fails on any use: an encode that needs the pool raises."""
+
+    def session(self):
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AssertionError(f"the pool was contacted ({name}); the prompt should have come from the cache")

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 import torch
-from nodes_support import PACK, cpu_pool, node, run
+from nodes_support import PACK, NoPool, cpu_pool, node, run
 
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
 
@@ -32,18 +32,6 @@ clip_module = sys.modules[f"{PACK}.nodes._clip"]
 GemmaClip = clip_module.GemmaClip
 PROMPT = "a red fox walks slowly through the snow at night, camera light"
 UNICODE = "Ein Fuchs läuft durch den Schnee 🦊, 雪の中の狐"
-
-
-class NoPool:
-    """A PoolHandle whose session fails on any use: an encode that needs the pool raises."""
-
-    def session(self):
-        return self
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AssertionError(f"the pool was contacted ({name}); the prompt should have come from the cache")
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ import types
 
 import pytest
 import torch
-from nodes_support import PACK, bridge, cpu_pool, run
+from nodes_support import PACK, NoPool, bridge, cpu_pool, run
 
 from ltx_mgpu.client.errors import BadInputError
 from ltx_mgpu.denoise.patches import WeightPatch
@@ -66,18 +66,6 @@ def pool(env):
 def loaded(pool):
     return run("LTXMGPU_GemmaLoader", pool, "tiny-gemma-comfy.safetensors", "checkpoints/tiny-ltx-2.3.safetensors",
                "bf16", "single", True)
-
-
-class NoPool:
-    """A PoolHandle whose session fails on any use."""
-
-    def session(self):
-        return self
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AssertionError(f"the pool was contacted ({name}); the prompt should have come from the cache")
 
 
 def variant(te, **changes):
