@@ -175,11 +175,15 @@ def bench_weights(weights: str, args, gemma: Path, projection: Path, device: tor
                 f"{row[theirs]['decode_tokens_per_second']:.1f} tok/s: {ratio:.3f}x"
                 + (f" (goal >= {GOAL_RATIO})" if weights == "bf16" else ""))
     results["weights"][weights] = row
+    if args.out:
+        write_json(args.out, results)  # before the unload: a run cut short keeps its numbers
     paths.clear()  # the transformers model goes with its closures
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    t0 = time.perf_counter()
     client.request("unload", {"names": None}, timeout=300)
+    log(f"{weights}: pool unloaded in {time.perf_counter() - t0:.1f} s")
 
 
 def main(argv=None) -> int:
