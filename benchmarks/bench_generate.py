@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -61,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
-from benchmarks.pool_text_setup import build_snapshot, write_projection  # noqa: E402
+from benchmarks.pool_text_setup import build_snapshot, finish, start_pool, write_projection  # noqa: E402
 from benchmarks.timing import write_json  # noqa: E402
 
 #: The target: the pool's decode speed over transformers' own (bf16).
@@ -214,7 +213,6 @@ def main(argv=None) -> int:
     import transformers
 
     from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
-    from ltx_mgpu.client.pool_client import PoolClient
     from ltx_mgpu.text.gemma.sources import find_tokenizer_files
     from ltx_mgpu.text.gemma.tokenizer import check_tokenizer, load_tokenizer
     from ltx_mgpu.text.generate.tokens import GenerationTokenizer
@@ -247,24 +245,14 @@ def main(argv=None) -> int:
         ids = GenerationTokenizer(types.SimpleNamespace(tokenizer=tokenizer), spm).prompt_ids(args.prompt_text, 1024)
         results["prompt_tokens"] = len(ids)
         t0 = time.perf_counter()
-        if device.type == "cuda":
-            client = PoolClient.connect(gpus=[device.index], runtime_dir=work / "runtime")
-        else:
-            client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=work / "runtime")
+        client = start_pool(device, work)
         log(f"pool: 1 rank on {client.pool['device']} started in {time.perf_counter() - t0:.1f} s")
         for weights in args.weights.split(","):
             bench_weights(weights, args, gemma, projection, device, client, ids, results)
             if args.out:
                 write_json(args.out, results)
     finally:
-        if client is not None:
-            client.shutdown()
-            client.close()
-        if args.keep and args.source == "random" and not args.snapshot:
-            log(f"kept {work} (reuse: --snapshot {work}/gemma3-12b-shaped-{args.layers}l-random "
-                f"--projection {work}/ltx23-projection-random.safetensors)")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        finish(client, args, work, log)
 
     print(f"\n{'weights':<8}{'path':<24}{'first token ms':>16}{'decode tok/s':>14}{'equal tokens':>14}")
     for weights, row in results["weights"].items():

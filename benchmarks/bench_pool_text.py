@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -76,7 +75,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dataclasses
 
 from benchmarks.bench_text import GEMMA_12B  # noqa: E402
-from benchmarks.pool_text_setup import build_snapshot, exact_prompts, host_copy_probe, snapshot_bytes, write_projection  # noqa: E402
+from benchmarks.pool_text_setup import (  # noqa: E402
+    build_snapshot,
+    exact_prompts,
+    finish,
+    host_copy_probe,
+    snapshot_bytes,
+    start_pool,
+    write_projection,
+)
 from benchmarks.timing import sync as _sync  # noqa: E402
 from benchmarks.timing import write_json  # noqa: E402
 from ltx_mgpu.text.config import TextEncoderConfig
@@ -260,7 +267,6 @@ def main(argv=None) -> int:
     import transformers
 
     from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
-    from ltx_mgpu.client.pool_client import PoolClient
 
     work = Path(tempfile.mkdtemp(prefix="bench-pool-text-", dir=args.tmp))
     os.environ.setdefault("LTX_MGPU_HOME", str(work / "home"))  # the digest memo stays in the run's directory
@@ -302,10 +308,7 @@ def main(argv=None) -> int:
         prompt_sets = {b: exact_prompts(tokenizer, b, args.tokens, seed=b) for b in map(int, args.batches.split(","))}
 
         t0 = time.perf_counter()
-        if device.type == "cuda":
-            client = PoolClient.connect(gpus=[device.index], runtime_dir=work / "runtime")
-        else:
-            client = PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=work / "runtime")
+        client = start_pool(device, work)
         results["pool_start_seconds"] = time.perf_counter() - t0
         results["threads"] = {"in-process": torch.get_num_threads(),
                               "pool": client.status()["ranks"][0].get("threads")}
@@ -316,14 +319,7 @@ def main(argv=None) -> int:
             if args.out:
                 write_json(args.out, results)
     finally:
-        if client is not None:
-            client.shutdown()
-            client.close()
-        if args.keep and args.source == "random" and not args.snapshot:
-            log(f"kept {work} (reuse: --snapshot {work}/gemma3-12b-shaped-{args.layers}l-random "
-                f"--projection {work}/ltx23-projection-random.safetensors)")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        finish(client, args, work, log)
 
     print(f"\n{'weights':<8}{'prompts':>10}{'in-process ms':>15}{'pool ms':>10}{'overhead':>10}{'paired':>9}"
           f"{'pool encode':>13}{'broadcast':>11}{'rest':>8}  goal <= {GOAL_OVERHEAD:.0%}")

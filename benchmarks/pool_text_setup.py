@@ -140,3 +140,25 @@ def snapshot_bytes(layers: int = GEMMA_12B["layers"]) -> int:
     hd = GEMMA_12B["head_dim"]
     layer = d * q * hd * 2 + d * kv * hd * 2 + 3 * d * f + 4 * d + 2 * hd
     return 2 * (GEMMA_12B["vocab"] * d + layers * layer + d)
+
+
+def start_pool(device: torch.device, work: Path):
+    """A 1-rank pool on ``device`` (``cuda:i`` or the CPU) whose runtime directory is in ``work``."""
+    from ltx_mgpu.client.pool_client import PoolClient
+
+    if device.type == "cuda":
+        return PoolClient.connect(gpus=[device.index], runtime_dir=work / "runtime")
+    return PoolClient.connect(gpus="cpu", nproc=1, runtime_dir=work / "runtime")
+
+
+def finish(client, args, work: Path, log) -> None:
+    """Shut the pool down (when one started) and remove ``work``, unless ``--keep`` asked to keep
+    a random snapshot built there (then ``log`` says how to reuse it)."""
+    if client is not None:
+        client.shutdown()
+        client.close()
+    if args.keep and args.source == "random" and not args.snapshot:
+        log(f"kept {work} (reuse: --snapshot {work}/gemma3-12b-shaped-{args.layers}l-random "
+            f"--projection {work}/ltx23-projection-random.safetensors)")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
