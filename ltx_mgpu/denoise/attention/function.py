@@ -38,8 +38,8 @@ def support_error(device: torch.device | str) -> str | None:
     device = torch.device(device)
     fix = "load the model with attention_type 'pytorch' (or 'default')"
     if device.type != "cuda":
-        return (f"attention_type '{TRITON_8BIT}' runs Triton kernels on an NVIDIA Hopper or newer GPU; this pool "
-                f"runs on {device.type.upper()}: {fix}")
+        return (f"attention_type '{TRITON_8BIT}' cannot run on {device.type} (its Triton kernels need an NVIDIA "
+                f"Hopper or newer GPU): {fix}")
     if importlib.util.find_spec("triton") is None:
         return f"attention_type '{TRITON_8BIT}' needs Triton, not installed here: pip install triton, or {fix}"
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
