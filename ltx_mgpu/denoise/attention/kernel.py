@@ -13,11 +13,12 @@ both matrix products on 8-bit tensor cores (Hopper's ``wgmma`` at twice the bf16
   with 7 bits of precision against e4m3's 3 mantissa bits: a float32 emulation of both at LTX-2's
   shapes (:func:`reference`) gives the int8 logits about a third of the e4m3 error at the same
   tensor-core rate.
-* **P V** in e4m3 (``PV="e4m3"``, the default) or the inputs' 16-bit dtype (``PV="16bit"``). P (in [0, 1] after the
-  online softmax's max subtraction) is multiplied by 448 and cast to e4m3, so its small values
-  keep e4m3's subnormal range; V is quantized by :func:`quantize_kv` with one scale per channel
-  and head over all tokens (the scale factors out of the sum over tokens and is applied once,
-  with the 1/448 and the softmax's 1/l, to the output). V is stored transposed
+* **P V** in e4m3 (``PV="e4m3"``, the default) or the inputs' 16-bit dtype (``PV="16bit"``).
+  P is taken as ``448 * exp(s - max)`` (in [0, 448]: e4m3's whole range, so its small values
+  keep precision; the 448 cancels against the softmax's sum ``l`` of the same P) and cast to
+  e4m3; V is quantized by :func:`quantize_kv` with one scale per channel and head over all
+  tokens (the scale factors out of the sum over tokens and is applied once, with the softmax's
+  1/l, to the output). V is stored transposed
   (``[B, H, D, Tk]``): Hopper's 8-bit ``wgmma`` reads both operands K-major. The running sum
   ``l`` is of the unrounded P. ``PV="16bit"`` reads V as given (half the speed-up, less error).
 
@@ -137,17 +138,18 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
             s = tl.dot(q8, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
         else:
             s = tl.dot(q8, tl.trans(k))
-        s = s * (row_scale * tl.load(KS + nb))[:, None]
         if TAIL:
             s = tl.where(rn[None, :] < TK, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
+        scale = row_scale * tl.load(KS + nb)  # > 0: the max of the scaled scores is the scaled max
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)
+        # P x 448 (log2(448) folded into the subtracted max): one FMA and one exp2 per score
+        p = tl.math.exp2(s * scale[:, None] - (m_new - 8.807354922057604)[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if PV_FP8:
             v = tl.load(V8 + rd[None, :] * TKP + rn[:, None])
-            acc = tl.dot((p * 448.0).to(tl.float8e4nv), v, acc)
+            acc = tl.dot(p.to(tl.float8e4nv), v, acc)
         else:
             v = tl.load(V + v_off + rn[:, None] * s_vt + rd[None, :], mask=rn[:, None] < TK, other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc)
@@ -188,8 +190,8 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
         if full * BLOCK_N < TK:
             acc, l_i, m_i = _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, full * BLOCK_N, full, TK, TKP, s_vt,
                                   v_off, D, BLOCK_N, QK_INT8, PV_FP8, True)
-        if PV_FP8:
-            out = acc * (tl.load(VS + bh * D + rd) / (448.0 * 448.0))[None, :] / l_i[:, None]
+        if PV_FP8:  # noqa: SIM108 - a static branch of the kernel
+            out = acc * (tl.load(VS + bh * D + rd) / 448.0)[None, :] / l_i[:, None]  # P's 448 is in l_i too
         else:
             out = acc / l_i[:, None]
         tl.store(Out + b * s_ob + h * s_oh + rm[:, None] * s_ot + rd[None, :], out.to(Out.dtype.element_ty),
