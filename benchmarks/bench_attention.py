@@ -20,9 +20,10 @@ Kernels, each where it imports and runs (a failure is recorded with its message,
 - ``fa4``: ``flash_attn.cute.flash_attn_func`` (flash-attn-4), where the package is present.
 - ``triton-8bit``: ours, ``ltx_mgpu.denoise.attention.kernel.attend_heads`` (what ``attention_type
   triton_8bit`` runs: int8 Q K^T, e4m3 P V, the configuration of ``CONFIGS``), its K / V
-  quantization included; ``triton-8bit-<qk>-<pv>``: its other formats (e4m3 Q K^T, 16-bit P V).
-  ``--sweep``: also every configuration of ``SWEEP`` with the default formats
-  (``triton-8bit@<block_m>x<block_n>w<warps>s<stages>``), to choose ``CONFIGS`` from.
+  quantization included; ``triton-8bit-<qk>-<pv>``: its other formats (e4m3 Q K^T, 16-bit P V);
+  ``triton-8bit-tma``: K and V tiles read through TMA descriptors (the head dim 128 configuration
+  otherwise; ``Config.tma``). ``--sweep``: also every configuration of ``SWEEP`` with the default
+  formats (``triton-8bit@<block_m>x<block_n>w<warps>s<stages>[tma]``), to choose ``CONFIGS`` from.
 
 Per kernel and shape: the median ms of ``--runs`` timed calls (CUDA events), TFLOP/s counted as
 4 x B x H x Tq x Tk x D, and the max and mean relative error of its output against float32 SDPA
@@ -63,8 +64,11 @@ def _inputs(b: int, h: int, tq: int, tk: int, d: int, device: torch.device, seed
 
 
 #: Launch configurations ``--sweep`` times: (block_m, block_n, warps, stages).
-SWEEP = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
-         (64, 64, 4, 3), (128, 128, 4, 2))
+#: (block_m, block_n, warps, stages, tma).
+SWEEP = ((128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 128, 8, 4, False), (128, 64, 8, 3, False),
+         (128, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 64, 4, 3, False), (128, 128, 4, 2, False),
+         (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 128, 8, 4, True), (128, 64, 8, 3, True),
+         (64, 128, 4, 3, True))
 
 
 def ours(sweep: bool = False) -> dict:
@@ -80,14 +84,16 @@ def ours(sweep: bool = False) -> dict:
                                        config=config).transpose(1, 2)
         return fn
 
-    out = {"triton-8bit": make("int8", "e4m3")}
+    out = {"triton-8bit": make("int8", "e4m3"),
+           "triton-8bit-tma": make("int8", "e4m3", kernel.CONFIGS[128]._replace(tma=True))}
     for qk in kernel.QK_FORMATS:
         for pv in kernel.PV_FORMATS:
             if (qk, pv) != ("int8", "e4m3"):
                 out[f"triton-8bit-{qk}-{pv}"] = make(qk, pv)
     if sweep:
-        for m, n, w, st in SWEEP:
-            out[f"triton-8bit@{m}x{n}w{w}s{st}"] = make("int8", "e4m3", kernel.Config(m, n, w, st))
+        for m, n, w, st, tma in SWEEP:
+            out[f"triton-8bit@{m}x{n}w{w}s{st}{'tma' if tma else ''}"] = make("int8", "e4m3",
+                                                                             kernel.Config(m, n, w, st, tma))
     return out
 
 

@@ -575,6 +575,21 @@ def test_the_8bit_attention_reads_strided_views_as_their_copies():
     assert torch.equal(kernel.attend(*views, 4), kernel.attend(q, k, v, 4))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_8bit_attention_through_tma_descriptors_equals_its_pointer_loads(d):
+    """``Config.tma``: the same tiles read by Hopper's TMA give the pointer loads' result (the
+    same products and sums; 1e-3 leaves room for another MMA instruction shape)."""
+    from ltx_mgpu.denoise.attention import kernel
+
+    _needs_hopper()
+    q, k, v = _attention_inputs(2, 1000, 1000, 4, d)
+    cfg = kernel.CONFIGS[d]
+    for pv in kernel.PV_FORMATS:
+        a = kernel.attend(q, k, v, 4, pv=pv, config=cfg._replace(tma=False))
+        b = kernel.attend(q, k, v, 4, pv=pv, config=cfg._replace(tma=True))
+        assert _rel(b, a) <= 1e-3, (pv, _rel(b, a))
+
+
 def test_triton_attention_compiles_into_one_graph_and_a_mask_runs_sdpa():
     """Under ``torch.compile(fullgraph=True)`` the custom op is one opaque call (no graph break)
     with the eager bits; with a mask the call is ltx-core's SDPA's."""

@@ -59,12 +59,15 @@ _TINY = 1e-30
 
 
 class Config(NamedTuple):
-    """A launch configuration: query rows and keys per program step, warps, pipeline stages."""
+    """A launch configuration: query rows and keys per program step, warps, pipeline stages, and
+    whether the 8-bit K and V tiles are read through TMA descriptors (Hopper's tensor memory
+    accelerator, ``triton.tools.tensor_descriptor``) instead of pointer loads."""
 
     block_m: int = 128
     block_n: int = 128
     warps: int = 8
     stages: int = 3
+    tma: bool = False
 
 
 #: The configuration per head dim (the default of :func:`attend`). ``benchmarks/bench_attention.py
@@ -127,13 +130,16 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
             tl.store(V8 + bh * D * TKP + rd[None, :] * TKP + rn[:, None], v8)  # [D, TKP]: K-major for P V
 
     @triton.jit
-    def _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, n0, nb, TK, TKP, s_vt, v_off,
+    def _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, KD, VD, kd_row, vd_row, n0, nb, TK, TKP, s_vt, v_off,
               D: tl.constexpr, BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, PV_FP8: tl.constexpr,
-              TAIL: tl.constexpr):
+              TMA: tl.constexpr, TAIL: tl.constexpr):
         """One key block of the online softmax: scores, running max and sum, ``acc += P V``."""
         rn = n0 + tl.arange(0, BLOCK_N)
         rd = tl.arange(0, D)
-        k = tl.load(K8 + rn[:, None] * D + rd[None, :])
+        if TMA:  # noqa: SIM108 - a static branch of the kernel
+            k = KD.load([kd_row + n0, 0])
+        else:
+            k = tl.load(K8 + rn[:, None] * D + rd[None, :])
         if QK_INT8:  # noqa: SIM108 - a static branch of the kernel
             s = tl.dot(q8, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
         else:
@@ -148,7 +154,10 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if PV_FP8:
-            v = tl.load(V8 + rd[None, :] * TKP + rn[:, None])
+            if TMA:  # noqa: SIM108 - a static branch of the kernel
+                v = tl.trans(VD.load([vd_row, n0]))  # [D, BLOCK_N] tile, read as [BLOCK_N, D]: K-major
+            else:
+                v = tl.load(V8 + rd[None, :] * TKP + rn[:, None])
             acc = tl.dot(p.to(tl.float8e4nv), v, acc)
         else:
             v = tl.load(V + v_off + rn[:, None] * s_vt + rd[None, :], mask=rn[:, None] < TK, other=0.0)
@@ -156,10 +165,10 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
         return acc, l_i, m_new
 
     @triton.jit
-    def _attend(Q, K8, KS, V8, VS, V, Out, s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
+    def _attend(Q, K8, KS, V8, VS, V, Out, KD, VD, s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
                 H, TQ, TK, TKP, qk_scale,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr,
-                PV_FP8: tl.constexpr):
+                PV_FP8: tl.constexpr, TMA: tl.constexpr):
         """One program per (block of query rows, batch x head)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -183,13 +192,15 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
         KS += bh * (TKP // BLOCK_N)
         V8 += bh * D * TKP
         v_off = b * s_vb + h * s_vh
+        kd_row = (bh * TKP).to(tl.int32)  # the descriptors' rows: K8 as [B*H*TKP, D], V8 as [B*H*D, TKP]
+        vd_row = (bh * D).to(tl.int32)
         full = TK // BLOCK_N
         for nb in range(0, full):
-            acc, l_i, m_i = _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, nb * BLOCK_N, nb, TK, TKP, s_vt,
-                                  v_off, D, BLOCK_N, QK_INT8, PV_FP8, False)
+            acc, l_i, m_i = _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, KD, VD, kd_row, vd_row, nb * BLOCK_N,
+                                  nb, TK, TKP, s_vt, v_off, D, BLOCK_N, QK_INT8, PV_FP8, TMA, False)
         if full * BLOCK_N < TK:
-            acc, l_i, m_i = _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, full * BLOCK_N, full, TK, TKP, s_vt,
-                                  v_off, D, BLOCK_N, QK_INT8, PV_FP8, True)
+            acc, l_i, m_i = _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, KD, VD, kd_row, vd_row,
+                                  full * BLOCK_N, full, TK, TKP, s_vt, v_off, D, BLOCK_N, QK_INT8, PV_FP8, TMA, True)
         if PV_FP8:  # noqa: SIM108 - a static branch of the kernel
             out = acc * (tl.load(VS + bh * D + rd) / 448.0)[None, :] / l_i[:, None]  # P's 448 is in l_i too
         else:
@@ -288,11 +299,17 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk: str =
     k8, ks, v8, vs = quantize_kv(k, v, cfg.block_n, qk, pv)
     out = torch.empty(b, tq, heads, d, device=q.device, dtype=q.dtype)
     fp8_pv = pv == "e4m3"
+    kd = vd = k8
+    if cfg.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # triton: optional, GPU machines only
+
+        kd = TensorDescriptor.from_tensor(k8.view(-1, d), [cfg.block_n, d])
+        vd = TensorDescriptor.from_tensor(v8.view(-1, k8.shape[2]), [d, cfg.block_n]) if fp8_pv else kd
     _attend[(triton.cdiv(tq, cfg.block_m), b * heads)](
-        q, k8, ks, v8 if fp8_pv else k8, vs if fp8_pv else ks, v, out,
+        q, k8, ks, v8 if fp8_pv else k8, vs if fp8_pv else ks, v, out, kd, vd,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2), heads, tq, tk, k8.shape[2], math.log2(math.e) / math.sqrt(d),
-        D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, QK_INT8=qk == "int8", PV_FP8=fp8_pv,
+        D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, QK_INT8=qk == "int8", PV_FP8=fp8_pv, TMA=cfg.tma,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
