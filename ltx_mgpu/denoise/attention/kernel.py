@@ -318,8 +318,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, *, 
               block_n: int = 128) -> torch.Tensor:
     """The kernel's rounding emulated in float32 torch (any device, no Triton): Q per token, K per
     block of ``block_n`` tokens, P x 448 and V per channel, as the kernel rounds them, then exact
-    float32 attention. What the kernel's result differs from only by summation order; used to
-    choose the formats (the module's docstring) and by the tests."""
+    float32 attention. The kernel's result differs from it by the order of its sums and by P,
+    which the kernel rounds against the running max of the online softmax rather than the row's
+    final one (the same relative rounding, other instances). Used to choose the formats (the
+    module's docstring) and by the tests."""
     b, tq, hd = q.shape
     tk, d = k.shape[1], hd // heads
     qf, kf, vf = (t.float().view(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
