@@ -27,7 +27,8 @@ turn on the same model (its linears swapped in place, :mod:`ltx_mgpu.denoise.fp8
 * ``<variant>+triton_8bit``: the variant with our 8-bit Triton attention
   (``attention_type triton_8bit``, :mod:`ltx_mgpu.denoise.attention`) in every attention module
   instead of SDPA; ``bf16+triton_8bit``: the bf16 eager forward with it (the attention's own
-  share of speed and error).
+  share of speed and error); ``<variant>+triton_8bit:<qk>-<pv>``: with the kernel's other formats
+  (``int8-16bit``, ``e4m3-e4m3``, ``e4m3-16bit``; the default is ``int8-e4m3``).
 
 Attention runs in bf16 (SDPA) in every variant but the ``+triton_8bit`` ones. Per variant: the
 median, ``speedup = bf16 / variant``, and the relative error ``|v - v_bf16| / |v_bf16|`` (Frobenius, video and audio
@@ -62,7 +63,13 @@ from benchmarks.bench_sp import (  # noqa: E402
     transformer_config,
 )
 from benchmarks.timing import time_ms, warm_gpu, write_json  # noqa: E402
-from ltx_mgpu.denoise.attention.function import TRITON_8BIT, attention_function, install, support_error  # noqa: E402
+from ltx_mgpu.denoise.attention.function import (  # noqa: E402
+    TRITON_8BIT,
+    TritonAttention,
+    attention_function,
+    install,
+    support_error,
+)
 from ltx_mgpu.denoise.fp8 import Float8Linear, compile_blocks, fp8_support_error, swap_linears  # noqa: E402
 from ltx_mgpu.denoise.plan import Fp8Config  # noqa: E402
 
@@ -163,7 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help=f"comma-separated; any of {', '.join(VARIANTS)} or bf16-compiled, '{WITH_8BIT}' appended "
-                         "for our 8-bit attention (bf16+triton_8bit: eager bf16 with it)")
+                         "for our 8-bit attention (bf16+triton_8bit: eager bf16 with it), ':<qk>-<pv>' after it "
+                         "for its other formats (int8-16bit, e4m3-e4m3, e4m3-16bit)")
     ap.add_argument("--gemms", action="store_true", help="also time the GEMM shapes alone")
     ap.add_argument("--sample-shape", default="8x12x16", help="latent FxHxW of the 20-step sample ('' to skip)")
     ap.add_argument("--sample-steps", type=int, default=20)
@@ -179,7 +187,7 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     torch.cuda.set_device(device)
-    wants_8bit = any(v.endswith(WITH_8BIT) for v in (a.variants + "," + a.sample_variants).split(","))
+    wants_8bit = WITH_8BIT in a.variants + a.sample_variants
     if wants_8bit and (err := support_error(device)) is not None:
         print(err, file=sys.stderr)
         return 2
@@ -224,8 +232,8 @@ def main(argv=None) -> int:
                                    "rel_error_audio": errs[1], "first_call_s": first}
             print(f"{key}: {name} {ms:.1f} ms ({s['bf16_ms'] / ms:.3f}x), error video {errs[0]:.4f} audio "
                   f"{errs[1]:.4f}, first call {first:.1f} s", flush=True)
-        if a.profile and name in ("fp8-row", "fp8-row" + WITH_8BIT):
-            key = "profile_" + name.replace("-", "_").replace("+", "_")
+        if a.profile and name.startswith("fp8-row") and name.removeprefix("fp8-row")[:1] in ("", "+"):
+            key = "profile_" + name.replace("-", "_").replace("+", "_").replace(":", "_")
             res[key] = kernel_breakdown(lambda: forward(shapes[-1]), device)
             print(f"profile {name} {shapes[-1]}: {res[key]}", flush=True)
 
@@ -234,8 +242,12 @@ def main(argv=None) -> int:
 
     def set_variant(name: str) -> bool:
         """Install variant ``name`` (linears and attention); whether it runs compiled."""
-        base = name.removesuffix(WITH_8BIT)
-        install(model, attention_function(TRITON_8BIT) if name.endswith(WITH_8BIT) else sdpa)
+        base, _, formats = name.partition(WITH_8BIT)
+        if base == name:
+            install(model, sdpa)
+        else:
+            install(model, TritonAttention(*formats.removeprefix(":").split("-")) if formats else
+                    attention_function(TRITON_8BIT))
         if base in ("bf16-compiled", "bf16"):
             restore_bf16(model, originals)
             return base == "bf16-compiled"
@@ -288,8 +300,13 @@ def main(argv=None) -> int:
 
         ref = sample()
         for name in [v for v in a.sample_variants.split(",") if v]:
-            set_variant(name)  # eager: the blocks were uncompiled after the timed variants
-            got = sample()
+            try:
+                set_variant(name)  # eager: the blocks were uncompiled after the timed variants
+                got = sample()
+            except Exception as e:  # noqa: BLE001 - report and go on with the next variant
+                print(f"sample {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+                res.setdefault("failed", {})["sample " + name] = f"{type(e).__name__}: {str(e)[:2000]}"
+                continue
             row = {"shape": a.sample_shape, "steps": a.sample_steps, "cfg": 3.0,
                    "rel_error_video": rel(got[0], ref[0]), "rel_error_audio": rel(got[1], ref[1])}
             if name == "fp8-row":

@@ -55,14 +55,15 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 @torch.library.custom_op("ltx_mgpu::attention_8bit", mutates_args=())
-def _attention_8bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """``kernel.attend`` with its default formats and configuration (a non-contiguous last dim copied)."""
+def _attention_8bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, qk: str, pv: str) -> torch.Tensor:
+    """``kernel.attend`` with its default configuration (a non-contiguous last dim copied)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return kernel.attend(q, k, v, heads)
+    return kernel.attend(q, k, v, heads, qk=qk, pv=pv)
 
 
 @_attention_8bit.register_fake
-def _attention_8bit_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+def _attention_8bit_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, qk: str,
+                          pv: str) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -76,20 +77,30 @@ class TritonAttention:
     padding, the Ulysses padding of a token count the GPUs do not divide) the call falls back to
     ltx-core's ``PytorchAttention`` (SDPA, the inputs' dtype), exactly what ``'pytorch'`` computes.
 
+    ``qk`` / ``pv``: the formats of the two products (``kernel.QK_FORMATS`` / ``kernel.PV_FORMATS``;
+    the defaults are what ``attention_type triton_8bit`` runs, the others are for the benchmarks).
+
     Raises:
-        ValueError: a dtype or head dim the kernel does not take (the message names the fix).
+        ValueError: a dtype or head dim the kernel does not take (the message names the fix); at
+            construction, an unknown format.
         RuntimeError: no Triton or no CUDA device for the call (:func:`support_error` refuses
             these at load).
     """
+
+    def __init__(self, qk: str = "int8", pv: str = "e4m3"):
+        if qk not in kernel.QK_FORMATS or pv not in kernel.PV_FORMATS:
+            raise ValueError(f"qk must be one of {kernel.QK_FORMATS} and pv one of {kernel.PV_FORMATS}, got {qk!r}, "
+                             f"{pv!r}")
+        self.qk, self.pv = qk, pv
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
         if mask is not None:
             return PytorchAttention()(q, k, v, heads, mask)
-        return torch.ops.ltx_mgpu.attention_8bit(q, k, v, heads)
+        return torch.ops.ltx_mgpu.attention_8bit(q, k, v, heads, self.qk, self.pv)
 
     def __repr__(self) -> str:
-        return "TritonAttention()"
+        return f"TritonAttention(qk={self.qk!r}, pv={self.pv!r})"
 
 
 def core_attention_type(name: str) -> str:
