@@ -22,8 +22,10 @@ Kernels, each where it imports and runs (a failure is recorded with its message,
   triton_8bit`` runs: int8 Q K^T, e4m3 P V, the configuration of ``CONFIGS``), its K / V
   quantization included; ``triton-8bit-<qk>-<pv>``: its other formats (e4m3 Q K^T, 16-bit P V);
   ``triton-8bit-tma``: K and V tiles read through TMA descriptors (the head dim 128 configuration
-  otherwise; ``Config.tma``). ``--sweep``: also every configuration of ``SWEEP`` with the default
-  formats (``triton-8bit@<block_m>x<block_n>w<warps>s<stages>[tma]``), to choose ``CONFIGS`` from.
+  otherwise; ``Config.tma``); ``...-fastacc``: the e4m3 P V accumulated on the tensor cores across
+  key blocks (``Config.fast_accum``: fewer instructions; the MMA's truncations can add up over
+  many keys). ``--sweep``: also every configuration of ``SWEEP`` with the default formats
+  (``triton-8bit@<block_m>x<block_n>w<warps>s<stages>[tma]``), to choose ``CONFIGS`` from.
 
 Per kernel and shape: the median ms of ``--runs`` timed calls (CUDA events), TFLOP/s counted as
 4 x B x H x Tq x Tk x D, and the max and mean relative error of its output against float32 SDPA
@@ -85,7 +87,9 @@ def ours(sweep: bool = False) -> dict:
         return fn
 
     out = {"triton-8bit": make("int8", "e4m3"),
-           "triton-8bit-tma": make("int8", "e4m3", kernel.CONFIGS[128]._replace(tma=True))}
+           "triton-8bit-tma": make("int8", "e4m3", kernel.CONFIGS[128]._replace(tma=True)),
+           "triton-8bit-fastacc": make("int8", "e4m3", kernel.CONFIGS[128]._replace(fast_accum=True)),
+           "triton-8bit-tma-fastacc": make("int8", "e4m3", kernel.CONFIGS[128]._replace(tma=True, fast_accum=True))}
     for qk in kernel.QK_FORMATS:
         for pv in kernel.PV_FORMATS:
             if (qk, pv) != ("int8", "e4m3"):

@@ -59,15 +59,19 @@ _TINY = 1e-30
 
 
 class Config(NamedTuple):
-    """A launch configuration: query rows and keys per program step, warps, pipeline stages, and
+    """A launch configuration: query rows and keys per program step, warps, pipeline stages,
     whether the 8-bit K and V tiles are read through TMA descriptors (Hopper's tensor memory
-    accelerator, ``triton.tools.tensor_descriptor``) instead of pointer loads."""
+    accelerator, ``triton.tools.tensor_descriptor``) instead of pointer loads, and whether the e4m3
+    P V accumulates on the tensor cores across key blocks (``fast_accum``; Hopper's fp8 MMA adds
+    with reduced precision, so over 24,576 keys its truncations add up) instead of per block,
+    then in float32 (Triton's ``max_num_imprecise_acc``)."""
 
     block_m: int = 128
     block_n: int = 128
     warps: int = 8
     stages: int = 3
     tma: bool = False
+    fast_accum: bool = False
 
 
 #: The configuration per head dim (the default of :func:`attend`). ``benchmarks/bench_attention.py
@@ -132,7 +136,7 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
     @triton.jit
     def _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, KD, VD, kd_row, vd_row, n0, nb, TK, TKP, s_vt, v_off,
               D: tl.constexpr, BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, PV_FP8: tl.constexpr,
-              TMA: tl.constexpr, TAIL: tl.constexpr):
+              TMA: tl.constexpr, FAST_ACCUM: tl.constexpr, TAIL: tl.constexpr):
         """One key block of the online softmax: scores, running max and sum, ``acc += P V``."""
         rn = n0 + tl.arange(0, BLOCK_N)
         rd = tl.arange(0, D)
@@ -158,7 +162,10 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
                 v = tl.trans(VD.load([vd_row, n0]))  # [D, BLOCK_N] tile, read as [BLOCK_N, D]: K-major
             else:
                 v = tl.load(V8 + rd[None, :] * TKP + rn[:, None])
-            acc = tl.dot(p.to(tl.float8e4nv), v, acc)
+            if FAST_ACCUM:  # the tensor cores' own fp8 accumulation into acc, over every key block
+                acc = tl.dot(p.to(tl.float8e4nv), v, acc)
+            else:  # each block's product summed alone, then added to acc in float32 (two-level)
+                acc = tl.dot(p.to(tl.float8e4nv), v, acc, max_num_imprecise_acc=BLOCK_N)
         else:
             v = tl.load(V + v_off + rn[:, None] * s_vt + rd[None, :], mask=rn[:, None] < TK, other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc)
@@ -168,7 +175,7 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
     def _attend(Q, K8, KS, V8, VS, V, Out, KD, VD, s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
                 H, TQ, TK, TKP, qk_scale,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr,
-                PV_FP8: tl.constexpr, TMA: tl.constexpr):
+                PV_FP8: tl.constexpr, TMA: tl.constexpr, FAST_ACCUM: tl.constexpr):
         """One program per (block of query rows, batch x head)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
@@ -197,10 +204,11 @@ if HAVE_TRITON:  # module-level kernels: Triton resolves the helpers they call b
         full = TK // BLOCK_N
         for nb in range(0, full):
             acc, l_i, m_i = _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, KD, VD, kd_row, vd_row, nb * BLOCK_N,
-                                  nb, TK, TKP, s_vt, v_off, D, BLOCK_N, QK_INT8, PV_FP8, TMA, False)
+                                  nb, TK, TKP, s_vt, v_off, D, BLOCK_N, QK_INT8, PV_FP8, TMA, FAST_ACCUM, False)
         if full * BLOCK_N < TK:
             acc, l_i, m_i = _step(acc, l_i, m_i, q8, row_scale, K8, KS, V8, V, KD, VD, kd_row, vd_row,
-                                  full * BLOCK_N, full, TK, TKP, s_vt, v_off, D, BLOCK_N, QK_INT8, PV_FP8, TMA, True)
+                                  full * BLOCK_N, full, TK, TKP, s_vt, v_off, D, BLOCK_N, QK_INT8, PV_FP8, TMA,
+                                  FAST_ACCUM, True)
         if PV_FP8:  # noqa: SIM108 - a static branch of the kernel
             out = acc * (tl.load(VS + bh * D + rd) / 448.0)[None, :] / l_i[:, None]  # P's 448 is in l_i too
         else:
@@ -310,6 +318,7 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk: str =
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2), heads, tq, tk, k8.shape[2], math.log2(math.e) / math.sqrt(d),
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, QK_INT8=qk == "int8", PV_FP8=fp8_pv, TMA=cfg.tma,
+        FAST_ACCUM=cfg.fast_accum,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
