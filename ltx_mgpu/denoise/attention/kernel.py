@@ -20,19 +20,23 @@ both matrix products on 8-bit tensor cores (Hopper's ``wgmma`` at twice the bf16
   tokens (the scale factors out of the sum over tokens and is applied once, with the softmax's
   1/l, to the output). V is stored transposed
   (``[B, H, D, Tk]``): Hopper's 8-bit ``wgmma`` reads both operands K-major. The running sum
-  ``l`` is of the unrounded P. ``PV="16bit"`` reads V as given (half the speed-up, less error).
+  ``l`` is of the unrounded P. Each key block's e4m3 P V is summed on the tensor cores alone and
+  then added to the float32 accumulator (Hopper's fp8 MMA adds with reduced precision;
+  ``Config.fast_accum`` leaves the whole sum to it). ``PV="16bit"`` reads V as given (one
+  product on 8-bit tensor cores instead of two, less error).
 
 The online softmax is the flash-attention recurrence (Dao et al., "FlashAttention", 2022,
 Algorithm 1; base-2 exponentials with ``log2(e) / sqrt(D)`` folded into the scale, as in
 Triton's fused-attention tutorial). The last, partial key block is masked to ``-inf`` (K and V
 are zero-padded to whole blocks by :func:`quantize_kv`); query rows past ``Tq`` are not
-stored. A query row that attends to keys all of value zero stays finite (a zero row's scale is
-clamped).
+stored. An all-zero row of Q or block of K stays finite (its scale is clamped).
 
 Errors: ``ValueError`` for shapes and dtypes outside the contract (before any launch);
 ``RuntimeError`` where Triton or a CUDA device is missing (:func:`available`).
-``TRITON_INTERPRET=1`` runs the kernels on the CPU (Triton's interpreter), for tests at small
-shapes.
+``TRITON_INTERPRET=1`` runs the kernels on the CPU (Triton's interpreter) at small shapes; its
+float32 -> e4m3 cast is not the GPU's round-to-nearest (Triton 3.9's interpreter casts 31.4 to
+16), so there only the int8 / 16-bit formats and exactly representable values give the GPU's
+numbers.
 """
 
 from __future__ import annotations
