@@ -310,13 +310,14 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     unfused = set(deltas) - loader.fused
     if unfused:  # only weights outside the DiT and connectors could be left; never drop them silently
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
-    if plan.attention_type is not None and core_attention_type(plan.attention_type) != plan.attention_type:
+    ours = plan.attention_type is not None and core_attention_type(plan.attention_type) != plan.attention_type
+    if ours:
         install(transformer, attention_function(plan.attention_type))
     compiles = None
     if plan.linears == "fp8":
         compile_blocks(transformer, dynamic=False)
         cache = CompileCache.open(graph_key(transformer, device, layout=plan.layout, world_size=world,
-                                            attention=plan.attention_type or ""))
+                                            attention=plan.attention_type if ours else ""))
         if cache is not None:
             cache.load_all()
         compiles = CompileWatch(transformer, cache, world)

@@ -97,7 +97,6 @@ def test_the_loader_builds_with_sdpa_then_installs_ours(tiny_ltx_23):
     assert fns and all(isinstance(f, TritonAttention) for f in fns)
     assert model.plan.attention_type == TRITON_8BIT and model.config["transformer"]["attention_type"] == "pytorch"
     plain = load_ltx_model(TransformerPlan(tiny_ltx_23, dtype="fp32", attention_type="pytorch"))
-    assert graph_key(plain.transformer, "cpu") == graph_key(plain.transformer, "cpu", attention="pytorch")
     assert graph_key(plain.transformer, "cpu") != graph_key(plain.transformer, "cpu", attention=TRITON_8BIT)
 
 
