@@ -18,6 +18,14 @@ Kernels, each where it imports and runs (a failure is recorded with its message,
 - ``sdpa-cudnn`` / ``sdpa-flash``: the same, its backend forced.
 - ``sage``: ``sageattention.sageattn`` 1.0.6 (Triton; INT8 Q and K per block, fp16 P V).
 - ``fa4``: ``flash_attn.cute.flash_attn_func`` (flash-attn-4), where the package is present.
+- ``triton-8bit``: ours, ``ltx_mgpu.denoise.attention.kernel.attend_heads`` (what ``attention_type
+  triton_8bit`` runs: int8 Q K^T, e4m3 P V, the configuration of ``CONFIGS``), its K / V
+  quantization included; ``triton-8bit-<qk>-<pv>``: its other formats (e4m3 Q K^T, 16-bit P V);
+  ``triton-8bit-tma``: K and V tiles read through TMA descriptors (the head dim 128 configuration
+  otherwise; ``Config.tma``); ``...-fastacc``: the e4m3 P V accumulated on the tensor cores across
+  key blocks (``Config.fast_accum``: fewer instructions; the MMA's truncations can add up over
+  many keys). ``--sweep``: also every configuration of ``SWEEP`` with the default formats
+  (``triton-8bit@<block_m>x<block_n>w<warps>s<stages>[tma]``), to choose ``CONFIGS`` from.
 
 Per kernel and shape: the median ms of ``--runs`` timed calls (CUDA events), TFLOP/s counted as
 4 x B x H x Tq x Tk x D, and the max and mean relative error of its output against float32 SDPA
@@ -57,7 +65,43 @@ def _inputs(b: int, h: int, tq: int, tk: int, d: int, device: torch.device, seed
     return q, k, v
 
 
-def kernels() -> dict:
+#: Launch configurations ``--sweep`` times: (block_m, block_n, warps, stages).
+#: (block_m, block_n, warps, stages, tma).
+SWEEP = ((128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 128, 8, 4, False), (128, 64, 8, 3, False),
+         (128, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 64, 4, 3, False), (128, 128, 4, 2, False),
+         (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 128, 8, 4, True), (128, 64, 8, 3, True),
+         (64, 128, 4, 3, True))
+
+
+def ours(sweep: bool = False) -> dict:
+    """Our 8-bit kernel's candidates (name -> fn(q, k, v) on [B, H, T, D]), or the reason it cannot run."""
+    from ltx_mgpu.denoise.attention import kernel
+
+    if not kernel.available("cuda"):
+        return {"triton-8bit": "Triton or a CUDA device is missing"}
+
+    def make(qk, pv, config=None):
+        def fn(q, k, v):
+            return kernel.attend_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qk=qk, pv=pv,
+                                       config=config).transpose(1, 2)
+        return fn
+
+    out = {"triton-8bit": make("int8", "e4m3"),
+           "triton-8bit-tma": make("int8", "e4m3", kernel.CONFIGS[128]._replace(tma=True)),
+           "triton-8bit-fastacc": make("int8", "e4m3", kernel.CONFIGS[128]._replace(fast_accum=True)),
+           "triton-8bit-tma-fastacc": make("int8", "e4m3", kernel.CONFIGS[128]._replace(tma=True, fast_accum=True))}
+    for qk in kernel.QK_FORMATS:
+        for pv in kernel.PV_FORMATS:
+            if (qk, pv) != ("int8", "e4m3"):
+                out[f"triton-8bit-{qk}-{pv}"] = make(qk, pv)
+    if sweep:
+        for m, n, w, st, tma in SWEEP:
+            out[f"triton-8bit@{m}x{n}w{w}s{st}{'tma' if tma else ''}"] = make("int8", "e4m3",
+                                                                             kernel.Config(m, n, w, st, tma))
+    return out
+
+
+def kernels(sweep: bool = False) -> dict:
     """name -> fn(q, k, v) on [B, H, T, D] bf16, or name -> the reason it cannot run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -89,6 +133,7 @@ def kernels() -> dict:
         out["fa4"] = fa4
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
         out["fa4"] = f"{type(e).__name__}: {e}"
+    out.update(ours(sweep))
     return out
 
 
@@ -97,10 +142,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also time our kernel's launch configurations (SWEEP)")
+    ap.add_argument("--only", default="", help="comma-separated kernel names to time (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    fns = kernels()
+    fns = kernels(args.sweep)
+    if args.only:
+        fns = {k: v for k, v in fns.items() if k in args.only.split(",") or k == "sdpa"}
     results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "shapes": {},
                      "unavailable": {k: v for k, v in fns.items() if isinstance(v, str)}}
     for k, v in results["unavailable"].items():

@@ -24,12 +24,19 @@ turn on the same model (its linears swapped in place, :mod:`ltx_mgpu.denoise.fp8
 * ``fp8-tensor``: per-tensor scales (cuBLASLt's tensorwise kernel), compiled, bias in the epilogue;
 * ``fp8-storage``: fp8 weights upcast to bf16 per call (``compute="upcast"``, eager): what an fp8
   checkpoint computed in bf16 gives (its error is the weights' rounding alone).
+* ``<variant>+triton_8bit``: the variant with our 8-bit Triton attention
+  (``attention_type triton_8bit``, :mod:`ltx_mgpu.denoise.attention`) in every attention module
+  instead of SDPA; ``bf16+triton_8bit``: the bf16 eager forward with it (the attention's own
+  share of speed and error); ``<variant>+triton_8bit:<qk>-<pv>``: with the kernel's other formats
+  (``int8-16bit``, ``e4m3-e4m3``, ``e4m3-16bit``; the default is ``int8-e4m3``).
 
-Attention runs in bf16 (SDPA) in every variant. Per variant: the median, ``speedup = bf16 /
-variant``, and the relative error ``|v - v_bf16| / |v_bf16|`` (Frobenius, video and audio
+Attention runs in bf16 (SDPA) in every variant but the ``+triton_8bit`` ones. Per variant: the
+median, ``speedup = bf16 / variant``, and the relative error ``|v - v_bf16| / |v_bf16|`` (Frobenius, video and audio
 velocities, float32) against the bf16 eager forward on the same inputs. ``--sample-shape``: a
-20-step Euler sample with CFG 3 from the same noise, fp8-row vs bf16, relative error of the
-final latent. The GEMM shapes alone (``--gemms``): bf16 ``mm`` vs ``_scaled_mm`` (row / tensor)
+20-step Euler sample with CFG 3 from the same noise, each of ``--sample-variants`` (default
+fp8-row and fp8-row+triton_8bit, eager) vs bf16, relative error of the final latent.
+``--profile``: the kernel-time breakdown (GEMMs, attention, the rest) of fp8-row and of
+fp8-row+triton_8bit at the last size. The GEMM shapes alone (``--gemms``): bf16 ``mm`` vs ``_scaled_mm`` (row / tensor)
 at LTX-2's linear shapes. Quality on real weights is not measured here.
 
 ``--device cpu`` is refused (FP8 needs FP8 tensor cores): ``ltx_mgpu.denoise.fp8.fp8_support_error``.
@@ -56,6 +63,13 @@ from benchmarks.bench_sp import (  # noqa: E402
     transformer_config,
 )
 from benchmarks.timing import time_ms, warm_gpu, write_json  # noqa: E402
+from ltx_mgpu.denoise.attention.function import (  # noqa: E402
+    TRITON_8BIT,
+    TritonAttention,
+    attention_function,
+    install,
+    support_error,
+)
 from ltx_mgpu.denoise.fp8 import Float8Linear, compile_blocks, fp8_support_error, swap_linears  # noqa: E402
 from ltx_mgpu.denoise.plan import Fp8Config  # noqa: E402
 
@@ -67,6 +81,9 @@ VARIANTS = {
     "fp8-tensor": (Fp8Config("fp8", "tensor"), True),
     "fp8-storage": (Fp8Config("upcast"), False),
 }
+#: The suffix of a variant run with our 8-bit attention (``<variant>+triton_8bit``; ``bf16+...``: eager bf16).
+WITH_8BIT = "+" + TRITON_8BIT
+DEFAULT_VARIANTS = ("bf16-compiled", *VARIANTS, "bf16" + WITH_8BIT, "fp8-row" + WITH_8BIT)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,10 +168,15 @@ def main(argv=None) -> int:
     add_model_arguments(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--variants", default="bf16-compiled," + ",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated; any of {', '.join(VARIANTS)} or bf16-compiled, '{WITH_8BIT}' appended "
+                         "for our 8-bit attention (bf16+triton_8bit: eager bf16 with it), ':<qk>-<pv>' after it "
+                         "for its other formats (int8-16bit, e4m3-e4m3, e4m3-16bit)")
     ap.add_argument("--gemms", action="store_true", help="also time the GEMM shapes alone")
     ap.add_argument("--sample-shape", default="8x12x16", help="latent FxHxW of the 20-step sample ('' to skip)")
     ap.add_argument("--sample-steps", type=int, default=20)
+    ap.add_argument("--sample-variants", default="fp8-row,fp8-row" + WITH_8BIT,
+                    help="the variants sampled against bf16 (eager)")
     ap.add_argument("--static", action="store_true", help="compile one graph per token count (dynamic=False)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of fp8-row at the last size")
     ap.add_argument("--out", default=None)
@@ -165,6 +187,10 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     torch.cuda.set_device(device)
+    wants_8bit = WITH_8BIT in a.variants + a.sample_variants
+    if wants_8bit and (err := support_error(device)) is not None:
+        print(err, file=sys.stderr)
+        return 2
     dtype = torch.bfloat16
     config = transformer_config(a)
     model = build_model(config, device, dtype)
@@ -206,19 +232,32 @@ def main(argv=None) -> int:
                                    "rel_error_audio": errs[1], "first_call_s": first}
             print(f"{key}: {name} {ms:.1f} ms ({s['bf16_ms'] / ms:.3f}x), error video {errs[0]:.4f} audio "
                   f"{errs[1]:.4f}, first call {first:.1f} s", flush=True)
-        if a.profile and name == "fp8-row":
-            res["profile_fp8_row"] = kernel_breakdown(lambda: forward(shapes[-1]), device)
-            print(f"profile fp8-row {shapes[-1]}: {res['profile_fp8_row']}", flush=True)
+        if a.profile and name.startswith("fp8-row") and name.removeprefix("fp8-row")[:1] in ("", "+"):
+            key = "profile_" + name.replace("-", "_").replace("+", "_").replace(":", "_")
+            res[key] = kernel_breakdown(lambda: forward(shapes[-1]), device)
+            print(f"profile {name} {shapes[-1]}: {res[key]}", flush=True)
 
     originals: dict = {}
-    for name in [v for v in a.variants.split(",") if v]:
-        if name == "bf16-compiled":
-            restore_bf16(model, originals)
-            compile_on = True
+    sdpa = attention_function(config["transformer"]["attention_type"])
+
+    def set_variant(name: str) -> bool:
+        """Install variant ``name`` (linears and attention); whether it runs compiled."""
+        base, _, formats = name.partition(WITH_8BIT)
+        if base == name:
+            install(model, sdpa)
         else:
-            cfg, compile_on = VARIANTS[name]
-            set_fp8(model, originals, cfg)
-            res["fp8_linears"] = sum(isinstance(m, Float8Linear) for m in model.modules())
+            install(model, TritonAttention(*formats.removeprefix(":").split("-")) if formats else
+                    attention_function(TRITON_8BIT))
+        if base in ("bf16-compiled", "bf16"):
+            restore_bf16(model, originals)
+            return base == "bf16-compiled"
+        cfg, compile_on = VARIANTS[base]
+        set_fp8(model, originals, cfg)
+        res["fp8_linears"] = sum(isinstance(m, Float8Linear) for m in model.modules())
+        return compile_on
+
+    for name in [v for v in a.variants.split(",") if v]:
+        compile_on = set_variant(name)
         if compile_on:
             compile_blocks(model, dynamic=False if a.static else None)
         try:
@@ -232,6 +271,7 @@ def main(argv=None) -> int:
             write_json(a.out, res)
 
     restore_bf16(model, originals)
+    install(model, sdpa)
     for shape in shapes:  # bf16 again: the spread of a repeat
         key = "x".join(map(str, shape))
         res["sizes"][key]["bf16_again_ms"] = time_ms(device, lambda: forward(shape), a.warmup, a.runs)[0]
@@ -259,12 +299,21 @@ def main(argv=None) -> int:
             return xs
 
         ref = sample()
-        set_fp8(model, originals, VARIANTS["fp8-row"][0])
-        got = sample()
-        res["sample"] = {"shape": a.sample_shape, "steps": a.sample_steps, "cfg": 3.0,
-                         "rel_error_video": rel(got[0], ref[0]), "rel_error_audio": rel(got[1], ref[1])}
-        print(f"sample {a.sample_shape}, {a.sample_steps} steps: fp8-row vs bf16 relative error video "
-              f"{res['sample']['rel_error_video']:.4f} audio {res['sample']['rel_error_audio']:.4f}", flush=True)
+        for name in [v for v in a.sample_variants.split(",") if v]:
+            try:
+                set_variant(name)  # eager: the blocks were uncompiled after the timed variants
+                got = sample()
+            except Exception as e:  # noqa: BLE001 - report and go on with the next variant
+                print(f"sample {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+                res.setdefault("failed", {})["sample " + name] = f"{type(e).__name__}: {str(e)[:2000]}"
+                continue
+            row = {"shape": a.sample_shape, "steps": a.sample_steps, "cfg": 3.0,
+                   "rel_error_video": rel(got[0], ref[0]), "rel_error_audio": rel(got[1], ref[1])}
+            if name == "fp8-row":
+                res["sample"] = row  # the key of the earlier results
+            res.setdefault("samples", {})[name] = row
+            print(f"sample {a.sample_shape}, {a.sample_steps} steps: {name} vs bf16 relative error video "
+                  f"{row['rel_error_video']:.4f} audio {row['rel_error_audio']:.4f}", flush=True)
     if a.out:
         write_json(a.out, res)
     return 0

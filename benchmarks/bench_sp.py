@@ -61,6 +61,8 @@ from ltx_core.model.transformer import LTXModelConfigurator, Modality  # noqa: E
 
 from benchmarks.timing import time_ms, write_json  # noqa: E402
 from ltx_mgpu.assets.geometry import tiny_transformer_config  # noqa: E402
+from ltx_mgpu.choices import ATTENTION_TYPES  # noqa: E402
+from ltx_mgpu.denoise.attention.function import attention_function, core_attention_type, install  # noqa: E402
 from ltx_mgpu.denoise.comfyui.latents import latent_to_tokens
 from ltx_mgpu.denoise.comfyui.sampler import _predict, _Stream, sample  # noqa: E402
 from ltx_mgpu.denoise.model import LTXDenoiser  # noqa: E402
@@ -77,26 +79,33 @@ from ltx_mgpu.nested import NestedTensorLike  # noqa: E402
 LTX2_19B = dict(layers=48, video_heads=32, video_head_dim=128, audio_heads=32, audio_head_dim=64, caption_channels=3840)
 CFG = 3.0
 SIGMA, SIGMA_NEXT = 0.9, 0.8
-ATTENTION_KERNELS = ("flash", "fmha", "attention", "sdpa")
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "sdpa", "_attend", "_quantize_kv")  # the last two: ours
 
 
 def transformer_config(a: argparse.Namespace) -> dict:
-    """The ``{"transformer": ...}`` config: the LTX-2.0 key set with the requested sizes."""
+    """The ``{"transformer": ...}`` config: the LTX-2.0 key set with the requested sizes (and
+    ``"attention"``: the requested attention type, which :func:`build_model` installs where it is
+    not ltx-core's own)."""
     cfg = tiny_transformer_config("2.0")
     for k in [k for k in cfg if k.startswith("connector_")] + ["use_embeddings_connector"]:
         cfg.pop(k, None)  # the DiT alone: the connectors are not part of a step
     cfg.update(num_layers=a.layers, num_attention_heads=a.video_heads, attention_head_dim=a.video_head_dim,
                cross_attention_dim=a.video_heads * a.video_head_dim, audio_num_attention_heads=a.audio_heads,
                audio_attention_head_dim=a.audio_head_dim, audio_cross_attention_dim=a.audio_heads * a.audio_head_dim,
-               caption_channels=a.caption_channels, attention_type=a.attention_type)
-    return {"transformer": cfg}
+               caption_channels=a.caption_channels, attention_type=core_attention_type(a.attention_type))
+    return {"transformer": cfg} if cfg["attention_type"] == a.attention_type else \
+        {"transformer": cfg, "attention": a.attention_type}
 
 
 @torch.no_grad()
 def build_model(config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """Meta build -> ``to_empty`` on ``device`` in ``dtype`` -> deterministic random fill."""
+    """Meta build -> ``to_empty`` on ``device`` in ``dtype`` -> deterministic random fill; the
+    config's ``"attention"`` installed where ltx-core has no such backend (``triton_8bit``)."""
     with torch.device("meta"):
         model = LTXModelConfigurator.from_config(config)
+    attention = config.get("attention")
+    if attention is not None and core_attention_type(attention) != attention:
+        install(model, attention_function(attention))
     model = model.to(dtype=dtype).to_empty(device=device).eval()
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
@@ -186,7 +195,8 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--audio-heads", type=int, default=LTX2_19B["audio_heads"])
     ap.add_argument("--audio-head-dim", type=int, default=LTX2_19B["audio_head_dim"])
     ap.add_argument("--caption-channels", type=int, default=LTX2_19B["caption_channels"])
-    ap.add_argument("--attention-type", default="pytorch", help="ltx-core attention backend (pytorch = SDPA)")
+    ap.add_argument("--attention-type", default="pytorch", choices=ATTENTION_TYPES,
+                    help="attention backend (pytorch = SDPA; triton_8bit: ours)")
     ap.add_argument("--shapes", default="16x16x24,16x32x48", help="latent FxHxW per size (tokens = F*H*W)")
     ap.add_argument("--audio-tokens", type=int, default=126)
     ap.add_argument("--text-tokens", type=int, default=1024)

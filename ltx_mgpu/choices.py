@@ -53,8 +53,10 @@ FP8_SCALINGS = ("row", "tensor")
 #: Ulysses when that is one group), ``ulysses`` (the video tokens over all ranks) or ``cfg_ulysses``
 #: (any batch of two or more on two halves of the pool).
 SP_LAYOUTS = ("auto", "ulysses", "cfg_ulysses")
-#: ltx-core 1.0.0's attention backends (``AttentionFunction``'s values).
-ATTENTION_TYPES = ("default", "pytorch", "xformers", "flash_attention_3")
+#: The transformer's attention backends: ltx-core 1.0.0's (``AttentionFunction``'s values) and
+#: ``triton_8bit``, our 8-bit Triton flash attention (int8 Q K^T, e4m3 P V; Hopper or newer;
+#: ``ltx_mgpu.denoise.attention``).
+ATTENTION_TYPES = ("default", "pytorch", "xformers", "flash_attention_3", "triton_8bit")
 #: How long a started pool lives: until the process that started it exits, or until stopped.
 LIFETIMES = ("with-owner", "detached")
 #: The samplers of the in-pool SP Sampler (``ltx_mgpu.denoise.comfyui.sampler``).

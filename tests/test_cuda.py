@@ -1,7 +1,8 @@
 """GPU-only paths, run on a CUDA machine (skipped, with the reason, without one): the pipelined
 projection + pinned host copy, the host embedding table, the NF4 loader's defaults (host
 embeddings + layer-wise dequant) against bitsandbytes' own path, CUDA graphs, the model path and
-FP8 on GPU pools, and the packed-weight kernels (GGML and e4m3) against gguf's own values."""
+FP8 on GPU pools, the 8-bit Triton attention (its numerics against float32 attention, a pool
+loading it), and the packed-weight kernels (GGML and e4m3) against gguf's own values."""
 
 from __future__ import annotations
 
@@ -511,6 +512,147 @@ def test_fp8_is_refused_where_torch_cannot_run_the_rowwise_fp8_gemm(monkeypatch)
     msg = fp8_support_error(device)
     assert "cannot run the rowwise-scaled FP8 GEMM" in msg and "CUBLAS_STATUS_NOT_SUPPORTED" in msg
     assert msg.endswith("choose dtype 'bf16'")
+
+
+# --------------------------------------------------------------------------- the 8-bit Triton attention
+
+
+def _needs_hopper():
+    from ltx_mgpu.denoise.attention.function import support_error
+
+    if (err := support_error(torch.device("cuda", torch.cuda.current_device()))) is not None:
+        pytest.skip(err)
+
+
+def _attention_inputs(b: int, tq: int, tk: int, heads: int, d: int, gain: float = 1.5, seed: int = 0):
+    """q and k RMS-normalized times ``gain`` (as after ltx-core's q_norm / k_norm), v standard
+    normal, ``[B, T, H*D]`` bf16 on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normed(t):
+        x = torch.randn(b, t, heads, d, generator=g)
+        return (gain * x / x.pow(2).mean(-1, keepdim=True).sqrt()).flatten(2)
+
+    return [t.cuda().bfloat16() for t in (normed(tq), normed(tk), torch.randn(b, tk, heads * d, generator=g))]
+
+
+def _exact_attention(q, k, v, heads):
+    from ltx_core.model.transformer.attention import PytorchAttention
+
+    return PytorchAttention()(q.float(), k.float(), v.float(), heads)
+
+
+@pytest.mark.parametrize("qk, pv", [("int8", "e4m3"), ("int8", "16bit"), ("e4m3", "e4m3"), ("e4m3", "16bit")])
+@pytest.mark.parametrize("tq, tk, d, gain", [(1, 1, 64, 1.5), (77, 300, 64, 1.5), (126, 126, 64, 1.5),
+                                             (1000, 1000, 128, 1.5), (300, 1024, 128, 1.5), (4096, 4096, 128, 1.5),
+                                             (130, 4100, 64, 1.5), (256, 512, 128, 6.0)])
+def test_the_8bit_attention_kernel_is_within_its_rounding_of_float32_attention(qk, pv, tq, tk, d, gain):
+    """Every format pair, head dims 64 and 128, token counts that are and are not whole blocks,
+    self- and cross-attention, a peaked softmax: the kernel's error against float32 attention is
+    that of its rounding emulated in float32 (``kernel.reference``), up to the order of its sums
+    and P rounded against the running max (a quarter more, plus bf16's output rounding)."""
+    from ltx_mgpu.denoise.attention import kernel
+
+    _needs_hopper()
+    q, k, v = _attention_inputs(2, tq, tk, 4, d, gain)
+    exact = _exact_attention(q, k, v, 4)
+    got = kernel.attend(q, k, v, 4, qk=qk, pv=pv)
+    emulated = kernel.reference(q, k, v, 4, qk=qk, pv=pv)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape and torch.isfinite(got).all()
+    assert _rel(got, exact) <= 1.25 * _rel(emulated, exact) + 5e-3, (_rel(got, exact), _rel(emulated, exact))
+
+
+def test_the_8bit_attention_reads_strided_views_as_their_copies():
+    """q, k, v as the Ulysses exchange and ltx-core hand them over (views of a wider tensor, only
+    the last dim contiguous) give the bits their contiguous copies give."""
+    from ltx_mgpu.denoise.attention import kernel
+
+    _needs_hopper()
+    q, k, v = _attention_inputs(2, 333, 333, 4, 128)
+    packed = torch.stack([q, k, v], 2)  # [B, T, 3, H*D]: each a view of stride 3*H*D per token
+    views = packed.unbind(2)
+    assert not views[0].is_contiguous()
+    assert torch.equal(kernel.attend(*views, 4), kernel.attend(q, k, v, 4))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_8bit_attention_through_tma_descriptors_equals_its_pointer_loads(d):
+    """``Config.tma``: the same tiles read by Hopper's TMA give the pointer loads' result (the
+    same products and sums; 1e-3 leaves room for another MMA instruction shape)."""
+    from ltx_mgpu.denoise.attention import kernel
+
+    _needs_hopper()
+    q, k, v = _attention_inputs(2, 1000, 1000, 4, d)
+    cfg = kernel.CONFIGS[d]
+    for pv in kernel.PV_FORMATS:
+        a = kernel.attend(q, k, v, 4, pv=pv, config=cfg._replace(tma=False))
+        b = kernel.attend(q, k, v, 4, pv=pv, config=cfg._replace(tma=True))
+        assert _rel(b, a) <= 1e-3, (pv, _rel(b, a))
+
+
+def test_triton_attention_compiles_into_one_graph_and_a_mask_runs_sdpa():
+    """Under ``torch.compile(fullgraph=True)`` the custom op is one opaque call (no graph break)
+    with the eager bits; with a mask the call is ltx-core's SDPA's."""
+    from ltx_core.model.transformer.attention import PytorchAttention
+
+    from ltx_mgpu.denoise.attention.function import TritonAttention
+
+    _needs_hopper()
+    q, k, v = _attention_inputs(2, 500, 500, 4, 64)
+    fn = TritonAttention()
+    compiled = torch.compile(lambda a, b, c: fn(a, b, c, 4), fullgraph=True)
+    eager = fn(q, k, v, 4)
+    assert torch.equal(compiled(q, k, v), eager)
+    assert _rel(eager, _exact_attention(q, k, v, 4)) < 0.05
+    mask = torch.zeros(1, 1, 1, 500, device="cuda", dtype=torch.bfloat16)
+    mask[..., 400:] = torch.finfo(torch.bfloat16).min
+    assert torch.equal(fn(q, k, v, 4, mask), PytorchAttention()(q, k, v, 4, mask))
+
+
+def test_a_gpu_pool_loads_triton_8bit_and_its_model_path_equals_the_call_in_process(tmp_path):
+    """``attention_type: triton_8bit`` through a one-GPU pool (dtype bf16 and fp8: the compiled
+    blocks call the kernel) equals the in-process model of the same plan, stays within the
+    kernel's rounding of the SDPA model, and dtype fp32 is refused at load naming the fix."""
+    from ltx_mgpu.client.denoise import remote_load_transformer
+    from ltx_mgpu.client.errors import BadInputError
+    from ltx_mgpu.client.model import PoolModel
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward
+    from ltx_mgpu.denoise.model import load_ltx_model
+
+    _needs_hopper()
+    ckpt = _fp8_sized_checkpoint(tmp_path)
+    x, t, ctx = _fp8_inputs()
+    want, sdpa = {}, {}
+    with torch.no_grad():
+        for dtype in ("bf16", "fp8"):
+            local = load_ltx_model(TransformerPlan(ckpt, dtype=dtype, attention_type="triton_8bit"), "cuda")
+            want[dtype] = comfy_forward(local, local.transformer, x, t, ctx)
+            del local
+            plain = load_ltx_model(TransformerPlan(ckpt, dtype=dtype, attention_type="pytorch"), "cuda")
+            sdpa[dtype] = comfy_forward(plain, plain.transformer, x, t, ctx)
+            del plain
+    base = short_dir()
+    client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
+    try:
+        with pytest.raises(BadInputError, match="attention_type 'triton_8bit' cannot run on cuda.*'pytorch'"):
+            remote_load_transformer(client, TransformerPlan(ckpt, dtype="fp32", attention_type="triton_8bit"),
+                                    name="fp32", timeout=300)
+        got = {}
+        for dtype in ("bf16", "fp8"):
+            loaded = remote_load_transformer(client, TransformerPlan(ckpt, dtype=dtype, attention_type="triton_8bit"),
+                                             name=dtype, timeout=300)
+            assert loaded["plan"]["attention_type"] == "triton_8bit"
+            pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
+            got[dtype] = pm.forward(x, t, ctx)
+            client.request("unload", {"names": [dtype]}, timeout=60)
+    finally:
+        client.shutdown()
+        cleanup(base)
+    for dtype in ("bf16", "fp8"):
+        for a, b, c in zip(got[dtype], want[dtype], sdpa[dtype], strict=True):
+            assert torch.isfinite(a).all() and _rel(a, b) <= 1e-2, (dtype, _rel(a, b))
+            assert 0 < _rel(b, c) < 0.1, (dtype, _rel(b, c))
 
 
 # --------------------------------------------------------------------------- packed GGML and e4m3 kernels

@@ -117,9 +117,12 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def graph_key(model: torch.nn.Module, device: torch.device, *, layout: str = "", world_size: int = 1) -> str:
+def graph_key(model: torch.nn.Module, device: torch.device, *, layout: str = "", world_size: int = 1,
+              attention: str = "") -> str:
     """The SHA-256 (hex) of what changes ``model``'s compiled blocks (module doc: versions, GPU,
-    the block's structure, sizes and parameter dtypes, block count, ``layout``, ``world_size``)."""
+    the block's structure, sizes and parameter dtypes, block count, ``layout``, ``world_size``, and
+    ``attention``: the name of an attention function of ours installed in the blocks, "" for
+    ltx-core's own)."""
     device = torch.device(device)
     blocks = list(model.transformer_blocks)
     gpu: Any = None
@@ -136,6 +139,8 @@ def graph_key(model: torch.nn.Module, device: torch.device, *, layout: str = "",
         "params": [[n, str(p.dtype), list(p.shape)] for n, p in blocks[0].named_parameters()],
         "layout": layout, "world_size": world_size,
     }
+    if attention:  # none for ltx-core's own backends: their keys stay as before
+        parts["attention"] = attention
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

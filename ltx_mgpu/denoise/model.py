@@ -31,6 +31,7 @@ from ltx_core.text_encoders.gemma.embeddings_connector import Embeddings1DConnec
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
+from ltx_mgpu.denoise.attention.function import attention_function, core_attention_type, install
 from ltx_mgpu.denoise.checkpoint import (
     CONNECTORS,
     MONOLITH_PREFIX,
@@ -270,8 +271,8 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     if plan.linears == "fp8" and (err := fp8_support_error(device)):
         raise ValueError(err)
     dtype = getattr(torch, plan.compute_dtype)
-    if plan.attention_type is not None:
-        info.config["transformer"]["attention_type"] = plan.attention_type
+    if plan.attention_type is not None:  # ltx-core builds with one of its own; ours is installed below
+        info.config["transformer"]["attention_type"] = core_attention_type(plan.attention_type)
     conn_info = connector_info(plan.connectors, info) if plan.connectors is not None else info
     weight_keys = [k for k in {**info.shapes, **conn_info.shapes} if k.endswith(".weight")]
     deltas = load_loras(plan.loras, weight_keys)
@@ -309,10 +310,14 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     unfused = set(deltas) - loader.fused
     if unfused:  # only weights outside the DiT and connectors could be left; never drop them silently
         raise CheckpointError(f"LoRA targets {sorted(unfused)[:3]} were not loaded into the model")
+    ours = plan.attention_type is not None and core_attention_type(plan.attention_type) != plan.attention_type
+    if ours:
+        install(transformer, attention_function(plan.attention_type))
     compiles = None
     if plan.linears == "fp8":
         compile_blocks(transformer, dynamic=False)
-        cache = CompileCache.open(graph_key(transformer, device, layout=plan.layout, world_size=world))
+        cache = CompileCache.open(graph_key(transformer, device, layout=plan.layout, world_size=world,
+                                            attention=plan.attention_type if ours else ""))
         if cache is not None:
             cache.load_all()
         compiles = CompileWatch(transformer, cache, world)

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ltx_mgpu.choices import SAMPLERS
+from ltx_mgpu.denoise.attention.function import TRITON_8BIT, attention_function, support_error
 from ltx_mgpu.denoise.checkpoint import (
     CONNECTORS,
     CheckpointError,
@@ -163,15 +164,17 @@ def _attention_error(attention_type: str | None, info: CheckpointInfo, ctx: JobC
     ``dtype``, or None.
 
     The backend runs once on a tiny input of the model's head sizes and dtype on this rank's
-    device (xformers and FlashAttention 3 need their packages and a GPU that they support), so a
-    backend the pool cannot run is refused at load, not at the first ``sample``.
+    device (xformers and FlashAttention 3 need their packages and a GPU that they support; our
+    ``triton_8bit`` a Hopper or newer GPU and Triton, :func:`~ltx_mgpu.denoise.attention.function.support_error`,
+    and the model's dtype bf16 or fp16), so a backend the pool cannot run is refused at load, not at the
+    first ``sample``.
     """
-    from ltx_core.model.transformer.attention import AttentionFunction  # ltx-core: heavy, loaded on use
-
     t = info.config["transformer"]
     name = attention_type if attention_type is not None else t.get("attention_type", "default")
+    if name == TRITON_8BIT and (err := support_error(ctx.device)):
+        return err
     try:
-        fn = AttentionFunction(name)
+        fn = attention_function(name)
         for head_dim in sorted({int(t.get("attention_head_dim", 64)), int(t.get("audio_attention_head_dim", 64))}):
             q = torch.zeros(1, 8, 2 * head_dim, device=ctx.device, dtype=dtype)
             fn(q, q, q, 2)

@@ -313,7 +313,7 @@ def test_latent_sizes_are_bounded_before_any_work(pool):
 # --------------------------------------------------------------------------- load_transformer
 
 
-@pytest.mark.parametrize("attention", ["xformers", "flash_attention_3"])
+@pytest.mark.parametrize("attention", ["xformers", "flash_attention_3", "triton_8bit"])
 def test_an_attention_backend_the_pool_cannot_run_is_refused_at_load(pool, attention):
     plan = TransformerPlan(pool.ckpt, dtype="fp32", attention_type=attention)
     refused(lambda: remote_load_transformer(pool.client, plan, name="att", timeout=60),

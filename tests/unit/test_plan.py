@@ -52,8 +52,8 @@ def test_the_plan_travels_as_the_load_request_and_comes_back_equal(tmp_path):
     ({"dtype": "fp64"}, r"dtype must be one of 'bf16', 'fp16', 'fp32' or 'fp8', got 'fp64'"),
     ({"weights": "halves"}, r"weights must be one of 'replicated' or 'sharded', got 'halves'"),
     ({"layout": "ring"}, r"layout must be one of 'auto', 'ulysses' or 'cfg_ulysses', got 'ring'"),
-    ({"attention_type": "sdpa"}, r"attention_type must be one of 'default', 'pytorch', 'xformers' or "
-                                 r"'flash_attention_3', got 'sdpa'"),
+    ({"attention_type": "sdpa"}, r"attention_type must be one of 'default', 'pytorch', 'xformers', "
+                                 r"'flash_attention_3' or 'triton_8bit', got 'sdpa'"),
     ({"max_tokens": 0}, "max_tokens must be a positive number of video tokens, got 0"),
     ({"max_tokens": True}, "max_tokens must be a positive number of video tokens, got True"),
     ({"loras": [{"path": "/l", "strength": float("nan")}]}, r"loras\[0\]\.strength must be in -100\.\.100"),
