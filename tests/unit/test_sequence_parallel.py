@@ -62,13 +62,14 @@ def _block_tokens(model) -> list[int]:
     dict(name="av_odd", **AV_ODD),
     dict(name="cfg_batch_stg_attention_mask", **AV_ODD, batch=2, perturbations="mixed", attention_mask=True),
     dict(name="video_only", frames=3, height=3, width=5, video_only=True),
-    dict(name="per_token_timesteps_on_a_bucket", frames=2, height=4, width=8, audio_tokens=5),
+    dict(name="a_count_on_a_bucket_is_not_padded", frames=2, height=4, width=8, audio_tokens=5),
 ], ids=lambda c: c["name"])
 @pytest.mark.parametrize("buckets", [TokenBuckets(), TokenBuckets(32, 16)], ids=["default", "steps_of_16"])
 def test_a_call_padded_to_its_bucket_equals_the_unpadded_call(case, buckets):
-    """45 video tokens run as 64 (default) or 48: the padded keys left out of the self- and
-    video->audio attention (the first latent frame's timesteps are 0, the rest sigma: per token),
-    the padded rows dropped; both outputs equal the plain model to float32 rounding."""
+    """45 video tokens run as 64 (default) or 48 (64 tokens, a bucket, as 64): the padded keys left
+    out of the self- and video->audio attention (the first latent frame's timesteps are 0, the
+    rest sigma: per token; positions padded with the last token's), the padded rows dropped; both
+    outputs equal the plain model to float32 rounding."""
     video_only = case.get("video_only", False)
     plain, padded = build_tiny_model(video_only=video_only), build_tiny_model(video_only=video_only)
     sp = SequenceParallelTransformer(padded, None, max_tokens=4096, layout="auto", buckets=buckets)
