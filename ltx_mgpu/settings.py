@@ -22,7 +22,7 @@ __all__ = [
     "HOME", "CACHE_DIR", "RUNTIME_DIR", "MODELS_DIR",
     "TICK_SECONDS", "COLLECTIVE_TIMEOUT", "HELLO_TIMEOUT", "MAX_PAYLOAD_BYTES", "MASTER_PORT", "CUDA_ALLOC_CONF",
     "PROFILE_JOBS", "SHM", "SHM_MIN_BYTES", "SHM_MAX_BYTES", "SHM_IDLE_SECONDS", "SHM_OWN_MIN_BYTES",
-    "CUDA_GRAPHS", "NO_COMPILE", "COMPILE_CACHE", "COMPILE_CACHE_DIR",
+    "CUDA_GRAPHS", "NO_COMPILE", "COMPILE_CACHE", "COMPILE_CACHE_DIR", "TOKEN_BUCKETS",
 ]
 
 _OFF = ("0", "off", "false", "no")
@@ -188,10 +188,14 @@ COMPILE_CACHE = Setting("LTX_MGPU_COMPILE_CACHE", "flag", True, "pool",
 COMPILE_CACHE_DIR = Setting("LTX_MGPU_COMPILE_CACHE_DIR", "directory", None, "pool",
                             "where the compile artifacts are kept (a private directory: they are executed code); "
                             "default `<home>/compile`")
+TOKEN_BUCKETS = Setting("LTX_MGPU_TOKEN_BUCKETS", "count", 32, "pool",
+                        "video token buckets per doubling of the token count under dtype fp8: a call is padded "
+                        "(exactly) up to its bucket, so nearby sizes share one compiled graph; a power of two "
+                        "(32: under 3.1 % padding), 0: off (one compile per size)")
 
 #: Every setting, by variable name.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     HOME, CACHE_DIR, RUNTIME_DIR, MODELS_DIR, TICK_SECONDS, COLLECTIVE_TIMEOUT, HELLO_TIMEOUT, MAX_PAYLOAD_BYTES,
     MASTER_PORT, CUDA_ALLOC_CONF, PROFILE_JOBS, SHM, SHM_MIN_BYTES, SHM_MAX_BYTES, SHM_IDLE_SECONDS,
-    SHM_OWN_MIN_BYTES, CUDA_GRAPHS, NO_COMPILE, COMPILE_CACHE, COMPILE_CACHE_DIR)}
+    SHM_OWN_MIN_BYTES, CUDA_GRAPHS, NO_COMPILE, COMPILE_CACHE, COMPILE_CACHE_DIR, TOKEN_BUCKETS)}
 

@@ -200,6 +200,19 @@ def _watch_shards(model, total: int) -> dict:
     return {"total_bytes": total, "held_bytes": held_bytes(model), "gathered": gathered}
 
 
+def _block_tokens(model) -> list[int]:
+    """The video token counts the first block of ``model`` sees from now on (per GPU; the hook
+    is taken off at the next call of this function on the same model)."""
+    seen: list[int] = []
+    old = getattr(model, "_harness_tokens_hook", None)
+    if old is not None:
+        old.remove()
+    model._harness_tokens_hook = model.transformer_blocks[0].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(int(kwargs["video"].x.shape[1])) if kwargs.get("video") else None,
+        with_kwargs=True)
+    return seen
+
+
 @contextlib.contextmanager
 def _counting_gathers():
     """Count the bytes FSDP2's all-gathers deliver to this rank while the block runs (its
@@ -226,6 +239,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
 
     from ltx_mgpu.denoise.fp8 import compile_blocks
     from ltx_mgpu.denoise.model import load_ltx_model
+    from ltx_mgpu.denoise.parallel.buckets import TokenBuckets
     from ltx_mgpu.denoise.parallel.fsdp import held_bytes, shard_transformer
     from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
     from ltx_mgpu.denoise.plan import TransformerPlan
@@ -260,7 +274,9 @@ def _rank_main(spec_path: str, rank: int) -> None:
         try:
             sp = SequenceParallelTransformer(models[key], None, case.get("max_tokens", 4096),
                                              layout=case.get("layout", "ulysses"),
+                                             buckets=TokenBuckets(*case["buckets"]) if "buckets" in case else None,
                                              _mask_v2a_keys=case.get("mask_v2a", True))
+            seen = _block_tokens(models[key])
             with torch.no_grad(), _counting_gathers() as traffic:
                 vx, ax = run_case(sp, case)
         except ValueError as e:  # SequenceParallelConfigError is a ValueError
@@ -271,6 +287,7 @@ def _rank_main(spec_path: str, rank: int) -> None:
             tensors["audio"] = ax.contiguous()
         save_file(tensors, str(out_dir / f"rank{rank}_{name}.safetensors"))
         report[name] = {"error": None, "samples": list(sp.layout_for(_inputs_for(case)[0]).samples),
+                        "block_tokens": list(seen),
                         "gathered_bytes": traffic["bytes"],
                         **({"sharding": dict(shards[key], gathered=list(shards[key]["gathered"]),
                                                           held_after=held_bytes(models[key]))} if sharded else {})}

@@ -396,6 +396,50 @@ def test_fp8_compute_runs_every_block_linear_as_an_e4m3_gemm_within_its_rounding
         assert torch.equal(a, c)
 
 
+def test_fp8_calls_padded_to_a_token_bucket_share_a_graph_on_the_flash_kernel(tmp_path):
+    """``dtype: fp8`` through ``velocity_model`` (as the pool calls it, the product's token buckets):
+    72 and 75 video tokens both run as the bucket of 128, one compiled graph for both (Dynamo's
+    counters); the two attentions that see the padded video run on SDPA's flash kernel alone
+    (which takes no mask: the padded keys are left out, not masked); each call equals the
+    unpadded compiled call within bf16 rounding."""
+    import torch._dynamo.utils as dynamo_utils
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward
+    from ltx_mgpu.denoise.model import load_ltx_model
+
+    ckpt = _fp8_sized_checkpoint(tmp_path)
+    fp8 = load_ltx_model(TransformerPlan(ckpt, dtype="fp8"), "cuda")
+    assert fp8.buckets is not None and fp8.buckets.padded(72) == fp8.buckets.padded(75) == 128
+    x, t, ctx = _fp8_inputs()
+    g = torch.Generator().manual_seed(9)
+    inputs = [x, [torch.randn(2, 128, 3, 5, 5, generator=g).cuda().bfloat16(), x[1]]]
+    with torch.no_grad():
+        want = [comfy_forward(fp8, fp8.transformer, xs, t, ctx) for xs in inputs]  # unpadded, own graphs
+    velocity = fp8.velocity_model()
+    flash_calls = []
+    for block in fp8.transformer.transformer_blocks:
+        for name in ("attn1", "video_to_audio_attn"):
+            wrapper = getattr(block, name).attention_function
+
+            def on_flash(q, k, v, heads, mask=None, _inner=wrapper.inner):
+                flash_calls.append((q.shape[1], k.shape[1], mask))
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return _inner(q, k, v, heads, mask)
+
+            wrapper.inner = on_flash
+    graphs = []
+    with torch.no_grad():
+        for xs, w in zip(inputs, want, strict=True):
+            got = comfy_forward(fp8, velocity, xs, t, ctx)
+            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+            for a, b in zip(got, w, strict=True):
+                assert a.shape == b.shape and torch.isfinite(a).all() and _rel(a, b) <= 1e-2, _rel(a, b)
+    assert graphs[1] == graphs[0]  # 75 tokens ran the graph 72 tokens compiled
+    assert {(q, m) for q, _, m in flash_calls} >= {(128, None)} and all(m is None for _, _, m in flash_calls)
+    assert {k for _, k, _ in flash_calls} == {72, 75}
+
+
 def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
     """``dtype: fp8`` through a one-GPU pool's MODEL path equals the in-process fp8 model, also
     with FSDP2-sharded weights (world size 1, the compiled blocks inside FSDP's hooks); a ComfyUI

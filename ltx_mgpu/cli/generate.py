@@ -29,7 +29,7 @@ class ProgressBars:
     """
 
     LABELS = {"pool": "pool", "load_text_encoder": "load Gemma", "encode": "encode",
-              "load_transformer": "load LTX-2", "denoise": "denoise", "decode": "decode"}
+              "load_transformer": "load LTX-2", "compile": "compile", "denoise": "denoise", "decode": "decode"}
     UNITS = {"denoise": "step", "decode": "frame"}
 
     def __init__(self, enabled: bool = True, refresh: float = HEARTBEAT_S):

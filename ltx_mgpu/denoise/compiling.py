@@ -34,14 +34,14 @@ read only when it is a regular file of ours (``O_NOFOLLOW``, ``fstat``), no larg
 digest or content torch refuses) is a :class:`CompileCacheWarning`, removed, and the size
 compiles again.
 
-Token counts are not bucketed: each size has its own graph. Padding the video tokens to a
-bucket is exact only with the padded keys masked in every self- and video-to-audio attention
-(as sequence parallelism pads, :mod:`ltx_mgpu.denoise.parallel.ulysses`), and a mask takes SDPA
-off its mask-less flash / cuDNN kernels for every step at that size, besides computing the
-padded rows (up to a bucket's width more GEMM and attention work); ``dynamic=True`` gives one
-symbolic graph for all sizes at the price of the static graph's per-shape kernel choices
-(``bench_fp8 --dynamic`` measures it). Persistence makes the compile at a size a once-per-machine
-cost instead.
+Token counts are bucketed (:mod:`ltx_mgpu.denoise.parallel.buckets`, ``$LTX_MGPU_TOKEN_BUCKETS``): the
+sequence-parallel wrapper pads a call's video up to its bucket, exactly (the padded keys left out
+of the two attentions that see the whole video, not masked, so SDPA keeps its mask-less kernels;
+:mod:`ltx_mgpu.denoise.parallel.ulysses`), so the counts of a bucket share one graph and one
+artifact file, at the price of computing the padded rows (under a bucket's width) at every step.
+``dynamic=True`` would give one symbolic graph for all sizes at the price of the static graph's
+per-shape kernel choices (``bench_fp8 --dynamic`` measures it). Persistence makes the compile at a
+bucket a once-per-machine cost.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import hashlib
 import json
 import os
 import stat
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -62,7 +63,7 @@ from ltx_mgpu.files import write_atomically
 from ltx_mgpu.identity import home_dir
 
 __all__ = ["ARTIFACT_MAGIC", "MAX_ARTIFACT_BYTES", "CompileCache", "CompileCacheWarning", "CompileWatch",
-           "compile_cache_dir", "compile_message", "graph_key", "private_dir", "size_key"]
+           "compile_cache_dir", "compile_message", "compiled_message", "graph_key", "private_dir", "size_key"]
 
 #: The first bytes of an artifact file; a SHA-256 of the payload follows, then the payload.
 ARTIFACT_MAGIC = b"ltx_mgpu compile artifacts 1\n"
@@ -171,14 +172,29 @@ def video_tokens(args: tuple, kwargs: dict) -> int | None:
     return int(x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
 
 
-def compile_message(tokens: int | None, cached: bool, world_size: int = 1) -> str:
-    """What a person reads when a block call compiles: ``"compiling for 6,144 video tokens,
-    first time at this size: about a minute"`` (``cached``: ``"..., from the compile cache: a few
-    seconds"``); with ``world_size`` > 1 the tokens are each GPU's."""
-    what = "this size" if tokens is None else f"{tokens:,} video tokens" + (" per GPU" if world_size > 1 else "")
+def _what(tokens: int | None, world_size: int, bucketed: bool) -> str:
+    if tokens is None:
+        return "this size"
+    return (("up to " if bucketed else "") + f"{tokens:,} video tokens" + (" per GPU" if world_size > 1 else ""))
+
+
+def compile_message(tokens: int | None, cached: bool, world_size: int = 1, bucketed: bool = False) -> str:
+    """What a person reads when a block call compiles: ``"compiling the transformer blocks for
+    6,144 video tokens, first time at this size: about a minute"`` (``cached``: ``"..., from the
+    compile cache: a few seconds"``); with ``world_size`` > 1 the tokens are each GPU's; with
+    ``bucketed`` (token buckets, :mod:`ltx_mgpu.denoise.parallel.buckets`) they are the bucket's, which
+    every smaller count down to the previous bucket shares: ``"for up to 6,144 video tokens"``."""
+    what = _what(tokens, world_size, bucketed)
     if cached:
         return f"compiling the transformer blocks for {what}, from the compile cache: a few seconds"
     return f"compiling the transformer blocks for {what}, first time at this size: about a minute"
+
+
+def compiled_message(tokens: int | None, seconds: float, world_size: int = 1, bucketed: bool = False) -> str:
+    """What a person reads when that compile is done (the first pass through the blocks at the
+    size, compile included, took ``seconds``): ``"compiled the transformer blocks for 6,144 video
+    tokens in 39 s"``."""
+    return f"compiled the transformer blocks for {_what(tokens, world_size, bucketed)} in {seconds:.0f} s"
 
 
 class CompileCache:
@@ -294,16 +310,22 @@ class CompileWatch:
     Hooks on the first block (before) and the last block (after): a call whose inputs have a
     :func:`size_key` this process has not run yet is announced through :attr:`on_compile`
     (:func:`compile_message`: first time, or from ``cache`` when an artifact file of the size
-    exists) before it compiles; after the whole pass the artifacts are saved (``cache``, when
-    the size had no file). ``on_compile`` is set by whoever reports progress (the pool's job:
-    a log line and the ``compile`` phase); default: none.
+    exists) before it compiles; after the whole pass its end through :attr:`on_compiled`
+    (:func:`compiled_message`, with the seconds the pass took) and the artifacts are saved
+    (``cache``, when the size had no file). ``on_compile(text, cached)`` and
+    ``on_compiled(text)`` are set by whoever reports progress (the pool's job: a log line each,
+    and the ``compile`` phase begun and ended); default: none. ``bucketed``: the calls are padded
+    to token buckets (the messages say "up to").
     """
 
-    def __init__(self, model: torch.nn.Module, cache: CompileCache | None, world_size: int = 1):
-        self.cache, self.world_size = cache, world_size
+    def __init__(self, model: torch.nn.Module, cache: CompileCache | None, world_size: int = 1,
+                 bucketed: bool = False):
+        self.cache, self.world_size, self.bucketed = cache, world_size, bucketed
         self.seen: set[str] = set()
         self.on_compile: Callable[[str, bool], None] | None = None
+        self.on_compiled: Callable[[str], None] | None = None
         self._pending: str | None = None
+        self._started: tuple[int | None, float] | None = None
         blocks = list(model.transformer_blocks)
         blocks[0].register_forward_pre_hook(self._before, with_kwargs=True)
         blocks[-1].register_forward_hook(self._after)
@@ -315,10 +337,16 @@ class CompileWatch:
         self.seen.add(size)
         cached = self.cache is not None and self.cache.has(size)
         self._pending = None if cached or self.cache is None else size
+        tokens = video_tokens(args, kwargs)
+        self._started = (tokens, time.monotonic())
         if self.on_compile is not None:
-            self.on_compile(compile_message(video_tokens(args, kwargs), cached, self.world_size), cached)
+            self.on_compile(compile_message(tokens, cached, self.world_size, self.bucketed), cached)
 
     def _after(self, module, args, output) -> None:
+        if self._started is not None:
+            (tokens, began), self._started = self._started, None
+            if self.on_compiled is not None:
+                self.on_compiled(compiled_message(tokens, time.monotonic() - began, self.world_size, self.bucketed))
         if self._pending is not None:
             size, self._pending = self._pending, None
             self.cache.save(size)

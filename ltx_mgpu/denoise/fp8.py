@@ -37,7 +37,8 @@ stochastically instead (:func:`quantize_rows`), as ComfyUI rounds its fp8 merges
 Compiling (:func:`compile_blocks`, FP8 compute): the first call at each token count compiles
 the blocks before it runs, and a Stop is seen only after that call; later calls at the size
 run compiled. The loader keeps the compiles across pools and announces a first one
-(:mod:`ltx_mgpu.denoise.compiling`).
+(:mod:`ltx_mgpu.denoise.compiling`), and pads every call up to a token bucket so nearby sizes
+share one compile (:mod:`ltx_mgpu.denoise.parallel.buckets`).
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from ltx_mgpu.denoise.fp8 import (
     fp8_weight,
     swap_linears,
 )
+from ltx_mgpu.denoise.parallel.buckets import TokenBuckets, token_buckets
 from ltx_mgpu.denoise.parallel.fsdp import shard_transformer
 from ltx_mgpu.denoise.parallel.split import check_sequence_parallel_config
 from ltx_mgpu.denoise.parallel.ulysses import SequenceParallelTransformer
@@ -95,6 +96,9 @@ class LTXDenoiser:
         compiles: with compiled blocks (``linears`` fp8), what announces and persists their
             compiles (:class:`~ltx_mgpu.denoise.compiling.CompileWatch`; set its ``on_compile`` to
             report them); else None.
+        buckets: with compiled blocks, the video token buckets every call through
+            :meth:`velocity_model` is padded to (``$LTX_MGPU_TOKEN_BUCKETS``,
+            :mod:`ltx_mgpu.denoise.parallel.buckets`; None: off, and always for eager blocks).
     """
 
     transformer: LTXModel
@@ -106,6 +110,7 @@ class LTXDenoiser:
     device: torch.device
     plan: TransformerPlan
     compiles: CompileWatch | None = None
+    buckets: TokenBuckets | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -190,9 +195,11 @@ class LTXDenoiser:
 
     def velocity_model(self, group=None):
         """The transformer behind ltx_mgpu's sequence-parallel wrapper (world size 1: plain
-        path plus the ``max_tokens`` check), split as the plan's ``layout`` says. Every rank of
+        path plus the ``max_tokens`` check), split as the plan's ``layout`` says, each call padded
+        to its token bucket when the blocks are compiled (:attr:`buckets`). Every rank of
         ``group`` must call it."""
-        return SequenceParallelTransformer(self.transformer, group, self.plan.max_tokens, layout=self.plan.layout)
+        return SequenceParallelTransformer(self.transformer, group, self.plan.max_tokens, layout=self.plan.layout,
+                                           buckets=self.buckets)
 
 
 def _connector(info: CheckpointInfo, loader: StateDictLoader, name: str, device) -> Embeddings1DConnector:
@@ -247,7 +254,8 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
             graph per token count: the first call at a size compiles); ``upcast`` (a sharded fp8
             file): the e4m3 block weights kept as stored (FSDP2 gathers them at one byte) and
             upcast per call; ``dense``: every weight in the compute dtype (a replicated fp8 file
-            is upcast at load).
+            is upcast at load). Compiled blocks get token buckets (``$LTX_MGPU_TOKEN_BUCKETS``,
+            :attr:`LTXDenoiser.buckets`): nearby sizes share one graph.
         device: target device; tensors are read from the memory-mapped file one at a time
             and moved there, so host RAM holds at most one tensor per rank.
         group: the process group of the shards (``weights: sharded``; None: the default group;
@@ -262,7 +270,7 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
         differs: checked before any weight is read), or a tensor holding NaN or infinite values
         (``StateDictLoader``: checked as it is read).
         ValueError: ``linears`` ``fp8`` on a device without FP8 tensor cores (the message names
-        the fix).
+        the fix), or a ``$LTX_MGPU_TOKEN_BUCKETS`` that is not 0 or a power of two.
     """
     device = torch.device(device)
     info = info if info is not None else inspect_checkpoint(plan.checkpoint)
@@ -270,6 +278,7 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
         plan = plan.with_storage(checkpoint_storage(info))
     if plan.linears == "fp8" and (err := fp8_support_error(device)):
         raise ValueError(err)
+    buckets = token_buckets() if plan.linears == "fp8" else None  # only compiled blocks have graphs to share
     dtype = getattr(torch, plan.compute_dtype)
     if plan.attention_type is not None:  # ltx-core builds with one of its own; ours is installed below
         info.config["transformer"]["attention_type"] = core_attention_type(plan.attention_type)
@@ -320,8 +329,9 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
                                             attention=plan.attention_type if ours else ""))
         if cache is not None:
             cache.load_all()
-        compiles = CompileWatch(transformer, cache, world)
-    return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device, plan, compiles)
+        compiles = CompileWatch(transformer, cache, world, bucketed=buckets is not None)
+    return LTXDenoiser(transformer.eval(), *connectors, info.config, info.version, dtype, device, plan, compiles,
+                       buckets)
 
 
 def _check_shapes(info: CheckpointInfo, params: dict) -> None:

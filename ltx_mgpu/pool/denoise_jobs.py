@@ -115,14 +115,17 @@ def resident_transformer(ctx: JobContext, name: str, key: str | None = None) -> 
                        "load this one again", reason="no_model")
     if resident.denoiser.compiles is not None:  # this job reports a first call's compile
         resident.denoiser.compiles.on_compile = lambda text, cached: announce_compile(ctx, text)
+        resident.denoiser.compiles.on_compiled = lambda text: announce_compile(ctx, text, done=True)
     return resident
 
 
-def announce_compile(ctx: JobContext, text: str) -> None:
-    """A compile of the transformer blocks begins: ``text`` in the log and the ``compile`` phase
-    (:func:`ltx_mgpu.denoise.compiling.compile_message`), until the job's next phase."""
+def announce_compile(ctx: JobContext, text: str, done: bool = False) -> None:
+    """A compile of the transformer blocks begins (``done`` False) or ends: ``text`` in the log
+    (:func:`ltx_mgpu.denoise.compiling.compile_message` / ``compiled_message``) and the
+    ``compile`` phase's one step, 0 of 1 at the start, 1 of 1 at the end (a progress bar of the
+    phase closes there)."""
     ctx.log(text)
-    ctx.progress("compile", 0, 1)
+    ctx.progress("compile", int(done), 1)
 
 
 def set_weight_patches(ctx: JobContext, name: str, resident: ResidentTransformer,
@@ -329,7 +332,9 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     if m.linears == "fp8":
         ctx.log("dtype fp8: the first call at each size compiles the transformer blocks (torch.compile); later "
                 "calls at that size run compiled, and later pools load the compile from the compile cache "
-                "($LTX_MGPU_COMPILE_CACHE_DIR)")
+                "($LTX_MGPU_COMPILE_CACHE_DIR)"
+                + (f"; video token counts are padded up to buckets ({m.buckets.per_octave} per doubling, "
+                   "$LTX_MGPU_TOKEN_BUCKETS), so nearby sizes share a compile" if m.buckets is not None else ""))
     return _describe(name, resident, ctx.world_size, reused=False), {}
 
 

@@ -1,7 +1,9 @@
 """Sequence parallelism (Ulysses all-to-all) on real gloo ranks equals the plain ltx-core
 model (world size 1), for video-only and audio-video inputs, with token counts divisible
-and not divisible by the world size, on both outputs; the video->audio padding mask is
-shown to matter; bad configurations fail identically on every rank before any collective.
+and not divisible by the world size, and padded to a token bucket (Ulysses, and a batch split
+over one-rank groups), on both outputs; leaving the padded keys out of the video->audio
+attention is shown to matter; bad configurations fail identically on every rank before any
+collective.
 
 Each multi-rank fixture launches its ranks once (separate processes, like torchrun) and
 runs every case of that world size in them; the tests then compare per case. The in-process
@@ -29,7 +31,11 @@ CASES_2 = [
     dict(name="av_odd_cfg_batch_stg_attention_mask", **AV_ODD, batch=2, perturbations="mixed", attention_mask=True),
     dict(name="av_odd_without_v2a_mask", **AV_ODD, mask_v2a=False),
     dict(name="too_many_tokens", **AV_ODD, max_tokens=44),
-    dict(name="padding_with_maskless_flash_attention_3", **AV_ODD, model={"attention_type": "flash_attention_3"}),
+    # token buckets: 45 tokens run as 64 (default rule) or 48 (steps of 16), one padding for the bucket and the ranks
+    dict(name="av_odd_bucket", **AV_ODD, buckets=[32, 64]),
+    dict(name="av_odd_bucket_cfg_batch_stg_attention_mask", **AV_ODD, batch=2, perturbations="mixed",
+         attention_mask=True, buckets=[32, 16]),
+    dict(name="av_odd_bucket_one_rank_groups", **AV_ODD, batch=2, layout="auto", buckets=[32, 16]),
 ]
 
 
@@ -43,7 +49,11 @@ CASES_4 = [
 CASE_BY_NAME = {c["name"]: c for c in CASES_2 + CASES_4}
 
 
-NOT_PARITY = ("av_odd_without_v2a_mask", "too_many_tokens", "padding_with_maskless_flash_attention_3")
+NOT_PARITY = ("av_odd_without_v2a_mask", "too_many_tokens")
+
+#: The video tokens each rank's blocks see in a bucketed case: the bucket, split over the ranks or not.
+BUCKET_TOKENS = {"av_odd_bucket": 32, "av_odd_bucket_cfg_batch_stg_attention_mask": 24,
+                 "av_odd_bucket_one_rank_groups": 48}
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +120,14 @@ def test_too_many_tokens_fails_on_every_rank_and_the_group_survives(two_ranks):
     assert all(report["_all_reduce"] == 2.0 for report in reports)
 
 
-def test_padding_with_a_maskless_attention_backend_is_rejected_up_front(two_ranks):
+@pytest.mark.parametrize("name", sorted(BUCKET_TOKENS))
+def test_a_bucketed_call_runs_at_its_bucket_on_every_rank(two_ranks, name):
+    """The parity above is of padded calls: each rank's blocks saw the bucket's tokens (45 -> 64
+    over 2 ranks, 45 -> 48 over 2 ranks, or 48 on each one-rank group of a split batch)."""
     reports, _ = two_ranks
-    errors = {report["padding_with_maskless_flash_attention_3"]["error"] for report in reports}
-    assert len(errors) == 1
-    (error,) = errors
-    assert error.startswith("SequenceParallelConfigError") and "FlashAttention3" in error and "'pytorch'" in error
+    for report in reports:
+        assert report[name]["block_tokens"] == [BUCKET_TOKENS[name]]
+    assert reports[0]["av_odd_bucket_one_rank_groups"]["samples"] == [1, 1]
 
 
 def test_heads_not_divisible_fail_identically_on_every_rank_before_any_collective(tmp_path):

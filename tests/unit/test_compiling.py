@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 
 import pytest
@@ -17,6 +18,7 @@ from ltx_mgpu.denoise.compiling import (
     CompileCacheWarning,
     CompileWatch,
     compile_message,
+    compiled_message,
     graph_key,
     private_dir,
 )
@@ -130,6 +132,11 @@ def test_the_message_names_the_size_and_what_it_costs():
         "compiling the transformer blocks for 6,144 video tokens, from the compile cache: a few seconds")
     assert compile_message(1536, cached=False, world_size=4) == (
         "compiling the transformer blocks for 1,536 video tokens per GPU, first time at this size: about a minute")
+    assert compile_message(6144, cached=False, bucketed=True) == (
+        "compiling the transformer blocks for up to 6,144 video tokens, first time at this size: about a minute")
+    assert compiled_message(6144, 38.7) == "compiled the transformer blocks for 6,144 video tokens in 39 s"
+    assert compiled_message(1536, 2.2, world_size=4, bucketed=True) == (
+        "compiled the transformer blocks for up to 1,536 video tokens per GPU in 2 s")
 
 
 def test_a_first_call_at_each_size_is_announced_once_and_saved(cache_env, monkeypatch):
@@ -138,12 +145,16 @@ def test_a_first_call_at_each_size_is_announced_once_and_saved(cache_env, monkey
     saved = []
     monkeypatch.setattr(cache, "save", lambda size: saved.append(size))
     watch = CompileWatch(model, cache)
-    said = []
+    said, done = [], []
     watch.on_compile = lambda text, cached: said.append((text, cached))
+    watch.on_compiled = done.append
     with torch.no_grad():
         for t in (6144 // 64, 96, 100, 96):
             model(torch.randn(2, t, 8))
     assert said == [(compile_message(96, False), False), (compile_message(100, False), False)]
+    assert [re.sub(r"in \d+ s$", "in N s", d) for d in done] == [
+        "compiled the transformer blocks for 96 video tokens in N s",
+        "compiled the transformer blocks for 100 video tokens in N s"]  # each compile's end, once
     assert len(saved) == 2 and saved[0] != saved[1]
 
 

@@ -101,6 +101,29 @@ def test_cli_bars_are_redrawn_while_a_phase_reports_nothing(monkeypatch):
     assert quiet.redraws == 0
 
 
+def test_a_compile_is_a_phase_that_begins_and_ends():
+    """The pool's job shows a first compile of the fp8 blocks as the ``compile`` phase: a log line
+    and step 0 of 1 when it begins, a log line and 1 of 1 when the first pass is done, so the CLI's
+    ``compile`` bar closes there instead of running on through the denoising."""
+    from ltx_mgpu.pool.denoise_jobs import announce_compile
+
+    said, events = [], []
+    ctx = SimpleNamespace(log=said.append, progress=lambda *event: events.append(event))
+    announce_compile(ctx, "compiling the transformer blocks for up to 6,144 video tokens, first time at this size: "
+                          "about a minute")
+    announce_compile(ctx, "compiled the transformer blocks for up to 6,144 video tokens in 39 s", done=True)
+    assert events == [("compile", 0, 1), ("compile", 1, 1)] and len(said) == 2
+    assert phase_label("compile") == "compiling" and ProgressBars.LABELS["compile"] == "compile"
+    err = io.StringIO()
+    bars = ProgressBars(True, refresh=60)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.stderr", err)
+        for event in events:
+            bars(*event)
+        assert "compile" not in bars.bars  # closed at 1/1
+        bars.close()
+
+
 class _Starting:
     """A pool client of this process in the middle of starting its pool."""
 

@@ -19,16 +19,23 @@ video tokens), the audio modules (audio is replicated), FFNs and AdaLN are per t
 Padding: the video sequence is padded to a multiple of the world size so every rank holds
 an equal, non-empty slice (a rank with no tokens would skip the collectives inside the
 blocks and hang the others: ltx-core 1.0.0's ``BasicAVTransformerBlock.forward`` in
-``ltx_core/model/transformer/transformer.py`` runs nothing for an empty video). Padded tokens
-get a zero latent, the last real token's timestep and the last real token's positions (so RoPE
-stays finite). Padded *keys* are masked with an additive bias in **both** ``attn1`` and
-``video_to_audio_attn``; the LTX-2 reference masks only ``attn1``, which lets audio attend to
-padding and diverge (``tests/integration/test_sequence_parallel_ranks.py``,
+``ltx_core/model/transformer/transformer.py`` runs nothing for an empty video), or further, to
+a token bucket (:mod:`ltx_mgpu.denoise.parallel.buckets`: compiled blocks then run one graph for nearby
+sizes; one padding serves both, :meth:`SequenceParallelTransformer.padded_tokens`; with one rank
+the wrappers pad without exchanging anything). Padded tokens get a zero latent, the last real
+token's timestep and the last real token's positions (so RoPE stays finite); they are appended
+at the end of the whole sequence, so after the exchange the real keys are the first ``T`` of
+every rank's full sequence. Padded *keys* are left out, not masked: the attention function gets
+the real keys and values only (views, no copy) in **both** ``attn1`` and
+``video_to_audio_attn``, the model's own mask cut alike, so no mask is added and SDPA keeps its
+mask-less flash / cuDNN kernels (and ltx-core's FlashAttention3, which takes no mask, runs
+padded calls). The LTX-2 reference masks only ``attn1``, which lets audio attend to padding and
+diverge (``tests/integration/test_sequence_parallel_ranks.py``,
 ``test_audio_diverges_without_the_video_to_audio_padding_mask``). Padded query rows still
-attend to real keys, so their (discarded) outputs stay finite and never poison the real
-tokens. No mask is passed when there is no padding, so SDPA keeps its flash backend.
-(ltx-core's FlashAttention3 backend takes no mask: with it, a token count that needs padding
-is rejected up front.)
+attend to the real keys, so their (discarded) outputs stay finite and never poison the real
+tokens; every other module is per token (``attn2``, ``audio_to_video_attn``: padded queries
+only), and the padded rows are cut from the output. So a padded call equals the unpadded one
+up to floating-point reduction order.
 
 The batch over groups of ranks (:mod:`ltx_mgpu.denoise.parallel.layout` decides when, from the
 plan's ``layout``; :meth:`SequenceParallelTransformer.layout_for`): group ``i`` of ``W / G``
@@ -51,10 +58,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from ltx_core.guidance.perturbations import BatchedPerturbationConfig
-from ltx_core.model.transformer.attention import AttentionFunction, FlashAttention3
 from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.model import LTXModel
 
+from ltx_mgpu.denoise.parallel.buckets import TokenBuckets
 from ltx_mgpu.denoise.parallel.layout import CallLayout, call_layout
 from ltx_mgpu.denoise.parallel.split import (
     ULYSSES_SPLIT,
@@ -103,7 +110,8 @@ def _all_gather_stacked(x: torch.Tensor, world: int, group) -> torch.Tensor:
 
 @dataclasses.dataclass
 class _ShardState:
-    """What the attention wrappers of one SP model share: the group and this forward's padding."""
+    """What the attention wrappers of one SP model share: the group and this forward's padding.
+    ``world`` 1 (no group): padding alone (token buckets), every exchange the identity."""
 
     group: object
     world: int
@@ -111,22 +119,23 @@ class _ShardState:
     valid_tokens: int = 0
     padded_tokens: int = 0
     mask_v2a_keys: bool = True  # False only to demonstrate the reference flaw in tests
-    _bias: torch.Tensor | None = None
 
-    def key_bias(self, like: torch.Tensor) -> torch.Tensor | None:
-        """Additive ``[1, 1, 1, T_padded]`` bias (0 real, finfo.min padded) or None (no padding)."""
-        if self.padded_tokens == self.valid_tokens:
-            return None
-        b = self._bias
-        if b is None or b.dtype != like.dtype or b.device != like.device:
-            b = torch.zeros(1, 1, 1, self.padded_tokens, dtype=like.dtype, device=like.device)
-            b[..., self.valid_tokens :] = torch.finfo(like.dtype).min
-            self._bias = b
-        return b
+    def real_keys(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+        """``(k, v, mask)`` of the whole (padded) video sequence, ``[B, T_padded, ...]`` (mask
+        ``[..., T_padded]`` keys last), cut to its real tokens, the first ``valid_tokens``
+        (views, no copy): the padded keys are left out of the attention instead of masked, so no
+        mask is added and SDPA keeps its mask-less flash / cuDNN kernels. Unchanged without
+        padding."""
+        n = self.valid_tokens
+        if self.padded_tokens == n:
+            return k, v, mask
+        return k[:, :n], v[:, :n], (mask[..., :n] if mask is not None else None)
 
     def tokens_to_heads(self, tensors: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
         """n tensors ``[B, T_local, heads*D]`` -> n tensors ``[B, T_padded, (heads/W)*D]``."""
         w = self.world
+        if w == 1:
+            return list(tensors)
         b, t, hd = tensors[0].shape
         n = len(tensors)
         # one copy into the send layout [W(head group), n, B, T_loc, h, D]
@@ -138,6 +147,8 @@ class _ShardState:
     def heads_to_tokens(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """``[B, T_padded, (heads/W)*D]`` -> ``[B, T_local, heads*D]``."""
         w = self.world
+        if w == 1:
+            return x
         b, t, hd_local = x.shape
         x = x.reshape(b, w, t // w, heads // w, hd_local * w // heads).transpose(0, 1)
         y = _all_to_all(x, self.group)  # [W(source rank = head group), B, T_loc, h, D]
@@ -150,9 +161,10 @@ class _ShardState:
 class UlyssesSelfAttention:
     """``attn1.attention_function`` for SP: all-to-all tokens->heads, attend, heads->tokens.
 
-    ``inner`` is the original ltx-core attention callable. The model's own mask (a
+    ``inner`` is the original ltx-core attention callable. Every query (padded ones too)
+    attends to the real keys only (:meth:`_ShardState.real_keys`); the model's own mask (a
     ``(B, 1, T_padded, T_padded)`` bias from ``Modality.attention_mask``, padded by the SP
-    model) is forwarded unchanged; without one, the padded-key bias is used.
+    model) is cut to the same keys.
     """
 
     def __init__(self, inner, state: _ShardState):
@@ -163,8 +175,7 @@ class UlyssesSelfAttention:
     def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         s = self.state
         q, k, v = s.tokens_to_heads([q, k, v], heads)
-        if mask is None:
-            mask = s.key_bias(q)
+        k, v, mask = s.real_keys(k, v, mask)
         out = self.inner(q, k, v, heads // s.world, mask)
         return s.heads_to_tokens(out, heads)
 
@@ -172,8 +183,8 @@ class UlyssesSelfAttention:
 class UlyssesVideoToAudioAttention:
     """``video_to_audio_attn.attention_function`` for SP (Q audio replicated, K/V video sharded).
 
-    Each rank attends with its ``heads/W`` audio query heads over all (padded) video keys,
-    masking the padded keys, then the head outputs are all-gathered: ``[B, T_audio, heads*D]``.
+    Each rank attends with its ``heads/W`` audio query heads over the real video keys (the
+    padded ones left out), then the head outputs are all-gathered: ``[B, T_audio, heads*D]``.
     """
 
     def __init__(self, inner, state: _ShardState):
@@ -186,10 +197,14 @@ class UlyssesVideoToAudioAttention:
         if mask is not None:
             raise NotImplementedError("sequence parallelism does not support a video->audio attention mask")
         b, t_audio, hd = q.shape
+        k, v = s.tokens_to_heads([k, v], heads)
+        if s.mask_v2a_keys:
+            k, v, _ = s.real_keys(k, v)
+        if s.world == 1:
+            return self.inner(q, k, v, heads, None)
         h_local = heads // s.world
         q = q.reshape(b, t_audio, s.world, h_local, hd // heads)[:, :, s.rank].reshape(b, t_audio, -1)
-        k, v = s.tokens_to_heads([k, v], heads)
-        out = self.inner(q, k, v, h_local, s.key_bias(q) if s.mask_v2a_keys else None)
+        out = self.inner(q, k, v, h_local, None)
         gathered = _all_gather_stacked(out, s.world, s.group)  # [W, B, T_audio, h*D]
         return gathered.view(s.world, b, t_audio, h_local, -1).permute(1, 2, 0, 3, 4).reshape(b, t_audio, hd)
 
@@ -232,17 +247,6 @@ def remove_attention_wrappers(model: LTXModel) -> int:
     return count
 
 
-def _takes_no_mask(model: LTXModel) -> bool:
-    """True when a wrapped attention uses ltx-core's FlashAttention3, which rejects masks."""
-    for block in model.transformer_blocks:
-        for name in _WRAPPERS:
-            fn = getattr(getattr(block, name, None), "attention_function", None)
-            fn = getattr(fn, "inner", fn)
-            if fn is AttentionFunction.FLASH_ATTENTION_3 or isinstance(fn, FlashAttention3):
-                return True
-    return False
-
-
 # --------------------------------------------------------------------------- padding / sharding
 
 
@@ -260,20 +264,26 @@ def _pad_tokens(x: torch.Tensor, dim: int, pad: int, zeros: bool) -> torch.Tenso
     return torch.cat([x, last.repeat(reps)], dim=dim)
 
 
-def shard_video(video: Modality, world: int, rank: int) -> tuple[Modality, int]:
-    """Pad the video to a multiple of ``world`` tokens and return this rank's contiguous slice.
+def shard_video(video: Modality, world: int, rank: int, padded: int | None = None) -> tuple[Modality, int]:
+    """Pad the video to ``padded`` tokens (default: the next multiple of ``world``) and return this
+    rank's contiguous slice.
 
     Args:
         video: ltx-core ``Modality``: latent ``[B, T, C]``, timesteps ``[B, T]`` (or ``[B, 1]`` /
             ``[B]``, broadcast, left as is), positions ``[B, 3, T, 2]``, optional attention_mask
             ``[B, T, T]`` in [0, 1].
+        padded: the padded count (a token bucket, :meth:`ltx_mgpu.denoise.parallel.buckets.TokenBuckets.padded`):
+            a multiple of ``world``, at least ``T``.
     Returns:
         (local modality with ``T_padded / world`` tokens, ``T_padded``). The attention mask, if
         any, is padded to ``[B, T_padded, T_padded]`` (padded keys 0, padded queries see every
         real key) and NOT sliced: after the all-to-all each rank attends with all queries.
     """
     t = video.latent.shape[1]
-    t_pad = -(-t // world) * world
+    t_pad = -(-t // world) * world if padded is None else int(padded)
+    if t_pad < t or t_pad % world:
+        raise ValueError(f"cannot pad {t} video tokens to {t_pad} over {world} ranks: give a multiple of {world} "
+                         f"of at least {t}")
     pad = t_pad - t
     t_loc = t_pad // world
     sl = slice(rank * t_loc, (rank + 1) * t_loc)
@@ -347,15 +357,20 @@ class SequenceParallelTransformer(torch.nn.Module):
             default group when torch.distributed is initialised, else world size 1.
         max_tokens: the largest video (and audio) token count accepted (activation-memory bound; a positive
             count: the transformer's plan, ``ltx_mgpu.denoise.plan.TransformerPlan``, checked it).
+        buckets: pad every call's video up to its token bucket
+            (:class:`~ltx_mgpu.denoise.parallel.buckets.TokenBuckets`, combined with the padding to a
+            multiple of the ranks, never above ``max_tokens`` rounded up to it), so compiled
+            blocks run one graph for nearby sizes; None (default): only that padding.
     Raises:
         TypeError: ``model`` is not an ``LTXModel`` (e.g. an ``X0Model``: pass its
             ``velocity_model``).
         SequenceParallelConfigError: the world size does not divide the split head counts
             (raised here, before any collective, identically on every rank); in ``forward``,
             before any collective: the video or the audio (reference audio included) has more
-            than ``max_tokens`` tokens, or the video needs
-            padding while the model uses the mask-less FlashAttention3 backend.
-    At world size 1 no wrapper is installed and ``forward`` calls the model directly.
+            than ``max_tokens`` tokens.
+    At world size 1 without ``buckets`` no wrapper is installed and ``forward`` calls the model
+    directly; with them the wrappers run with one rank (padding alone: no exchange), as does a
+    group of one rank of a split batch.
     ``layout``: ``ulysses`` (default here), ``cfg_ulysses`` or ``auto``: how a call's batch is
     split over groups of ranks (:mod:`ltx_mgpu.denoise.parallel.layout`; one of
     ``ltx_mgpu.choices.SP_LAYOUTS``, as the plan checked it).
@@ -364,7 +379,7 @@ class SequenceParallelTransformer(torch.nn.Module):
     """
 
     def __init__(self, model: LTXModel, group=None, max_tokens: int = 32768, *, layout: str = "ulysses",
-                 _mask_v2a_keys: bool = True):
+                 buckets: TokenBuckets | None = None, _mask_v2a_keys: bool = True):
         super().__init__()
         self.layout = layout
         if not isinstance(model, LTXModel):
@@ -380,10 +395,15 @@ class SequenceParallelTransformer(torch.nn.Module):
         self._state = None
         self._group = group
         self._mask_v2a_keys = _mask_v2a_keys
+        self.buckets = buckets
+        # one rank alone (world size 1, or a group of one rank of a split batch): padding to a bucket
+        self._single = _ShardState(None, 1, 0, mask_v2a_keys=_mask_v2a_keys) if buckets is not None else None
         if self.world_size > 1:
             self._state = _ShardState(group, self.world_size, self.rank, mask_v2a_keys=_mask_v2a_keys)
+        elif self._single is not None:
+            self._state = self._single
+        if self._state is not None:
             install_attention_wrappers(model, self._state)
-        self._maskless = self._state is not None and _takes_no_mask(model)
 
     def layout_for(self, video: Modality | None) -> CallLayout:
         """How a call with this ``video`` runs (:func:`ltx_mgpu.denoise.parallel.layout.call_layout`
@@ -408,7 +428,8 @@ class SequenceParallelTransformer(torch.nn.Module):
 
     def _grouped_forward(self, layout: CallLayout, video: Modality, audio: Modality | None, perturbations):
         """Each group of ranks runs its samples (and their perturbation configs), Ulysses-parallel
-        over its ranks or, one rank per group, on the plain model; then every rank gathers every
+        over its ranks or, one rank per group, on the plain model (padded to its bucket with
+        ``buckets``); then every rank gathers every
         group's outputs (padded to the largest group's samples for the one all-gather, then cut).
         The whole pool's attention wrappers are back in place when it returns."""
         batch, size = video.latent.shape[0], layout.ranks_per_group
@@ -421,6 +442,9 @@ class SequenceParallelTransformer(torch.nn.Module):
                 state = _group_state(self._group, self.world_size, self.rank, layout.groups, self._mask_v2a_keys)
                 install_attention_wrappers(self.model, state)
                 vx, ax = self._ulysses(state, v, a, p)
+            elif self._single is not None:  # one rank per group, padded to its bucket
+                install_attention_wrappers(self.model, self._single)
+                vx, ax = self._ulysses(self._single, v, a, p)
             else:  # one rank per group: the plain model
                 remove_attention_wrappers(self.model)
                 vx, ax = self.model(v, a, p)
@@ -438,23 +462,27 @@ class SequenceParallelTransformer(torch.nn.Module):
             outs.append(torch.cat([gathered[i * size][:n] for i, n in enumerate(layout.samples)]))
         return outs[0], outs[1]
 
+    def padded_tokens(self, tokens: int, world: int | None = None) -> int:
+        """The video token count a call of ``tokens`` runs at over ``world`` ranks (default: all
+        of them): its bucket (``buckets``, :meth:`~ltx_mgpu.denoise.parallel.buckets.TokenBuckets.padded`)
+        or, without buckets, the next multiple of ``world``."""
+        world = self.world_size if world is None else world
+        if self.buckets is not None:
+            return self.buckets.padded(tokens, world, self.max_tokens)
+        return -(-tokens // world) * world
+
     def _ulysses(self, s: _ShardState, video: Modality, audio: Modality | None, perturbations):
-        """The video tokens split over the ranks of ``s`` (whose wrappers are installed)."""
+        """The video tokens split over the ranks of ``s`` (whose wrappers are installed), padded
+        to :meth:`padded_tokens` (one padding for the split and the bucket)."""
         t = video.latent.shape[1]
-        if t % s.world and self._maskless:
-            raise SequenceParallelConfigError(
-                f"{t} video tokens do not split evenly over {s.world} GPUs, and padding needs an attention "
-                f"mask, which the model's FlashAttention3 backend does not take. Load the model with the "
-                f"'pytorch' or 'default' attention, or pick a frame count / resolution whose latent "
-                f"frames x height x width is divisible by {s.world}."
-            )
-        local, t_pad = shard_video(video, s.world, s.rank)
+        local, t_pad = shard_video(video, s.world, s.rank, self.padded_tokens(t, s.world))
         s.valid_tokens, s.padded_tokens = t, t_pad
         try:
             vx_local, ax = self.model(local, audio, perturbations)
         finally:
             s.valid_tokens = s.padded_tokens = 0
-            s._bias = None
+        if s.world == 1:
+            return vx_local[:, :t], ax
         gathered = _all_gather_stacked(vx_local, s.world, s.group)  # [W, B, T_loc, C]
         w, b, t_loc, c = gathered.shape
         vx = gathered.transpose(0, 1).reshape(b, w * t_loc, c)[:, :t]
