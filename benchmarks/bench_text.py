@@ -18,8 +18,7 @@ run each per round, so that a drift of the GPU's speed affects them alike), for 
   ``torch.compile`` of the text tower in each of ``--compile-modes``; the tower uses the
   loaders' attention implementation (``ltx_mgpu.text.gemma.forward.ATTENTION``);
 * ``ours-eager-stock-sdpa``: the same encode on transformers' stock SDPA (what the causal-skip
-  attention gives).
-
+  attention gives);
 * ``compiled-<mode>+host-isfinite``: the compiled encode followed by ``torch.isfinite(row).all()``
   on each returned row, the finite check as fa442e1 ran it (on the host, after the encode); the
   encode's own check is now a reduction on the GPU (``PromptEncoder._project_rows``).
@@ -29,11 +28,12 @@ peak memory of each variant. Then, for each batch, the breakdown of the ``ours-e
 compiled encodes (``--no-breakdown`` skips it): the GPU's kernel time of one encode
 (torch.profiler) against its time, the stages (Gemma forward, feature normalisation, projection,
 projection with the rows to the host) and how long the host takes to enqueue the Gemma forward
-(``launch_ms``: when it is close to the forward's time, the host's launch speed bounds it). Last,
-the host itself (``benchmarks.host``: CPU, load, versions, and the host's part of an encode timed
-alone) and the cache-hit latency of a 1024-token entry next to the encode latency. The plain
-variant is all GPU work; ours also writes the result on the host, so its ratio to plain depends
-on the host as well as on the GPU, which ``host`` and the breakdown record.
+(``launch_ms``: when it is close to the forward's time, the host's launch speed bounds it); and
+Dynamo's graph breaks and graph count. Last, the host itself (``benchmarks.host``: CPU, load,
+versions, and the host's part of an encode timed alone) and the cache-hit latency of a
+1024-token entry next to the encode latency. The plain variant is all GPU work; ours also writes
+the result on the host, so its ratio to plain depends on the host as well as on the GPU, which
+``host`` and the breakdown record.
 ``--layers``, ``--shape tiny`` and ``--device cpu`` make a quick smoke run possible.
 Every number is measured in this one run; only ratios within it are meaningful.
 """
@@ -254,6 +254,13 @@ def main(argv=None) -> int:
             if args.out:
                 write_json(args.out, results)
 
+    # Dynamo's record of the process (the compiled layers and the features function): a graph break
+    # inside a layer splits each of the 48 layers' graphs, and adds their launches to the host's work
+    from torch._dynamo.utils import counters
+
+    results["dynamo"] = {"graph_breaks": dict(counters["graph_break"]),
+                         "unique_graphs": counters["stats"]["unique_graphs"]}
+    print(f"dynamo: {results['dynamo']}", flush=True)
     results["host"] = host_info(device)
     results["host_probes"] = host_probes(device, args.tokens, projection.out_features,
                                          tuple(int(b) for b in args.batches.split(",")))

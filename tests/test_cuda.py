@@ -182,6 +182,40 @@ def test_a_compiled_spec_on_cuda_encodes_as_the_eager_one_to_bf16_rounding():
             torch.testing.assert_close(c.tensor, e.tensor, rtol=3e-2, atol=3e-2)
 
 
+def test_the_compiled_layers_on_cuda_run_whole_graphs():
+    """Regional compilation on this machine's torch and transformers, on a GPU: no graph break, and
+    every decoder layer of every encode runs as one compiled graph (a break inside a layer, as
+    transformers' hidden-state capture made before d4dd1e2, splits each layer in three). The
+    backend records the graphs Dynamo hands it and counts their calls."""
+    from torch._dynamo.utils import counters
+
+    from ltx_mgpu.text.gemma.forward import compile_text_tower
+
+    calls: list[int] = []
+
+    def counting(gm, example_inputs):
+        calls.append(0)
+        i = len(calls) - 1
+
+        def run(*args):
+            calls[i] += 1
+            return gm.forward(*args)
+        return run
+
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
+    proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,
+                           num_layers=tower.num_hidden_states)
+    enc = PromptEncoder(compile_text_tower(tower, "layers", backend=counting, dynamic=False), proj)
+    breaks = sum(counters["graph_break"].values())
+    layers = tower.config.num_hidden_layers
+    for batch in (PROMPTS[:1], PROMPTS):
+        enc.encode(batch)
+        before = sum(calls)
+        enc.encode(batch)
+        assert sum(calls) - before == layers, (sum(calls) - before, layers)
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+
+
 # --------------------------------------------------------------------------- CUDA graphs (ltx_mgpu.text.gemma.graphs)
 
 #: within the tiny Gemma's 16-token sliding window (graphs are taken only up to the window)

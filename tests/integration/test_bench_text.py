@@ -31,5 +31,6 @@ def test_text_bench_runs_on_the_cpu(tmp_path):
         assert all(parts[k] > 0 for k in ("encode_ms", "launch_ms", "forward_ms", "features_ms", "projection_ms",
                                           "rows_ms")), parts
         assert parts["gpu_busy_ms"] is None  # no GPU here
+    assert result["dynamo"]["graph_breaks"] == {} and result["dynamo"]["unique_graphs"] >= 1
     assert result["host"]["cpus"] >= 1 and result["host"]["torch"] == result["torch"]
     assert {"upcast_rows_ms/1", "isfinite_rows_ms/1", "aminmax_rows_ms/1"} <= set(result["host_probes"])
