@@ -67,6 +67,9 @@ def host_probes(device: torch.device, tokens: int = 1024, width: int = 6144, bat
 
     * ``upcast_rows_ms/<b>``: ``b`` bf16 rows (pinned on a GPU machine) made float32 CPU tensors of
       their own, all kept until the last is made (as the encode returns them: fresh memory);
+    * ``upcast_into_ms/<b>``: the same upcasts into float32 tensors made (and touched) beforehand:
+      the conversion alone, so ``upcast_rows - upcast_into`` is the host's first touch of fresh
+      memory (page faults, zeroing), which differs between hosts;
     * ``isfinite_rows_ms/<b>``: ``torch.isfinite(row).all()`` on each float32 row (the finite
       check of fa442e1); ``aminmax_rows_ms/<b>``: ``torch.aminmax`` on each (the same answer in
       one pass);
@@ -76,9 +79,11 @@ def host_probes(device: torch.device, tokens: int = 1024, width: int = 6144, bat
     row = torch.empty(tokens, width, dtype=torch.bfloat16, pin_memory=pin)
     row.copy_(torch.randn(tokens, width))
     rows32 = [row.float() for _ in range(max(batches))]
+    dest = [torch.zeros(tokens, width) for _ in range(max(batches))]
     out: dict = {}
     for b in batches:
         out[f"upcast_rows_ms/{b}"] = _median_ms(lambda b=b: [row.to(torch.float32, copy=True) for _ in range(b)], runs)
+        out[f"upcast_into_ms/{b}"] = _median_ms(lambda b=b: [d.copy_(row) for d in dest[:b]], runs)
         out[f"isfinite_rows_ms/{b}"] = _median_ms(lambda b=b: [bool(torch.isfinite(r).all()) for r in rows32[:b]],
                                                   runs)
         out[f"aminmax_rows_ms/{b}"] = _median_ms(lambda b=b: [torch.aminmax(r) for r in rows32[:b]], runs)
