@@ -424,8 +424,8 @@ def test_a_non_finite_embedding_is_refused_naming_the_prompt_and_the_layer(tiny_
 def test_the_finite_check_of_the_rows_is_one_reduction_each(tower, tiny_ltx_23):
     """The check that keeps a non-finite embedding from being returned reads each row once
     (``torch.aminmax``) and makes nothing of a row's size: ``torch.isfinite(row).all()`` on the
-    host (fa442e1) wrote and read a row-sized bool tensor per prompt, ~5 ms a 1024-token row on the
-    2-core dev box, in the wall time of every encode (bench_text's ``finite_check`` entry)."""
+    host (fa442e1) wrote and read a row-sized bool tensor per prompt, in the wall time of every
+    encode (``benchmarks/host.py`` times both checks; ``benchmarks/results/notes.md``, issue 30)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
