@@ -35,3 +35,16 @@ def test_text_bench_runs_on_the_cpu(tmp_path):
     assert result["host"]["cpus"] >= 1 and result["host"]["torch"] == result["torch"]
     probes = {"upcast_rows_ms/1", "upcast_into_ms/1", "isfinite_rows_ms/1", "aminmax_rows_ms/1"}
     assert probes <= set(result["host_probes"])
+
+
+def test_compiled_path_ops_counts_this_tree():
+    """``benchmarks/compiled_path_ops.py`` on this checkout: one compiled-graph call per layer per
+    encode and no graph break (what the issue-30 comparison of commits reads)."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/compiled_path_ops.py", str(REPO), "--tokens", "32", "--layers", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "1x32: 1 graph(s) compiled, 2 compiled-graph calls per encode" in out, out
+    assert "8x32: 1 graph(s) compiled, 2 compiled-graph calls per encode" in out, out
+    assert "graph breaks: {}" in out and "aminmax 8" in out, out
