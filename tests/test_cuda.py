@@ -16,7 +16,7 @@ from ltx_mgpu.assets import tiny_gemma_dir, tiny_ltx_checkpoint
 from ltx_mgpu.denoise.plan import TransformerPlan
 from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
-from ltx_mgpu.text.encoder.prompt import PromptEncoder
+from ltx_mgpu.text.encoder.prompt import NonFiniteEmbeddingError, PromptEncoder
 from ltx_mgpu.text.features import load_projection
 from ltx_mgpu.text.gemma.forward import HostEmbedding, run_tower
 from ltx_mgpu.text.gemma.tokenizer import tokenize
@@ -42,6 +42,29 @@ def test_pipelined_rows_equal_the_projection_of_the_whole_batch():
         assert e.tensor.dtype == torch.float32 and e.tensor.device.type == "cpu" and e.num_tokens == n
         torch.testing.assert_close(e.tensor, whole[j, m - n:], rtol=0.02, atol=0.02)
     assert not torch.equal(rows[0].tensor[-1], rows[1].tensor[-1])
+
+
+def test_a_non_finite_row_is_found_on_the_gpu_in_its_group():
+    """The finite check runs on the GPU, one flag per row copied with the rows: with one row per
+    pipelined group, an infinite token embedding in the last prompt is named as that prompt's, and
+    the tower restored, the same batch encodes."""
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
+    proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,
+                           num_layers=tower.num_hidden_states)
+    enc = PromptEncoder(tower, proj)
+    enc.PIPELINE_TOKENS = 1
+    prompts = ["a cat", "two cats", "x", "rain"]
+    rain = tower.tokenizer("rain", add_special_tokens=False)["input_ids"][-1]
+    weight = tower.model.get_input_embeddings().weight
+    with torch.no_grad():
+        saved = weight[rain].clone()
+        weight[rain] = float("inf")
+    with pytest.raises(NonFiniteEmbeddingError, match=r"prompt 3 \('rain'\): its embedding holds NaN or infinite"):
+        enc.encode(prompts, batch_size=4)
+    with torch.no_grad():
+        weight[rain] = saved
+    rows = enc.encode(prompts, batch_size=4)
+    assert all(bool(torch.isfinite(r.tensor).all()) for r in rows)
 
 
 def test_host_embedding_on_cuda_is_bit_identical():
@@ -158,6 +181,40 @@ def test_a_compiled_spec_on_cuda_encodes_as_the_eager_one_to_bf16_rounding():
     for batch in (PROMPTS, PROMPTS[1:3]):
         for c, e in zip(compiled.encode(batch), eager.encode(batch)):
             torch.testing.assert_close(c.tensor, e.tensor, rtol=3e-2, atol=3e-2)
+
+
+def test_the_compiled_layers_on_cuda_run_whole_graphs():
+    """Regional compilation on this machine's torch and transformers, on a GPU: no graph break, and
+    every decoder layer of every encode runs as one compiled graph (a break inside a layer, as
+    transformers' hidden-state capture made before d4dd1e2, splits each layer in three). The
+    backend records the graphs Dynamo hands it and counts their calls."""
+    from torch._dynamo.utils import counters
+
+    from ltx_mgpu.text.gemma.forward import compile_text_tower
+
+    calls: list[int] = []
+
+    def counting(gm, example_inputs):
+        calls.append(0)
+        i = len(calls) - 1
+
+        def run(*args):
+            calls[i] += 1
+            return gm.forward(*args)
+        return run
+
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.bfloat16)
+    proj = load_projection(tiny_ltx_checkpoint("2.3"), device="cuda", dtype=torch.bfloat16,
+                           num_layers=tower.num_hidden_states)
+    enc = PromptEncoder(compile_text_tower(tower, "layers", backend=counting, dynamic=False), proj)
+    breaks = sum(counters["graph_break"].values())
+    layers = tower.config.num_hidden_layers
+    for batch in (PROMPTS[:1], PROMPTS):
+        enc.encode(batch)
+        before = sum(calls)
+        enc.encode(batch)
+        assert sum(calls) - before == layers, (sum(calls) - before, layers)
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
 
 
 # --------------------------------------------------------------------------- CUDA graphs (ltx_mgpu.text.gemma.graphs)

@@ -419,3 +419,30 @@ def test_a_non_finite_embedding_is_refused_naming_the_prompt_and_the_layer(tiny_
     with pytest.raises(NonFiniteEmbeddingError, match=r"prompt 0 \('rain'\)"):
         encode_cached(cache, ["rain"], parts, encoder.encode, batch_size=8)
     assert cache.size_bytes() == 0
+
+
+def test_the_finite_check_of_the_rows_is_one_reduction_each(tower, tiny_ltx_23):
+    """The check that keeps a non-finite embedding from being returned reads each row once
+    (``torch.aminmax``) and makes nothing of a row's size: ``torch.isfinite(row).all()`` on the
+    host (fa442e1) wrote and read a row-sized bool tensor per prompt, in the wall time of every
+    encode (``benchmarks/host.py`` times both checks; ``benchmarks/results/notes.md``, issue 30)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            self.calls.append((str(func.overloadpacket), -1 if first is None else first.numel()))
+            return func(*args, **(kwargs or {}))
+
+    encoder = PromptEncoder(tower, load_projection(tiny_ltx_23, num_layers=tower.num_hidden_states))
+    prompts = PROMPTS[:3]
+    with Ops() as ops:
+        rows = encoder.encode(prompts, batch_size=3)
+    assert [name for name, _ in ops.calls].count("aten.aminmax") == len(prompts)
+    big = [(name, n) for name, n in ops.calls if name == "aten.isfinite" and n > 1]
+    assert big == [], big
+    assert all(bool(torch.isfinite(r.tensor).all()) for r in rows)

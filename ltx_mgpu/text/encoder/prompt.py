@@ -67,6 +67,22 @@ def _store(row: torch.Tensor, dtype: torch.dtype, out: RowAllocator | None, j: i
     return dest.copy_(row)
 
 
+def _finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on ``t``'s device: every value of ``t`` is finite. One reduction pass
+    (``torch.aminmax``, which propagates NaN; an infinite value is the minimum or the maximum), with
+    nothing of ``t``'s size allocated, where ``torch.isfinite(t).all()`` writes a bool tensor of
+    ``t``'s size and reads it again (on the host, many times slower)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def _exact_in(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Casting ``src`` values to ``dst`` keeps every finite value finite (no overflow)."""
+    return src == dst or torch.finfo(dst).max >= torch.finfo(src).max
+
+
 class PromptEncoder:
     """Gemma 3 text tower + LTX-2 projection -> per-prompt embeddings.
 
@@ -249,9 +265,10 @@ class PromptEncoder:
             One :class:`PromptEmbedding` per row: ``[T_valid, D_out]`` in ``out_dtype`` on CPU
             with its own storage (or the tensor ``out`` gave).
 
-        Every row is checked finite on the host, where it is written (one pass over the
-        embeddings, not over the hidden states); a row that is not is diagnosed by running its
-        prompt alone again (:meth:`_first_non_finite`).
+        Every row is checked finite (one reduction over the embedding, not over the hidden
+        states: on the GPU before its copy to the host when the tower runs on one, on the host
+        otherwise, :meth:`_project_rows`); a row that is not is diagnosed by running its prompt
+        alone again (:meth:`_first_non_finite`).
 
         Raises:
             ValueError: shapes differ, the padding is not on the left, or a tensor from ``out``
@@ -266,9 +283,9 @@ class PromptEncoder:
                 states = run_tower(self.tower, input_ids, attention_mask, trim=self.trim)
             features = self.projection.normalised(states.hidden_states, states.attention_mask)
             del states
-            rows = self._project_rows(features, lengths, out_dtype, out)
+            rows, finite = self._project_rows(features, lengths, out_dtype, out)
             del features
-            bad = next((j for j, row in enumerate(rows) if not bool(torch.isfinite(row).all())), None)
+            bad = next((j for j, ok in enumerate(finite) if not ok), None)
             if bad is not None:
                 raise NonFiniteEmbeddingError(self._first_non_finite(input_ids[bad:bad + 1],
                                                                      attention_mask[bad:bad + 1]), row=bad)
@@ -298,37 +315,45 @@ class PromptEncoder:
 
     def _project_rows(self, features: torch.Tensor, lengths: Sequence[int],
                       out_dtype: torch.dtype = torch.float32,
-                      out: RowAllocator | None = None) -> list[torch.Tensor]:
+                      out: RowAllocator | None = None) -> tuple[list[torch.Tensor], list[bool]]:
         """Project ``features`` (``[B, m, L*D]``) and return each prompt's valid rows as its own
-        ``out_dtype`` CPU tensor (one copy each, into ``out(j)`` when it gives one).
+        ``out_dtype`` CPU tensor (one copy each, into ``out(j)`` when it gives one), and for each
+        row whether every value of it is finite.
 
         On a GPU the batch is projected in groups of about :attr:`PIPELINE_TOKENS` tokens; each
         group's valid rows go to a reused pinned staging buffer in the projection's dtype
         (a pageable device->host copy is much slower than a pinned one), and the host upcasts a
         group to float32 while the GPU projects the next one (so the upcast overlaps the
-        projection instead of following it).
+        projection instead of following it). The finite check of a row is a reduction on the GPU
+        whose one-byte answer comes back with the row (the upcast to ``out_dtype`` keeps every
+        value finite or not as it was, unless ``out_dtype`` is narrower, when the host row is
+        checked too).
         """
         b, m = features.shape[:2]
         if features.device.type != "cuda":
             projected = self.projection.project(features)
-            return [_store(projected[j, m - n:], out_dtype, out, j) for j, n in enumerate(lengths)]
+            rows = [_store(projected[j, m - n:], out_dtype, out, j) for j, n in enumerate(lengths)]
+            return rows, [bool(_finite_flag(row)) for row in rows]
         width = self.projection.out_features
         numel = sum(lengths) * width
         staging = self._staging
         if staging is None or staging.numel() < numel or staging.dtype != self.projection.dtype:
             staging = self._staging = torch.empty(numel, dtype=self.projection.dtype, pin_memory=True)
+        flags = torch.empty(b, dtype=torch.bool, pin_memory=True)
         group = max(1, -(-self.PIPELINE_TOKENS // max(m, 1)))
         stream = torch.cuda.current_stream(features.device)
         pending, at = [], 0
         for g0 in range(0, b, group):
             projected = self.projection.project(features[g0:g0 + group])
-            views = []
+            views, finite = [], []
             for j in range(g0, min(b, g0 + group)):
                 n = lengths[j]
                 host = staging[at:at + n * width].view(n, width)
                 host.copy_(projected[j - g0, m - n:], non_blocking=True)
+                finite.append(_finite_flag(projected[j - g0, m - n:]))
                 views.append(host)
                 at += n * width
+            flags[g0:g0 + len(finite)].copy_(torch.stack(finite), non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
             pending.append((done, views))
@@ -337,7 +362,10 @@ class PromptEncoder:
             done.synchronize()
             for v in views:
                 rows.append(_store(v, out_dtype, out, len(rows)))
-        return rows
+        ok = flags.tolist()
+        if not _exact_in(self.projection.dtype, out_dtype):
+            ok = [f and bool(_finite_flag(row)) for f, row in zip(ok, rows)]
+        return rows, ok
 
 
 def compile_prompt_encoder(encoder: PromptEncoder) -> PromptEncoder:
