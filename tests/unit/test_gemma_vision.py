@@ -4,8 +4,9 @@ preparation (``ltx_mgpu.text.generate.image``), in one process on the tiny Gemma
 * the ComfyUI file and the snapshot give the same tower (its config from the file's metadata);
   its soft tokens are transformers' ``Gemma3ForConditionalGeneration.get_image_features`` with
   ComfyUI's epsilons, image after image;
-* a file without the tower has none; a ComfyUI file whose tower does not fit ComfyUI's 12B
-  defaults, with no config stored, is refused naming the fix;
+* a file without the tower has none; a tower without its projector, a vision weight in int16
+  without a marker, a ComfyUI file whose tower does not fit ComfyUI's 12B defaults with no
+  config stored, are refused naming the fix;
 * the tokenizer's resize keeps the aspect ratio at about 896 x 896 pixels (ComfyUI's rounding);
   the model's step gives the tower's square, normalized; bad images are refused naming the fix.
 
@@ -73,6 +74,14 @@ def test_a_file_without_the_tower_has_none_and_a_tower_off_comfyuis_defaults_is_
                             keep=lambda k: not k.startswith("multi_modal_projector."))
     with pytest.raises(GemmaFormatError, match="no multi-modal projector"):
         find_vision(no_projector)
+    odd = tmp_path / "fp8.safetensors"
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    tensors["vision_model.encoder.layers.0.mlp.fc1.weight"] = tensors[
+        "vision_model.encoder.layers.0.mlp.fc1.weight"].to(torch.int16)
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        save_file(tensors, str(odd), metadata=dict(f.metadata()))
+    with pytest.raises(GemmaFormatError, match="fc1.weight is stored as I16 without a ComfyUI comfy_quant"):
+        find_vision(odd)
     bare = _rewrite(tiny_gemma_comfy_file, tmp_path / "bare.safetensors",
                     metadata=lambda m: {k: v for k, v in m.items() if k != VISION_CONFIG_METADATA_KEY})
     with pytest.raises(GemmaFormatError, match="256 image tokens per image do not pool.*2x2 patches"):

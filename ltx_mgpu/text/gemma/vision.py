@@ -38,7 +38,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -60,6 +60,11 @@ VISION_CONFIG_METADATA_KEY = "ltx_mgpu_gemma_vision_config"
 COMFY_LAYER_NORM_EPS = 1e-5
 #: ComfyUI's Gemma 3 vision settings the shapes do not tell (``GEMMA3_VISION_CONFIG``, ``Gemma3_12B_Config``).
 _COMFY_HEADS, _COMFY_TOKENS_PER_IMAGE = 16, 256
+#: Stored dtypes read as they are (safetensors' names).
+_PLAIN = ("BF16", "F16", "F32")
+#: SigLIP's attention-pooling head: stored by some exports, unused by Gemma 3 (``vision_use_head``
+#: off; ComfyUI's ``CLIPVision`` has none and ignores it).
+_UNUSED = "tower.head."
 #: Stored prefix -> our prefix (``tower.`` + transformers' ``SiglipVisionModel`` names, ``projector.``).
 _PREFIXES = (("model.vision_tower.vision_model.", "tower."), ("vision_tower.vision_model.", "tower."),
              ("model.vision_tower.", "tower."), ("vision_tower.", "tower."), ("vision_model.", "tower."),
@@ -104,17 +109,33 @@ def _vision_keys(files: list[Path]) -> dict[str, tuple[Path, str]]:
         names, _ = safetensors_keys(f)
         for k in names:
             ours = _ours(k)
-            if ours is not None and not k.endswith(AUX_SUFFIXES):
+            if ours is not None and not k.endswith(AUX_SUFFIXES) and not ours.startswith(_UNUSED):
                 keys[ours] = (f, k)
     return keys
 
 
-def _shapes(keys: dict[str, tuple[Path, str]], quant: FileQuant | None) -> dict[str, tuple[int, ...]]:
-    out = {}
-    for ours, (f, k) in keys.items():
+def _each(keys: dict[str, tuple[Path, str]]) -> Iterator[tuple[str, tuple[Path, str], Any]]:
+    """``(our name, (file, key), safetensors slice)`` for each of ``keys``, each file opened once."""
+    by_file: dict[Path, list[str]] = {}
+    for ours, (f, _) in keys.items():
+        by_file.setdefault(f, []).append(ours)
+    for f, names in by_file.items():
         with safe_open(str(f), framework="pt", device="cpu") as sf:
-            stored = tuple(sf.get_slice(k).get_shape())
+            for ours in names:
+                yield ours, keys[ours], sf.get_slice(keys[ours][1])
+
+
+def _shapes(keys: dict[str, tuple[Path, str]], quant: FileQuant | None) -> dict[str, tuple[int, ...]]:
+    """Our name -> dense shape; every tensor without a quantization marker checked to be bf16,
+    fp16 or fp32 (another dtype would need a scale the file does not name)."""
+    out = {}
+    for ours, (f, k), piece in _each(keys):
         q = quant.of(k) if quant is not None else None
+        stored, kind = tuple(piece.get_shape()), piece.get_dtype()
+        if q is None and kind not in _PLAIN:
+            raise GemmaFormatError(f"{f}: vision tensor {k} is stored as {kind} without a ComfyUI comfy_quant marker "
+                                   "saying how to read it; use a Gemma 3 file whose vision tower is bf16, fp16, fp32 "
+                                   "or marked, or disconnect the image")
         out[ours] = q.logical_shape(stored) if q is not None else stored
     return out
 
@@ -225,16 +246,16 @@ class GemmaVision(nn.Module):
         return self.projector(hidden).reshape(-1, self.projector.mm_input_projection_weight.shape[1])
 
 
-def _read(source: VisionSource, stored: tuple[Path, str], device: torch.device) -> torch.Tensor:
+def _read(source: VisionSource, stored: tuple[Path, str], piece: Any, device: torch.device) -> torch.Tensor:
+    """One weight as float32 on ``device`` (``piece``: its open safetensors slice)."""
     f, key = stored
     q = source.quant.of(key) if source.quant is not None else None
-    with safe_open(str(f), framework="pt", device="cpu") as sf:
-        if q is None:
-            w = sf.get_tensor(key).to(device=device, dtype=torch.float32)
-        else:
-            layer = key[: -len(".weight")]
+    if q is None:
+        w = piece[:].to(device=device, dtype=torch.float32)
+    else:
+        layer = key[: -len(".weight")]
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
             parts = {"weight": sf.get_tensor(key), **{n: sf.get_tensor(f"{layer}.{n}") for n in q.parts}}
-    if q is not None:
         w = dequantize(q, parts, torch.float32, device=device)
     if not is_finite(w):
         raise GemmaWeightsError(f"{f}: {key} holds NaN or infinite values; the file is damaged: download it again")
@@ -250,7 +271,7 @@ def load_vision(source: VisionSource, text_config: Any, device: torch.device | s
     device = torch.device(device)
     with torch.device(device):
         model = GemmaVision(source, text_config)
-    state = {k: _read(source, stored, device) for k, stored in source.keys.items()}
+    state = {k: _read(source, stored, piece, device) for k, stored, piece in _each(source.keys)}
     persistent = set(model.state_dict())
     missing = sorted(persistent - set(state))
     stray = sorted(set(state) - persistent)
