@@ -74,7 +74,7 @@ def test_a_file_without_the_tower_has_none_and_a_tower_off_comfyuis_defaults_is_
                             keep=lambda k: not k.startswith("multi_modal_projector."))
     with pytest.raises(GemmaFormatError, match="no multi-modal projector"):
         find_vision(no_projector)
-    odd = tmp_path / "fp8.safetensors"
+    odd = tmp_path / "int16.safetensors"
     tensors = load_file(str(tiny_gemma_comfy_file))
     tensors["vision_model.encoder.layers.0.mlp.fc1.weight"] = tensors[
         "vision_model.encoder.layers.0.mlp.fc1.weight"].to(torch.int16)
