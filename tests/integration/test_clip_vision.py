@@ -8,6 +8,8 @@ single-file format, which carries a one-layer SigLIP vision tower and the projec
   place of the one ``<image_soft_token>`` (so the reference's prompt holds ``mm_tokens_per_image``
   image ids per image there), causal attention, SigLIP's LayerNorm epsilon ComfyUI's 1e-5 and the
   projector's norm the text tower's epsilon; another image gives another text;
+* the Hugging Face snapshot (its ``vision_tower.*`` keys and ``config.json``) reads the image as
+  the ComfyUI file does;
 * ``tokenize(skip_template=False)`` with an image applies ComfyUI's image chat template;
 * a Gemma file without a vision tower refuses an image at ``tokenize`` (and the pool refuses one
   sent past it) naming the fix; an image that is not a finite ComfyUI IMAGE is refused before any
@@ -104,6 +106,13 @@ def test_greedy_generation_with_an_image_equals_transformers(clip, reference):
     assert ids == transformers_ids(reference, ENHANCE, image)
     assert text == reference[1].decode(ids)
     assert ids != enhance(clip, _image(1), **GREEDY)[0]  # the image's content is read
+
+
+def test_the_snapshot_reads_the_image_as_the_comfy_file(pool, clip):
+    te, loaded = run("LTXMGPU_GemmaLoader", pool, "tiny-gemma", "checkpoints/tiny-ltx-2.3.safetensors", "bf16",
+                     "single", True)
+    snapshot = type(loaded)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+    assert enhance(snapshot, _image(4), **GREEDY) == enhance(clip, _image(4), **GREEDY)
 
 
 def test_a_batch_of_images_is_one_image_entry_as_comfyuis(clip, reference):
