@@ -4,9 +4,9 @@ preparation (``ltx_mgpu.text.generate.image``), in one process on the tiny Gemma
 * the ComfyUI file and the snapshot give the same tower (its config from the file's metadata);
   its soft tokens are transformers' ``Gemma3ForConditionalGeneration.get_image_features`` with
   ComfyUI's epsilons, image after image;
-* a file without the tower has none; a tower without its projector, a vision weight in int16
-  without a marker, a ComfyUI file whose tower does not fit ComfyUI's 12B defaults with no
-  config stored, are refused naming the fix;
+* a file without the tower (a text-only ComfyUI file, a GGUF) has none; a tower without its
+  projector, a vision weight in int16 without a marker, a ComfyUI file whose tower does not fit
+  ComfyUI's 12B defaults with no config stored, are refused naming the fix;
 * the tokenizer's resize keeps the aspect ratio at about 896 x 896 pixels (ComfyUI's rounding);
   the model's step gives the tower's square, normalized; bad images are refused naming the fix.
 
@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ltx_mgpu.assets.ggml_export import export_gemma_gguf
 from ltx_mgpu.text.gemma.sources import GemmaFormatError
 from ltx_mgpu.text.gemma.vision import COMFY_LAYER_NORM_EPS, VISION_CONFIG_METADATA_KEY, find_vision, load_vision
 from ltx_mgpu.text.generate.image import MAX_IMAGES, TOKENIZER_PIXELS, check_image, tokenizer_image, vision_pixels
@@ -65,11 +66,13 @@ def test_the_comfy_file_and_the_snapshot_give_transformers_image_features(tiny_g
     assert want.abs().max() > 0.1  # the tiny projector is not zero: images reach the text
 
 
-def test_a_file_without_the_tower_has_none_and_a_tower_off_comfyuis_defaults_is_refused(tiny_gemma_comfy_file,
+def test_a_file_without_the_tower_has_none_and_a_tower_off_comfyuis_defaults_is_refused(tiny_gemma_dir,
+                                                                                       tiny_gemma_comfy_file,
                                                                                        tmp_path):
     text_only = _rewrite(tiny_gemma_comfy_file, tmp_path / "text.safetensors",
                          keep=lambda k: not k.startswith(("vision_model.", "multi_modal_projector.")))
     assert find_vision(text_only) is None
+    assert find_vision(export_gemma_gguf(tiny_gemma_dir, tmp_path / "tiny.gguf", "Q8_0")) is None  # mmproj apart
     no_projector = _rewrite(tiny_gemma_comfy_file, tmp_path / "half.safetensors",
                             keep=lambda k: not k.startswith("multi_modal_projector."))
     with pytest.raises(GemmaFormatError, match="no multi-modal projector"):
