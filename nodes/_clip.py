@@ -24,15 +24,18 @@ the CLIP class in ``comfy/sd.py``):
   ComfyUI does. ``return_word_ids``, ``tokenizer_options`` (``set_tokenizer_option``),
   ``min_length``, ``disable_weights``, ``thinking``, ``video`` and ``audio`` do not change
   ComfyUI's LTX-2 tokens (``Gemma3_Tokenizer.tokenize_with_weights`` does not pass them on) and
-  do not change ours. An ``image`` is refused: the pool loads Gemma's text tower, not its vision
-  tower (below).
+  do not change ours. An ``image`` (``TextGenerate`` / ``TextGenerateLTX2Prompt`` with one
+  connected) is kept in the tokens (``"ltx_mgpu_image"``; ``generate`` prepares it as ComfyUI's
+  Gemma tokenizer does: ``ltx_mgpu.client.text.generate_text``); with ``skip_template=False`` and
+  no template given, ComfyUI's image template (``llama_template_images``) wraps the text. Refused
+  when the Gemma file has no vision tower (below).
 * ``encode_from_tokens(tokens, return_pooled=False, return_dict=False)`` -> the conditioning
   tensor ``[1, T, D]`` float32 on CPU (``T`` the prompt's tokens, BOS included; ``D`` 3840 for
   LTX-2.0, 6144 for LTX-2.3), ``(tensor, None)`` with ``return_pooled``, or
   ``{"cond": tensor, "pooled_output": None, "unprocessed_ltxav_embeds": True}`` with
   ``return_dict``: ComfyUI's ``LTXAVTEModel.encode_token_weights`` result, which drops Gemma's
-  attention mask (all ones once the padding is cut). Tokens made with a chat template are
-  refused (LTX-2 encodes prompts as plain text).
+  attention mask (all ones once the padding is cut). Tokens made with a chat template or an
+  image are refused (LTX-2 encodes prompts as plain text).
 * ``encode_from_tokens_scheduled(tokens, unprojected=False, add_dict={}, show_pbar=True)`` ->
   ``[[tensor, {"pooled_output": None, "unprocessed_ltxav_embeds": True, **add_dict}]]``, the
   CONDITIONING ``CLIPTextEncode`` returns, the same as ``LTXMGPU_PromptEncode``'s (one
@@ -48,7 +51,10 @@ the CLIP class in ``comfy/sd.py``):
   Gemma 3 as a causal LM with transformers' ``generate`` on its loaded Gemma (every weights mode
   and placement), with ComfyUI's sampler, seed and stop token (``ltx_mgpu.text.generate``;
   ``ltx_mgpu.pool.generate_jobs``); the progress bar is the node's, Stop ends it at the next
-  token. ``decode`` takes the ids this CLIP's ``generate`` returned (the pool decoded them).
+  token. The tokens' image travels to the pool as raw float32 bytes; the pool runs it through the
+  Gemma file's SigLIP vision tower and projector (transformers', loaded with the first image) and
+  puts the soft tokens where the prompt's first ``<image_soft_token>`` is, as ComfyUI does.
+  ``decode`` takes the ids this CLIP's ``generate`` returned (the pool decoded them).
 * ``clone()``, ``clip_layer(idx)`` and ``set_tokenizer_option(name, value)``: kept on the clone,
   without effect on the embedding, as in ComfyUI (its Gemma runs with ``layer="all"``, which
   ignores the layer option; LTX-2 conditions on every Gemma layer).
@@ -63,10 +69,11 @@ the CLIP class in ``comfy/sd.py``):
   diffs merge (LoHa, LoKr, DoRA, offsets: refused, naming the key); keys of the vision tower or
   the text projection are not among ours, so ComfyUI reports them as not loaded.
 
-**No vision tower.** The Gemma Loader loads Gemma's text tower only; ``tokenize(image=...)``
-(``TextGenerate`` / ``TextGenerateLTX2Prompt`` with an image connected) is refused with the fix:
-disconnect the image (describe it in the prompt), or use ``LTXAVTextEncoderLoader``'s CLIP for
-that node. The LTX-2.3 templates' prompt enhancer has no image connected.
+**Images need the vision tower.** ``tokenize(image=...)`` reads the Gemma file's headers: a file
+without Gemma 3's vision tower (a text-only file or snapshot, a GGUF, whose vision tower is a
+separate ``mmproj`` file, an NF4 artifact) is refused there, naming the fix: a Gemma 3 file with
+the vision tower (ComfyUI's ``gemma_3_12B_it_fp4_mixed.safetensors``, the one the LTX-2.3
+templates name, has it), or disconnect the image and describe it in the prompt.
 
 **Which form the conditioning takes.** Always the *unprocessed* form (the flag
 ``unprocessed_ltxav_embeds``; the embeddings connectors run in the denoiser), for LTX-2.0 as
@@ -96,8 +103,8 @@ from typing import Any, Protocol, Sequence
 
 from . import _comfy
 
-__all__ = ["TOKENS_KEY", "TEMPLATE_KEY", "COMFY_CHAT_TEMPLATE", "GemmaClip", "PoolTextEncoderModel",
-           "UnsupportedClipFeature"]
+__all__ = ["TOKENS_KEY", "TEMPLATE_KEY", "IMAGE_KEY", "COMFY_CHAT_TEMPLATE", "COMFY_CHAT_TEMPLATE_IMAGES", "GemmaClip",
+           "PoolTextEncoderModel", "UnsupportedClipFeature"]
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +121,11 @@ _EMBEDDING_SYNTAX = re.compile(r"(?:^|[ \n])embedding:")
 _ELSEWHERE = ("load the text encoder with ComfyUI's LTXAVTextEncoderLoader for that node; the Gemma Loader's clip "
               "output encodes prompts (CLIPTextEncode and the nodes built on tokenize and encode) and generates "
               "text (TextGenerate, TextGenerateLTX2Prompt)")
-_NO_VISION = ("the Gemma Loader's CLIP generates from text only: the pool loads Gemma 3's text tower, not its vision "
-              "tower, so an image cannot be read. Disconnect the image from the node (describe it in the prompt), "
-              "or give that node the CLIP of ComfyUI's LTXAVTextEncoderLoader")
+#: The key of :meth:`GemmaClip.tokenize`'s result that holds the image (ComfyUI's IMAGE as given).
+IMAGE_KEY = "ltx_mgpu_image"
+#: ComfyUI's chat template of Gemma 3 for a prompt with an image (``Gemma3_Tokenizer.llama_template_images``).
+COMFY_CHAT_TEMPLATE_IMAGES = ("<start_of_turn>system\nYou are a helpful assistant.<end_of_turn>\n<start_of_turn>user\n"
+                              "\n<image_soft_token>{}<end_of_turn>\n\n<start_of_turn>model\n")
 #: Generations whose text :meth:`GemmaClip.decode` remembers, per CLIP.
 _DECODED = 8
 
@@ -134,7 +143,8 @@ class _Handle(Protocol):
     def encode(self, prompts: list[str], use_cache: bool = True, node_id: str | None = None, batch_size: int = 8,
                whole: bool = False, patches: Any = None) -> tuple[list, Any, Any]: ...
 
-    def generate(self, text: str, options: dict, patches: Any = None, node_id: str | None = None) -> dict: ...
+    def generate(self, text: str, options: dict, patches: Any = None, node_id: str | None = None,
+                 image: Any = None) -> dict: ...
 
 
 class PoolTextEncoderModel:
@@ -242,18 +252,21 @@ class GemmaClip:
         Raises:
             ValueError: ``text`` is not a string; it uses ComfyUI's ``embedding:<name>``
                 textual-inversion syntax (ComfyUI would splice in an embedding file, or drop the
-                word when there is none); an ``image`` (no vision tower: the message names the fix).
+                word when there is none); an ``image`` for a Gemma file without a vision tower
+                (the message names the fix).
         """
         if not isinstance(text, str):
             raise ValueError(f"CLIP.tokenize takes the prompt as a string, got {type(text).__name__}")
-        if kwargs.get("image") is not None:
-            raise ValueError(_NO_VISION)
+        image = kwargs.get("image")
+        if image is not None:
+            image = self._image(image)
         # Gemma3_Tokenizer.tokenize_with_weights: a text that starts with <start_of_turn> is used
         # as it is; else skip_template=False wraps it in the given or the default chat template
         templated = not kwargs.get("skip_template", True) and not text.startswith("<start_of_turn>")
         if templated:
             template = kwargs.get("llama_template")
-            text = (template if template is not None else COMFY_CHAT_TEMPLATE).format(text)
+            default = COMFY_CHAT_TEMPLATE if image is None else COMFY_CHAT_TEMPLATE_IMAGES
+            text = (template if template is not None else default).format(text)
         found = _EMBEDDING_SYNTAX.search(text)
         if found is not None:
             at = found.end() - len("embedding:")
@@ -262,7 +275,23 @@ class GemmaClip:
                 f"{text[at:at + 40]!r}); the Gemma Loader's CLIP does not load embedding files (ComfyUI would "
                 "splice one in from models/embeddings, or drop the word when there is none). Remove 'embedding:' "
                 "or write it without the space before it.")
-        return {TOKENS_KEY: text, TEMPLATE_KEY: True} if templated else {TOKENS_KEY: text}
+        tokens: dict[str, Any] = {TOKENS_KEY: text, TEMPLATE_KEY: True} if templated else {TOKENS_KEY: text}
+        if image is not None:
+            tokens[IMAGE_KEY] = image
+        return tokens
+
+    def _image(self, image: Any) -> Any:
+        """``image``, once the Gemma file is known to have a vision tower (module doc)."""
+        from ltx_mgpu.client.text import has_vision_tower
+
+        config = self.handle.config
+        if not has_vision_tower(config):
+            raise ValueError(
+                f"the Gemma file {config.gemma} has no vision tower (SigLIP and the multi-modal projector), so the "
+                "Gemma Loader's CLIP cannot read the image connected to this node. Load a Gemma 3 file that has one "
+                "in the Gemma Loader, e.g. ComfyUI's gemma_3_12B_it_fp4_mixed.safetensors (the one the LTX-2.3 "
+                "templates name), or disconnect the image and describe it in the prompt")
+        return image
 
     def _text_patches(self) -> Any:
         from ltx_mgpu.client.lora import text_patches
@@ -281,10 +310,11 @@ class GemmaClip:
             ComfyUI's interrupt exception (Stop), and the pool's errors (``PoolError`` kinds,
             e.g. ``BadInputError`` for a prompt over the protocol's token bound).
         """
-        text, templated = self._text(tokens)
-        if templated:
-            raise ValueError("the Gemma Loader's CLIP encodes LTX-2 prompts as plain text; these tokens were made with "
-                             f"a chat template (tokenize(skip_template=False)); tokenize without one; {_ELSEWHERE}")
+        text, templated, image = self._text(tokens)
+        if templated or image is not None:
+            made = "a chat template (tokenize(skip_template=False))" if templated else "an image"
+            raise ValueError("the Gemma Loader's CLIP encodes LTX-2 prompts as plain text; these tokens were made "
+                             f"with {made}; tokenize the text alone; {_ELSEWHERE}")
         embeddings, report, _ = self.handle.encode([text], use_cache=True, node_id=_comfy.executing_node_id(),
                                                    whole=True, patches=self._text_patches())
         log.debug("LTX-2 Multi-GPU CLIP encode: %s", report)
@@ -322,14 +352,15 @@ class GemmaClip:
 
         Raises:
             ValueError: ``tokens`` are not this CLIP's; an option out of range (named), sampling
-                without a seed.
+                without a seed; an image that is not a finite ComfyUI IMAGE.
             ComfyUI's interrupt exception (Stop), and the pool's errors.
         """
-        text, _ = self._text(tokens)
+        text, _, image = self._text(tokens)
         options = {"do_sample": bool(do_sample), "max_length": max_length, "temperature": temperature,
                    "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty,
                    "presence_penalty": presence_penalty if presence_penalty is not None else 0.0, "seed": seed}
-        result = self.handle.generate(text, options, patches=self._text_patches(), node_id=_comfy.executing_node_id())
+        result = self.handle.generate(text, options, patches=self._text_patches(), node_id=_comfy.executing_node_id(),
+                                      image=image)
         ids = [int(t) for t in result["tokens"]]
         self._decoded[tuple(ids)] = result
         while len(self._decoded) > _DECODED:
@@ -351,10 +382,10 @@ class GemmaClip:
         return result["text"] if skip_special_tokens else result["text_with_special"]
 
     @staticmethod
-    def _text(tokens: Any) -> tuple[str, bool]:
+    def _text(tokens: Any) -> tuple[str, bool, Any]:
         if (isinstance(tokens, dict) and isinstance(tokens.get(TOKENS_KEY), str)
-                and set(tokens) <= {TOKENS_KEY, TEMPLATE_KEY}):
-            return tokens[TOKENS_KEY], bool(tokens.get(TEMPLATE_KEY, False))
+                and set(tokens) <= {TOKENS_KEY, TEMPLATE_KEY, IMAGE_KEY}):
+            return tokens[TOKENS_KEY], bool(tokens.get(TEMPLATE_KEY, False)), tokens.get(IMAGE_KEY)
         keys: Sequence[Any] = sorted(map(str, tokens)) if isinstance(tokens, dict) else [type(tokens).__name__]
         raise ValueError(
             f"the Gemma Loader's CLIP got tokens it did not make ({keys}); encode the tokens of its own "

@@ -100,10 +100,12 @@ class TextEncoderHandle:
             watch.done()
         return embeddings, report, cache
 
-    def generate(self, text: str, options: dict, patches: Any = None, node_id: str | None = None) -> dict:
+    def generate(self, text: str, options: dict, patches: Any = None, node_id: str | None = None,
+                 image: Any = None) -> dict:
         """ComfyUI's ``CLIP.generate`` + ``decode`` on the pool's Gemma
         (``ltx_mgpu.client.text.generate_text``): ``text`` as ComfyUI's tokenizer gets it,
-        ``options`` ``CLIP.generate``'s keywords, ``patches`` the CLIP's LoRAs; the progress bar
+        ``options`` ``CLIP.generate``'s keywords, ``patches`` the CLIP's LoRAs, ``image`` the
+        prompt's image as ComfyUI's Gemma tokenizer leaves it (or None); the progress bar
         of node ``node_id`` (one tick per token) and Stop; Gemma is unloaded afterwards when it is
         not to stay loaded.
 
@@ -119,7 +121,7 @@ class TextEncoderHandle:
         session = self.pool.session()
         with JobWatch(node_id) as watch:
             result = generate_text(session, self.config, text, options, patches=patches,
-                                   on_progress=watch.on_progress, should_cancel=watch.should_cancel)
+                                   on_progress=watch.on_progress, should_cancel=watch.should_cancel, image=image)
             if not self.keep_loaded:
                 self._unload(session)
             watch.done()
@@ -193,7 +195,8 @@ class LTXMGPUGemmaLoader(io.ComfyNode):
                     "The same text encoder as a ComfyUI CLIP, for CLIPTextEncode (in LTX-2 templates it replaces "
                     "LTXAVTextEncoderLoader's output): prompts encode in the pool, through the embedding cache, "
                     "whole (no cut at 1024 tokens), exactly as ComfyUI's own LTX-2 text encoder; TextGenerate / "
-                    "TextGenerateLTX2Prompt (prompt enhancement, text only) generate with the pool's Gemma; "
+                    "TextGenerateLTX2Prompt (prompt enhancement; an image needs a Gemma file with its vision tower) "
+                    "generate with the pool's Gemma; "
                     "LoraLoader's CLIP strength merges the LoRA into the pool's Gemma.")),
             ],
         )

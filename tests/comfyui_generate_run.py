@@ -8,7 +8,7 @@ Used by ``tests/comfyui/test_comfyui_generate.py``; run with ComfyUI's Python (`
 ``SPEC.json``: ``{"comfyui": dir, "gemma_config": the model's config.json, "text_encoders": dir,
 "gemma": file name there (ComfyUI's single-file format), "checkpoints": dir, "checkpoint": file
 name there, "loras": dir, "lora": file name there or null, "prompts": [...], "max_length": n, "plain":
-TextGenerate's cases too (default true)}``.
+TextGenerate's cases too (default true), "images": the cases with an image too (default false)}``.
 
 ComfyUI hard-codes Gemma 3 12B's sizes; ``comfyui_clip_run.shrink_gemma`` replaces them by the
 model's. For a config that is not 12B-like in its other settings (the real Gemma 3 270M: no RoPE
@@ -21,6 +21,9 @@ never runs). Then, on ``LTXAVTextEncoderLoader``'s CLIP (``comfy``) and on our G
   temperature 0.7, top-k 64, top-p 0.95, min-p 0.05, repetition penalty 1.05, seed 0), and
   ``TextGenerate`` with ComfyUI's default chat template and without; each call's token ids
   (``clip.generate`` recorded) and text;
+* with ``images``: ``TextGenerateLTX2Prompt`` with an image connected (:func:`image`: random RGB of
+  odd sizes), greedy on two images, sampled, and greedy on a batch of two; ``TextGenerate`` with
+  ComfyUI's default (image) chat template and an image;
 * with a LoRA (``lora``): ComfyUI's ``LoraLoader`` (strength_clip 0.8) on each CLIP, then
   ``CLIPTextEncode`` and the greedy enhancement on the LoRA'd CLIPs, and ``CLIPTextEncode`` on
   the plain ones.
@@ -47,6 +50,13 @@ SMALL_VISION = {"hidden_size": 32, "image_size": 28, "intermediate_size": 64, "n
 SAMPLING_ON = {"sampling_mode": "on", "temperature": 0.7, "top_k": 64, "top_p": 0.95, "min_p": 0.05,
                "repetition_penalty": 1.05, "seed": 0, "presence_penalty": 0.0}
 SAMPLING_OFF = {"sampling_mode": "off"}
+
+
+def image(seed: int, batch: int = 1, height: int = 37, width: int = 53):
+    """A ComfyUI IMAGE ``[batch, height, width, 3]`` of uniform random values (seeded)."""
+    import torch
+
+    return torch.rand(batch, height, width, 3, generator=torch.Generator().manual_seed(seed))
 
 
 def comfy_config(config: dict) -> dict:
@@ -133,6 +143,14 @@ def main() -> int:
         if spec.get("plain", True):
             enhance("plain.template", TextGenerate, both, spec["prompts"][0], SAMPLING_OFF, use_default_template=True)
             enhance("plain.raw", TextGenerate, both, spec["prompts"][0], SAMPLING_ON, use_default_template=False)
+        if spec.get("images", False):
+            first = spec["prompts"][0]
+            enhance("image.greedy.0", TextGenerateLTX2Prompt, both, first, SAMPLING_OFF, image=image(0))
+            enhance("image.greedy.1", TextGenerateLTX2Prompt, both, first, SAMPLING_OFF, image=image(1, 1, 96, 64))
+            enhance("image.sampled", TextGenerateLTX2Prompt, both, first, SAMPLING_ON, image=image(0))
+            enhance("image.batch", TextGenerateLTX2Prompt, both, first, SAMPLING_OFF, image=image(2, 2))
+            enhance("image.template", TextGenerate, both, first, SAMPLING_OFF, image=image(3),
+                    use_default_template=True)
 
         tensors: dict = {}
         if spec.get("lora"):

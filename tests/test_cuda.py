@@ -973,6 +973,47 @@ def test_compiled_generation_on_a_static_cache_equals_the_eager_one():
     assert getattr(compiled.causal_lm(), "_compiled_call", None) is not None
 
 
+def test_generation_with_an_image_on_cuda_equals_transformers_and_compiles():
+    """fp32 on the GPU with an image (the vision tower on the GPU, ``Generation.image_tokens``):
+    transformers' ``Gemma3ForConditionalGeneration.generate`` tokens (ComfyUI's epsilons, the
+    image ids where ComfyUI splices the soft tokens), and the static cache + compile give the
+    eager tokens from the spliced embeddings, greedy and sampled."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from ltx_mgpu.pool.generate_jobs import Generation
+    from ltx_mgpu.text.gemma.vision import COMFY_LAYER_NORM_EPS
+    from ltx_mgpu.text.generate.image import tokenizer_image, vision_pixels
+    from ltx_mgpu.text.generate.options import GenerateOptions
+    from ltx_mgpu.text.generate.tokens import IMAGE_SOFT_TOKEN, GenerationTokenizer, sentencepiece_model
+
+    tower = load_gemma_text_tower(tiny_gemma_dir(), device="cuda", dtype=torch.float32)
+    _, GemmaGenerator = _generation(tower)
+    tokens = GenerationTokenizer(tower, sentencepiece_model(tower))
+    ids = tokens.prompt_ids(GEN_PROMPT.replace("user\n", "user\n\n<image_soft_token>\n\n"), 1024)
+    image = tokenizer_image(torch.rand(1, 37, 53, 3, generator=torch.Generator().manual_seed(0)))
+    generation = Generation(tokens, GemmaGenerator(tower))
+    soft = generation.image_tokens(image)
+    assert soft.device.type == "cuda" and soft.shape == (4, tower.hidden_size)
+    greedy = GenerateOptions(do_sample=False, max_length=40, stop_tokens=())
+    ours = generation.generator.generate(ids, greedy, image_tokens=soft).tokens
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(tiny_gemma_dir()), dtype=torch.float32,
+                                                        device_map={"": "cuda"}).eval()
+    for module in hf.model.vision_tower.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = COMFY_LAYER_NORM_EPS
+    hf.model.multi_modal_projector.mm_soft_emb_norm.eps = hf.config.text_config.rms_norm_eps
+    at = ids.index(IMAGE_SOFT_TOKEN)
+    x = torch.tensor([ids[:at] + [hf.config.image_token_id] * 4 + ids[at + 1:]], device="cuda")
+    out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=vision_pixels(image, 28).cuda(),
+                      max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, x.shape[1]:].tolist() and len(ours) == 40
+    compiled = GemmaGenerator(tower, compile=True)
+    for options in (greedy, GenerateOptions(do_sample=True, seed=3, max_length=40, temperature=0.7, top_k=64,
+                                            top_p=0.95, min_p=0.05, repetition_penalty=1.05, stop_tokens=())):
+        want = generation.generator.generate(ids, options, image_tokens=soft).tokens
+        assert compiled.generate(ids, options, image_tokens=soft).tokens == want
+
+
 @needs_bnb
 def test_nf4_generation_on_cuda_decodes_through_bitsandbytes():
     """The NF4 loader's defaults (host table, layer-wise dequant for the encoder) generate the

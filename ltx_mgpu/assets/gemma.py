@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save
 
 from ltx_mgpu.assets.quant_plans import PLANS, quantize_text_tensors
 from ltx_mgpu.text.gemma.tokenizer import tokenizer_from_spm
+from ltx_mgpu.text.gemma.vision import VISION_CONFIG_METADATA_KEY
 
 #: Tiny Gemma 3 text dimensions (multiples of 64/32 so bitsandbytes' packed CPU NF4 path
 #: accepts every projection; see bitsandbytes' ``functional._convert_weight_packed_for_cpu``).
@@ -260,7 +261,9 @@ def build_tiny_gemma_snapshot(out_dir: Path, seed: int = 0) -> None:
     ``multi_modal_projector.*``, as transformers 5 writes by default), ``tokenizer.model``
     (SentencePiece), ``tokenizer.json`` and ``tokenizer_config.json`` (left padding, BOS, no EOS).
     The model is built with ``_from_config(dtype=bfloat16)`` under ``torch.manual_seed(seed)``
-    (never ``.to(bfloat16)``: that would also cast the fp32 RoPE buffers).
+    (never ``.to(bfloat16)``: that would also cast the fp32 RoPE buffers); the multi-modal
+    projector's matrix, which transformers initialises to zeros, is drawn from N(0, 0.5^2) so an
+    image's content reaches the text tower.
     Same ``seed`` -> byte-identical files.
     """
     from transformers import Gemma3ForConditionalGeneration
@@ -272,6 +275,9 @@ def build_tiny_gemma_snapshot(out_dir: Path, seed: int = 0) -> None:
     try:
         torch.manual_seed(seed)
         model = Gemma3ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
+        # transformers leaves the projector's matrix at zeros (every image would read as nothing)
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
     finally:
         torch.random.set_rng_state(rng_state)
     model.save_pretrained(str(out_dir))
@@ -315,7 +321,10 @@ def build_tiny_gemma_comfy_file(snapshot_dir: Path, out_path: Path, weight_forma
     ``model.embed_tokens.weight``, ``model.norm.weight``; vision ``vision_model.*``;
     ``multi_modal_projector.*``; the SentencePiece tokenizer as a uint8 tensor ``spiece_model``.
     The text config goes into the safetensors header metadata under ``ltx_mgpu_gemma_config``
-    (JSON), since tiny dims cannot be inferred from 12B defaults.
+    (JSON), since tiny dims cannot be inferred from 12B defaults, and the vision config with
+    ``mm_tokens_per_image`` under ``ltx_mgpu_gemma_vision_config``
+    (``ltx_mgpu.text.gemma.vision.VISION_CONFIG_METADATA_KEY``: heads and tokens per image are
+    not in the shapes).
 
     ``weight_format``: ``"bf16"`` (as stored in the snapshot), ``"fp16"`` (every float tensor
     cast), ``"fp8_e4m3fn_scaled"`` (text linear weights stored as ``float8_e4m3fn`` with a
@@ -358,7 +367,9 @@ def build_tiny_gemma_comfy_file(snapshot_dir: Path, out_path: Path, weight_forma
         tensors, _ = quantize_text_tensors(tensors, weight_format, config["text_config"]["num_hidden_layers"])
     tensors["spiece_model"] = torch.frombuffer(bytearray(spm_bytes), dtype=torch.uint8)
 
-    metadata = {"format": "pt", "ltx_mgpu_gemma_config": json.dumps(config["text_config"], sort_keys=True)}
+    vision = {"vision_config": config["vision_config"], "mm_tokens_per_image": config["mm_tokens_per_image"]}
+    metadata = {"format": "pt", "ltx_mgpu_gemma_config": json.dumps(config["text_config"], sort_keys=True),
+                VISION_CONFIG_METADATA_KEY: json.dumps(vision, sort_keys=True)}
     if quantized:
         metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": quantized}, sort_keys=True)
     _write_safetensors_canonical(tensors, Path(out_path), metadata)

@@ -13,7 +13,7 @@ from ltx_mgpu.identity import home_dir
 __all__ = ["ASSETS_VERSION", "DEFAULT_SEED", "assets_dir", "ensure"]
 
 #: Bump when any generator changes its output, so stale caches are not reused.
-ASSETS_VERSION = 2
+ASSETS_VERSION = 3
 #: The default seed of every generator.
 DEFAULT_SEED = 0
 

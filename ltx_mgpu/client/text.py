@@ -49,11 +49,12 @@ from ltx_mgpu.text.config import TextEncoderConfig
 from ltx_mgpu.text.encoder.local import check_not_truncated
 from ltx_mgpu.text.features import PromptEmbedding
 from ltx_mgpu.text.gemma.sources import detect_gemma_format
+from ltx_mgpu.text.generate.image import tokenizer_image
 from ltx_mgpu.text.generate.options import GenerateOptions
 from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS, NO_PATCHES
 
 __all__ = ["WHOLE_PROMPT_TOKENS", "check_sources", "default_cache", "pool_key", "encode_prompts", "encode_with_pool",
-           "ensure_text_encoder", "loaded_key", "embeddings_from_result", "upcast", "generate_text",
+           "ensure_text_encoder", "loaded_key", "embeddings_from_result", "upcast", "generate_text", "has_vision_tower",
            "request_text_encoder", "clip_weight_keys"]
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -273,11 +274,15 @@ def encode_prompts(client: PoolClient, config: TextEncoderConfig, prompts: Seque
 
 def generate_text(client: PoolClient, config: TextEncoderConfig, text: str, options: GenerateOptions | Mapping, *,
                   patches: TextPatches | None = None, on_progress: ProgressCallback | None = None,
-                  should_cancel: Callable[[], bool] | None = None, timeout: float | None = None) -> dict:
+                  should_cancel: Callable[[], bool] | None = None, timeout: float | None = None,
+                  image: torch.Tensor | None = None) -> dict:
     """ComfyUI's ``CLIP.generate`` then ``CLIP.decode`` on the pool's Gemma
     (``ltx_mgpu.pool.generate_jobs``): ``text`` is the prompt as ComfyUI's Gemma tokenizer gets it
     (any chat template applied), ``options`` the sampling options (a ``GenerateOptions`` or its
-    fields, ComfyUI's ``CLIP.generate`` keywords), ``patches`` the CLIP's LoRAs.
+    fields, ComfyUI's ``CLIP.generate`` keywords), ``patches`` the CLIP's LoRAs, ``image`` a
+    ComfyUI IMAGE ``[B, H, W, C]`` read by Gemma's vision tower in place of the prompt's first
+    ``<image_soft_token>``: resized here as ComfyUI's Gemma tokenizer resizes it
+    (``ltx_mgpu.text.generate.image.tokenizer_image``), it travels as raw float32 bytes.
     The text encoder is loaded (or its patches merged) first when the pool holds another.
 
     Returns:
@@ -285,11 +290,17 @@ def generate_text(client: PoolClient, config: TextEncoderConfig, text: str, opti
         "seconds", "decode_tokens_per_second"}``.
 
     Raises:
-        ValueError: ``text`` is not a string; an option out of range (named; ``GenerateOptions``).
-        BadInputError, JobCancelledError, PoolTimeoutError, PoolFatalError, PoolStartError.
+        ValueError: ``text`` is not a string; an option out of range (named; ``GenerateOptions``);
+            an image that is not a finite ``[B, H, W, 3+]`` float tensor (``check_image``), before
+            any request.
+        BadInputError (a Gemma source without a vision tower for an image, naming the fix),
+        JobCancelledError, PoolTimeoutError, PoolFatalError, PoolStartError.
     """
     if not isinstance(text, str):
         raise ValueError(f"the prompt must be a string, got {type(text).__name__}")
+    tensors = None
+    if image is not None:
+        tensors = {"image": tokenizer_image(image)}
     if isinstance(options, Mapping):
         options = GenerateOptions(**options)  # ValueError naming a bad option, before any request
     if not isinstance(options, GenerateOptions):
@@ -300,7 +311,7 @@ def generate_text(client: PoolClient, config: TextEncoderConfig, text: str, opti
               **options.to_params()}
 
     def send() -> dict:
-        return client.request("generate", params, on_progress=on_progress, should_cancel=should_cancel,
+        return client.request("generate", params, tensors, on_progress=on_progress, should_cancel=should_cancel,
                               timeout=timeout)[0]
 
     return request_text_encoder(client, config, key, patches, send, on_progress, should_cancel, timeout)
@@ -327,6 +338,25 @@ def clip_weight_keys(config: TextEncoderConfig) -> dict[str, tuple[int, ...]]:
     """
     st = os.stat(config.gemma)
     return dict(_clip_weight_keys(config.gemma, (st.st_mtime_ns, st.st_size, st.st_ino)))
+
+
+@functools.lru_cache(maxsize=8)
+def _has_vision_tower(gemma: str, stats: tuple) -> bool:
+    from ltx_mgpu.text.gemma.vision import find_vision  # deferred: reads headers only, once per file
+
+    return find_vision(gemma) is not None
+
+
+def has_vision_tower(config: TextEncoderConfig) -> bool:
+    """Whether ``config.gemma`` carries Gemma 3's vision tower and projector
+    (``ltx_mgpu.text.gemma.vision.find_vision``: headers only; memoised while the source is
+    unchanged).
+
+    Raises:
+        FileNotFoundError, GemmaFormatError: as ``find_vision``.
+    """
+    st = os.stat(config.gemma)
+    return _has_vision_tower(config.gemma, (st.st_mtime_ns, st.st_size, st.st_ino))
 
 
 def encode_with_pool(config: TextEncoderConfig, prompts: Sequence[str], *,

@@ -13,30 +13,53 @@ stops transformers' loop; then every rank meets at one ``check_cancel`` and the 
 ``cancelled`` everywhere. Progress: ``("generate", tokens so far, max_length)``, at most every
 :data:`PROGRESS_EVERY_S` seconds and at the end.
 
-Errors: the options and the prompt's text are checked on every rank before any work
-(:class:`~ltx_mgpu.text.generate.options.GenerateOptions`, ``check_prompts``); what only rank 0
-can find (the prompt's tokens over the protocol's bound, out of memory) is agreed: ``bad_input``,
-the pool keeps serving.
+Image: the request's tensor ``image`` (``[B, h, w, 3]`` float32, the image as ComfyUI's Gemma
+tokenizer leaves it: ``ltx_mgpu.text.generate.image.tokenizer_image``) is prepared for the vision
+tower as ComfyUI's model prepares it (``vision_pixels``), run through the source's SigLIP and
+projector (``ltx_mgpu.text.gemma.vision``, loaded on rank 0's layer device by the first
+generation with an image and kept with the encoder) and spliced in place of the prompt's first
+``<image_soft_token>`` (``ltx_mgpu.text.generate.causal_lm``). A source without a vision tower
+refuses it (``bad_input``, naming the fix).
+
+Errors: the options, the prompt's text and the image are checked on every rank before any work
+(:class:`~ltx_mgpu.text.generate.options.GenerateOptions`, ``check_prompts``, ``check_image``);
+what only rank 0 can find (no vision tower, the prompt's tokens over the protocol's bound, out of
+memory) is agreed: ``bad_input``, the pool keeps serving.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_memory, register_engine
 from ltx_mgpu.pool.text_jobs import resident_text_encoder
 from ltx_mgpu.text.gemma.tokenizer import check_prompts
+from ltx_mgpu.text.gemma.vision import find_vision, load_vision
 from ltx_mgpu.text.generate.causal_lm import GemmaGenerator, GenerationCancelled, GenerationResult
+from ltx_mgpu.text.generate.image import check_image, vision_pixels
 from ltx_mgpu.text.generate.options import GenerateOptions
 from ltx_mgpu.text.generate.tokens import GenerationTokenizer, sentencepiece_model
 from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS
 
-__all__ = ["PROGRESS_EVERY_S", "Generation", "generate"]
+__all__ = ["PROGRESS_EVERY_S", "NO_VISION_TOWER", "NoVisionTower", "Generation", "generate"]
 
 #: The least seconds between two progress events of a generation (one per token would be
 #: thousands of events for a long text).
 PROGRESS_EVERY_S = 0.1
+#: Why an image is refused by a Gemma source without a vision tower, and the fix.
+NO_VISION_TOWER = ("has no vision tower (SigLIP and the multi-modal projector), so it cannot read an image: load a "
+                   "Gemma 3 file that has one, e.g. ComfyUI's gemma_3_12B_it_fp4_mixed.safetensors (the one the "
+                   "LTX-2.3 templates name) or a Gemma3ForConditionalGeneration snapshot (a GGUF keeps it in a "
+                   "separate mmproj file, an NF4 artifact drops it), or disconnect the image and describe it in the "
+                   "prompt")
+
+
+class NoVisionTower(ValueError):
+    """An image for a Gemma source without a vision tower (the message names the fix)."""
 
 
 @dataclass(eq=False)
@@ -46,10 +69,28 @@ class Generation:
 
     tokenizer: GenerationTokenizer
     generator: GemmaGenerator
+    vision: Any = field(default=None, repr=False)
 
     def reset(self) -> None:
-        """The tower's weights changed: the generator makes its LM head again."""
+        """The tower's weights changed: the generator makes its LM head again (the vision tower
+        keeps its weights: text-encoder patches do not reach it)."""
         self.generator.reset()
+
+    def image_tokens(self, image: Any) -> Any:
+        """The soft tokens ``[B * mm_tokens_per_image, D]`` of ``image`` (module doc); the vision
+        tower is loaded on first use.
+
+        Raises:
+            NoVisionTower: the source has no vision tower (:data:`NO_VISION_TOWER`).
+        """
+        tower = self.generator.tower
+        if self.vision is None:
+            source = find_vision(tower.path)
+            if source is None:
+                raise NoVisionTower(f"the Gemma source {tower.path} {NO_VISION_TOWER}")
+            self.vision = load_vision(source, tower.config, tower.device)
+        with torch.inference_mode():
+            return self.vision(vision_pixels(image.to(tower.device, torch.float32), self.vision.image_size))
 
 
 def _generation(state) -> Generation:
@@ -68,7 +109,8 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     already applied), ``expect``, ``patches`` (as ``encode``) and the options of
     :class:`~ltx_mgpu.text.generate.options.GenerateOptions` (``do_sample``, ``max_length``,
     ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
-    ``presence_penalty``, ``seed``, ``stop_tokens``, ``pad_to``).
+    ``presence_penalty``, ``seed``, ``stop_tokens``, ``pad_to``). Tensors: ``image`` (optional,
+    module doc).
 
     Returns (rank 0):
         ``{"tokens": generated ids (the stop token included), "text": CLIP.decode's text,
@@ -77,14 +119,20 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         {"first_token", "total"}, "decode_tokens_per_second"}``.
 
     Raises:
-        BadInput: options out of range (named), a prompt that is not Unicode text, no encoder or
-            another one or another patch set (as ``encode``); a prompt of more than
-            ``MAX_TEXT_TOKENS`` ids, out of memory or any failure of rank 0's generation (agreed).
+        BadInput: options out of range (named), a prompt that is not Unicode text, an image that
+            is not a finite ``[B, H, W, 3+]`` float tensor, no encoder or another one or another
+            patch set (as ``encode``); a source without a vision tower for an image, a prompt of
+            more than ``MAX_TEXT_TOKENS`` ids, out of memory or any failure of rank 0's generation
+            (agreed).
         JobCancelled: the client cancelled (every rank).
     """
     try:
         options = GenerateOptions.from_params(params)
         check_prompts([params["text"]], "text")
+        extra = sorted(set(tensors) - {"image"})
+        if extra:
+            raise ValueError(f"the generate request carries unexpected tensor(s) {extra[:5]}; it takes 'image' only")
+        image = check_image(tensors["image"], "the request's image") if "image" in tensors else None
     except ValueError as e:
         raise BadInput(str(e)) from None
     state = resident_text_encoder(ctx, params)
@@ -106,11 +154,15 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
                 raise ValueError(f"the prompt has {len(ids)} tokens, over the protocol's {MAX_TEXT_TOKENS}; "
                                  "shorten it")
             ctx.progress("generate", 0, options.max_length)
-            result = generation.generator.generate(ids, options, should_stop=ctx.cancel_requested, on_token=on_token)
+            image_tokens = generation.image_tokens(image) if image is not None else None
+            result = generation.generator.generate(ids, options, should_stop=ctx.cancel_requested, on_token=on_token,
+                                                   image_tokens=image_tokens)
             texts = (generation.tokenizer.decode(result.tokens), generation.tokenizer.decode(result.tokens, False))
             ctx.progress("generate", options.max_length, options.max_length)
         except GenerationCancelled:
             result = None
+        except NoVisionTower as e:
+            error, result = str(e), None
         except Exception as e:  # noqa: BLE001 - rank 0's failure alone: agreed below
             error = failure_message(e, "generating")
             result = None

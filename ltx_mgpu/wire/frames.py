@@ -44,7 +44,7 @@ __all__ = [
 
 MAGIC = b"LTXM"
 #: Bump on any incompatible change of framing or schemas; both sides reject other versions.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _PREFIX = struct.Struct("!4sHHIQ")
 PREFIX_SIZE = _PREFIX.size  # 20 bytes
 MAX_HEADER_BYTES = 1 << 20

@@ -237,8 +237,10 @@ for _s in (
         F("stop_tokens", ("list",), False, items="int", max_items=MAX_STOP_TOKENS),
         F("pad_to", ("int",), False, bounds=(0, MAX_TEXT_TOKENS),
           hint="ComfyUI pads a Gemma prompt on the left to 1024 tokens")),
+        tensors=True,
         doc="generate text with the resident Gemma 3 as a causal LM on a prompt (ComfyUI's CLIP.generate); "
-            "the values are a GenerateOptions' (ltx_mgpu.text.generate.options checks them)"),
+            "the values are a GenerateOptions' (ltx_mgpu.text.generate.options checks them); tensor 'image' "
+            "(optional): [B, h, w, 3] float32, ComfyUI's IMAGE after its Gemma tokenizer's resize"),
     MessageSchema("text_patches", (
         F("expect", ("str", "null"), False), F("patches", ("str",)),
         F("entries", ("list",), items="object", max_items=MAX_PATCH_KEYS, hint="apply fewer LoRAs"),

@@ -12,6 +12,11 @@ installed in the interpreter running pytest; skipped otherwise, saying how to ru
   270M: the first one), greedy and with the templates' sampling settings (seed 0), and
   ``TextGenerate`` with ComfyUI's default chat template and without (tiny Gemma): the same token
   ids and the same text as ComfyUI's own CLIP;
+* with an image connected (tiny Gemma, whose ComfyUI file carries a one-layer SigLIP tower and the
+  projector): ``TextGenerateLTX2Prompt`` greedy on two images, on a batch of two, sampled, and
+  ``TextGenerate`` with ComfyUI's image chat template: the same token ids and text as ComfyUI's own
+  CLIP (its preprocessing, vision tower, projector and splice), and ComfyUI's text depends on the
+  image;
 * ``LoraLoader`` (a LoRA on every weight of two decoder layers, ComfyUI's ``text_encoders.`` key
   format, strength_clip 0.8) on both CLIPs: ``CLIPTextEncode`` agrees to 1e-5 relative, the
   LoRA'd greedy enhancement is token-identical, and no LoRA key is reported as not loaded.
@@ -104,7 +109,7 @@ def tiny(tiny_ltx_23, tiny_gemma_dir, tiny_gemma_comfy_file):
         _lora(shapes, folders["loras"] / "gemma-lora.safetensors")
         yield _run(root, {"gemma_config": str(Path(tiny_gemma_dir) / "config.json"),
                           "gemma": "tiny-gemma-comfy.safetensors", "checkpoint": "tiny-ltx-2.3.safetensors",
-                          "lora": "gemma-lora.safetensors", "prompts": PROMPTS, "max_length": 40,
+                          "lora": "gemma-lora.safetensors", "prompts": PROMPTS, "max_length": 40, "images": True,
                           **{k: str(v) for k, v in folders.items()}})
 
 
@@ -152,6 +157,19 @@ def test_prompt_enhancement_equals_comfyuis_on_the_tiny_gemma(tiny):
     assert cases | {"plain.template", "plain.raw"} <= set(runs)
     assert runs["ltx2.greedy.0"]["ours"]["ids"] != runs["ltx2.sampled.0"]["ours"]["ids"]  # sampling did something
     assert all(len(w["ours"]["ids"]) > 1 for w in runs.values())
+
+
+@pytest.mark.timeout(1800)
+def test_prompt_enhancement_with_an_image_equals_comfyuis_on_the_tiny_gemma(tiny):
+    report, _ = tiny
+    runs = report["runs"]
+    cases = {"image.greedy.0", "image.greedy.1", "image.sampled", "image.batch", "image.template"}
+    assert cases <= set(runs)
+    for case in cases:
+        assert runs[case]["ours"]["ids"] == runs[case]["comfy"]["ids"], f"{case}: token ids differ"
+        assert runs[case]["ours"]["text"] == runs[case]["comfy"]["text"], f"{case}: text differs"
+    greedy = {case: runs[case]["comfy"]["ids"] for case in ("image.greedy.0", "image.greedy.1", "image.batch")}
+    assert len({tuple(ids) for ids in greedy.values()}) == 3  # ComfyUI's text depends on the image read
 
 
 @pytest.mark.timeout(3600)  # the 270M's conversion, then four 1024-token prompts per side on 2 CPU cores

@@ -11,7 +11,7 @@
   kanji) encodes as in-process; a prompt over the protocol's 8192 tokens is bad input.
 * ``clone`` keeps its own layer, tokenizer options and patch lists (LoRAs: encodes and generations
   with them, tests/integration/test_clip_generate.py); what the CLIP does not support fails with a
-  message naming the fix (``embedding:`` syntax, encoding chat-templated tokens, images, foreign
+  message naming the fix (``embedding:`` syntax, encoding chat-templated tokens, foreign
   tokens, ComfyUI-only attributes).
 
 The same CLIP inside a real ComfyUI, against ComfyUI's own LTX-2 text encoder: test_comfyui_clip.py.
@@ -214,8 +214,6 @@ def test_what_the_clip_does_not_support_is_refused_with_the_fix(fp32):
         clip.tokenize("a fox, embedding:fluffy in snow")
     with pytest.raises(ValueError, match="chat template"):
         clip.encode_from_tokens(clip.tokenize("a fox", skip_template=False))
-    with pytest.raises(ValueError, match="vision tower"):
-        clip.tokenize("a fox", image=torch.zeros(1, 8, 8, 3))
     with pytest.raises(ValueError, match="tokens it did not make"):
         clip.encode_from_tokens({"gemma3_12b": [[(2, 1.0)]]})
     with pytest.raises(ValueError, match="as a string"):

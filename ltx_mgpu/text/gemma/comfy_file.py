@@ -2,14 +2,15 @@
 
 Both the bf16 loader (``ltx_mgpu.text.encoder.loading``) and the NF4 source reader
 (``ltx_mgpu.text.nf4.source``) read a ComfyUI file through :class:`ComfyGemmaFile`: its text-tower
-tensors under ``Gemma3TextModel``'s names (``model.`` stripped; vision tower and projector are
-never read), their dense shapes, the embedded tokenizer, and each tensor's dense value. A plain
-tensor is read as stored; a quantized layer (``ltx_mgpu.text.gemma.sources.comfy_file_quant``:
-nvfp4, fp8, int8) is dequantized by ``ltx_mgpu.quantized.dequant`` straight into the dtype the
-model computes in. That is the weight ComfyUI computes with for activations of that dtype: its
-layer casts the quantized weight to the input's dtype and then dequantizes it (``comfy/ops.py``
-``cast_bias_weight``: ``s.weight.to(dtype=...)``, then ``dequantize()``), so a bf16 model gets
-ComfyUI's bf16 weights and an fp32 one its fp32 weights, bit for bit.
+tensors under ``Gemma3TextModel``'s names (``model.`` stripped; the vision tower and projector
+are ``ltx_mgpu.text.gemma.vision``'s), their dense shapes, the embedded tokenizer, and each
+tensor's dense value. A plain tensor is read as stored; a quantized layer
+(``ltx_mgpu.text.gemma.sources.comfy_file_quant``: nvfp4, fp8, int8) is dequantized by
+``ltx_mgpu.quantized.dequant`` straight into the dtype the model computes in. That is the weight
+ComfyUI computes with for activations of that dtype: its layer casts the quantized weight to the
+input's dtype and then dequantizes it (``comfy/ops.py`` ``cast_bias_weight``:
+``s.weight.to(dtype=...)``, then ``dequantize()``), so a bf16 model gets ComfyUI's bf16 weights
+and an fp32 one its fp32 weights, bit for bit.
 """
 
 from __future__ import annotations

@@ -8,8 +8,15 @@ and the LM head is the token-embedding table (Gemma 3 ties them; ComfyUI's ``Bas
 multiplies by ``embed_tokens.weight`` too). The head is made when the first generation asks for
 it: the table itself where it lies dense on a device the layers use, else a dense copy on the
 layers' device (an NF4 tower keeps its table in host memory, a GGUF one packed: 2 GB more GPU
-memory for Gemma 3 12B in bf16). The vision tower is never loaded (prompts with an image are
-refused where they are made, ``nodes/_clip.py``).
+memory for Gemma 3 12B in bf16).
+
+An image (``image_tokens``: the vision tower's soft tokens, ``ltx_mgpu.text.gemma.vision``) goes
+where ComfyUI puts it (``SDClipModel.process_tokens``, ``comfy/sd1_clip.py``): the prompt's first
+``<image_soft_token>`` id (262144, ComfyUI's) is taken out and the soft tokens are spliced in its
+place, so the prompt runs as embeddings (``inputs_embeds``) one row longer per soft token but
+one; the attention stays causal over them, as ComfyUI's ``generate`` runs it (no bidirectional
+image attention, no ``<start_of_image>`` around them). A prompt without that id ignores the
+image, as ComfyUI does.
 
 What ComfyUI's ``BaseGenerate.generate`` does and how it is matched:
 
@@ -61,7 +68,7 @@ from ltx_mgpu.text.gemma.forward import HostEmbedding, copy_sharing_weights
 from ltx_mgpu.text.gemma.tower import GemmaTextTower, layers_device
 from ltx_mgpu.text.generate.options import GenerateOptions
 from ltx_mgpu.text.generate.sampling import ComfySampling
-from ltx_mgpu.text.generate.tokens import BOS, PAD
+from ltx_mgpu.text.generate.tokens import BOS, IMAGE_SOFT_TOKEN, PAD
 from ltx_mgpu.text.nf4.dequant import installed_fast_dequant
 
 __all__ = ["GenerationResult", "GemmaGenerator", "GenerationCancelled"]
@@ -233,13 +240,16 @@ class GemmaGenerator:
 
     def generate(self, prompt_ids: Sequence[int], options: GenerateOptions, *,
                  should_stop: Callable[[], bool] | None = None,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[int], None] | None = None,
+                 image_tokens: torch.Tensor | None = None) -> GenerationResult:
         """Generate from ``prompt_ids`` (:meth:`GenerationTokenizer.prompt_ids
         <ltx_mgpu.text.generate.tokens.GenerationTokenizer.prompt_ids>`) with ``options``.
 
         Args:
             should_stop: polled once per generated token; True ends the generation.
             on_token: called once per generated token with the count so far.
+            image_tokens: ``[N, D]`` soft tokens of an image (``GemmaVision``'s), spliced in place
+                of the prompt's first :data:`IMAGE_SOFT_TOKEN` (module doc).
 
         Raises:
             GenerationCancelled: ``should_stop`` said so.
@@ -249,26 +259,46 @@ class GemmaGenerator:
         vocab = int(self.tower.config.vocab_size)
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")
-        bad = [i for i in prompt_ids if not 0 <= int(i) < vocab]
+        prompt_ids = [int(i) for i in prompt_ids]
+        at = prompt_ids.index(IMAGE_SOFT_TOKEN) if image_tokens is not None and IMAGE_SOFT_TOKEN in prompt_ids else None
+        bad = [i for n, i in enumerate(prompt_ids) if not 0 <= i < vocab and n != at]
         if bad:
             raise ValueError(f"prompt token ids {bad[:8]} are outside Gemma's {vocab}-token vocabulary")
         t0 = time.perf_counter()
         lm = self.causal_lm()
         device = lm.device
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-        watch = _Watch(len(prompt_ids), should_stop, on_token)
-        processors = [] if options.greedy else [ComfySampling(options, len(prompt_ids), self.dtype)]
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        if at is None:
+            inputs, prompt_length, length = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, len(ids[0]), 0
+        else:
+            embeds = self._spliced(lm, ids, at, image_tokens)
+            # inputs_embeds alone: transformers' output and input_ids then hold the new tokens only
+            length = int(embeds.shape[1])
+            inputs, prompt_length = {"inputs_embeds": embeds, "attention_mask": torch.ones(
+                embeds.shape[:2], dtype=torch.long, device=device)}, 0
+        watch = _Watch(prompt_length, should_stop, on_token)
+        processors = [] if options.greedy else [ComfySampling(options, prompt_length, self.dtype)]
         fast = installed_fast_dequant(lm.model)
         with _seeded(None if options.greedy else options.seed, device), \
                 (fast.bypassed() if fast is not None else contextlib.nullcontext()):
-            out = lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                              generation_config=self._config(options, device),
+            out = lm.generate(**inputs, generation_config=self._config(options, device),
                               logits_processor=LogitsProcessorList(processors),
                               stopping_criteria=StoppingCriteriaList([watch]))
-        tokens = [int(t) for t in out[0, len(prompt_ids):].tolist()]
+        tokens = [int(t) for t in out[0, prompt_length:].tolist()]
         if watch.cancelled:
             raise GenerationCancelled(tokens)
         end = time.perf_counter()
         stopped = bool(tokens) and tokens[-1] in options.stop_tokens
         first = (watch.first if watch.first is not None else end) - t0
-        return GenerationResult(tokens, stopped, len(prompt_ids), first, end - t0)
+        return GenerationResult(tokens, stopped, length or len(prompt_ids), first, end - t0)
+
+    def _spliced(self, lm: _CausalLM, ids: torch.Tensor, at: int, image_tokens: torch.Tensor) -> torch.Tensor:
+        """The prompt's embeddings ``[1, T - 1 + N, D]`` with ``image_tokens`` ``[N, D]`` in place
+        of the id at ``at`` (module doc)."""
+        if image_tokens.ndim != 2 or image_tokens.shape[1] != self.tower.hidden_size:
+            raise ValueError(f"image tokens of shape {list(image_tokens.shape)} do not fit Gemma's "
+                             f"{self.tower.hidden_size}-wide embeddings")
+        embed = lm.get_input_embeddings()
+        before, after = embed(ids[:, :at]).to(ids.device), embed(ids[:, at + 1:]).to(ids.device)
+        image = image_tokens.to(device=ids.device, dtype=before.dtype)[None]
+        return torch.cat([before, image, after], dim=1)

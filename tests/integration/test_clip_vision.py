@@ -1,0 +1,162 @@
+"""Prompt enhancement with an image on the Gemma Loader's CLIP, through a real 2-rank CPU pool
+(``TextGenerate`` / ``TextGenerateLTX2Prompt`` with an image connected; the tiny Gemma in ComfyUI's
+single-file format, which carries a one-layer SigLIP vision tower and the projector).
+
+* greedy tokens with an image (one, and a batch of two) equal transformers' own
+  ``Gemma3ForConditionalGeneration.generate`` on the same weights, given the same pixels (ComfyUI's
+  preprocessing, ``ltx_mgpu.text.generate.image``) and ComfyUI's prompt: the image's soft tokens in
+  place of the one ``<image_soft_token>`` (so the reference's prompt holds ``mm_tokens_per_image``
+  image ids per image there), causal attention, SigLIP's LayerNorm epsilon ComfyUI's 1e-5 and the
+  projector's norm the text tower's epsilon; another image gives another text;
+* the Hugging Face snapshot (its ``vision_tower.*`` keys and ``config.json``) reads the image as
+  the ComfyUI file does;
+* ``tokenize(skip_template=False)`` with an image applies ComfyUI's image chat template;
+* a Gemma file without a vision tower refuses an image at ``tokenize`` (and the pool refuses one
+  sent past it) naming the fix; an image that is not a finite ComfyUI IMAGE is refused before any
+  request; tokens with an image do not encode.
+
+The preprocessing and the whole path against ComfyUI itself: tests/comfyui/test_comfyui_generate.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from nodes_support import PACK, cpu_pool, run
+from safetensors.torch import load_file, save_file
+
+from ltx_mgpu.client.errors import BadInputError
+from ltx_mgpu.text.gemma.vision import COMFY_LAYER_NORM_EPS
+from ltx_mgpu.text.generate.image import tokenizer_image, vision_pixels
+from ltx_mgpu.text.generate.tokens import IMAGE_SOFT_TOKEN, GenerationTokenizer, sentencepiece_model
+
+clip_module = sys.modules[f"{PACK}.nodes._clip"]
+PROMPT = "a red fox walks slowly through the snow at night, camera light"
+ENHANCE = (f"<start_of_turn>system\nYou expand prompts.<end_of_turn>\n<start_of_turn>user\n\n<image_soft_token>\n\n"
+           f"User Raw Input Prompt: {PROMPT}.<end_of_turn>\n<start_of_turn>model\n")
+GREEDY = {"do_sample": False, "max_length": 24}
+#: The tiny Gemma's image token id and soft tokens per image (ltx_mgpu.assets.gemma).
+TINY_IMAGE_ID, TINY_TOKENS_PER_IMAGE = 511, 4
+
+
+def _image(seed: int, batch: int = 1, h: int = 37, w: int = 53) -> torch.Tensor:
+    return torch.rand(batch, h, w, 3, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def pool(env):
+    with cpu_pool() as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def clip(pool):
+    """The Gemma Loader's CLIP on the tiny ComfyUI file, computing in fp32."""
+    te, loaded = run("LTXMGPU_GemmaLoader", pool, "tiny-gemma-comfy.safetensors",
+                     "checkpoints/tiny-ltx-2.3.safetensors", "bf16", "single", True)
+    return type(loaded)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gemma_dir, tiny_gemma_comfy_file):
+    """transformers' Gemma 3 with ComfyUI's vision epsilons, and the prompt's tokenizer."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
+
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(tiny_gemma_dir), dtype=torch.float32).eval()
+    for module in hf.model.vision_tower.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = COMFY_LAYER_NORM_EPS
+    hf.model.multi_modal_projector.mm_soft_emb_norm.eps = hf.config.text_config.rms_norm_eps
+    tower = load_gemma_text_tower(tiny_gemma_comfy_file, dtype=torch.float32)
+    return hf, GenerationTokenizer(tower, sentencepiece_model(tower))
+
+
+def transformers_ids(reference, text: str, image: torch.Tensor | None, max_length: int = 24) -> list[int]:
+    """Greedy ``Gemma3ForConditionalGeneration.generate`` on ComfyUI's prompt ids (module doc)."""
+    hf, tokens = reference
+    ids = tokens.prompt_ids(text, 1024)
+    pixels = None
+    if image is not None:
+        at = ids.index(IMAGE_SOFT_TOKEN)
+        ids = ids[:at] + [TINY_IMAGE_ID] * (TINY_TOKENS_PER_IMAGE * image.shape[0]) + ids[at + 1:]
+        pixels = vision_pixels(tokenizer_image(image), hf.config.vision_config.image_size)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=pixels, do_sample=False,
+                          max_new_tokens=max_length, eos_token_id=[106], pad_token_id=0)
+    return out[0, x.shape[1]:].tolist()
+
+
+def enhance(clip, image, text=ENHANCE, **options):
+    """What TextGenerate does with a CLIP and an image: tokenize, generate, decode."""
+    tokens = clip.tokenize(text, image=image, skip_template=False, min_length=1, thinking=False, video=None,
+                           audio=None)
+    ids = clip.generate(tokens, **options)
+    return ids, clip.decode(ids)
+
+
+def test_greedy_generation_with_an_image_equals_transformers(clip, reference):
+    image = _image(0)
+    ids, text = enhance(clip, image, **GREEDY)
+    assert ids == transformers_ids(reference, ENHANCE, image)
+    assert text == reference[1].decode(ids)
+    assert ids != enhance(clip, _image(1), **GREEDY)[0]  # the image's content is read
+
+
+def test_the_snapshot_reads_the_image_as_the_comfy_file(pool, clip):
+    te, loaded = run("LTXMGPU_GemmaLoader", pool, "tiny-gemma", "checkpoints/tiny-ltx-2.3.safetensors", "bf16",
+                     "single", True)
+    snapshot = type(loaded)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+    assert enhance(snapshot, _image(4), **GREEDY) == enhance(clip, _image(4), **GREEDY)
+
+
+def test_a_batch_of_images_is_one_image_entry_as_comfyuis(clip, reference):
+    images = torch.cat([_image(1, h=64, w=40), _image(2, h=64, w=40)])
+    ids, _ = enhance(clip, images, **GREEDY)
+    assert ids == transformers_ids(reference, ENHANCE, images)
+    assert ids != enhance(clip, images[:1], **GREEDY)[0]
+
+
+def test_tokenize_with_an_image_applies_comfyuis_image_template(clip, reference):
+    image = _image(3)
+    tokens = clip.tokenize(PROMPT, image=image, skip_template=False)
+    assert tokens[clip_module.TOKENS_KEY] == clip_module.COMFY_CHAT_TEMPLATE_IMAGES.format(PROMPT)
+    assert tokens[clip_module.IMAGE_KEY] is image
+    assert clip.generate(tokens, **GREEDY) == transformers_ids(
+        reference, clip_module.COMFY_CHAT_TEMPLATE_IMAGES.format(PROMPT), image)
+    with pytest.raises(ValueError, match="encodes LTX-2 prompts as plain text.*an image"):
+        clip.encode_from_tokens(clip.tokenize(PROMPT, image=image))
+
+
+def test_an_image_without_a_vision_tower_or_a_bad_image_is_refused_with_the_fix(pool, clip, env,
+                                                                                tiny_gemma_comfy_file):
+    tensors = {k: v for k, v in load_file(str(tiny_gemma_comfy_file)).items()
+               if not k.startswith(("vision_model.", "multi_modal_projector."))}
+    save_file(tensors, str(env / "text_encoders" / "text-only-gemma.safetensors"),
+              metadata={"format": "pt", **{k: v for k, v in _metadata(tiny_gemma_comfy_file).items()
+                                           if k == "ltx_mgpu_gemma_config"}})
+    te, text_only = run("LTXMGPU_GemmaLoader", pool, "text-only-gemma.safetensors",
+                        "checkpoints/tiny-ltx-2.3.safetensors", "bf16", "single", True)
+    with pytest.raises(ValueError, match="has no vision tower.*gemma_3_12B_it_fp4_mixed.*disconnect the image"):
+        text_only.tokenize(ENHANCE, image=_image(0))
+    # a raw request past the CLIP: the pool refuses it, naming the fix, and keeps serving
+    with pytest.raises(BadInputError, match="has no vision tower.*gemma_3_12B_it_fp4_mixed"):
+        te.generate(ENHANCE, GREEDY, image=_image(0))
+    assert len(text_only.generate(text_only.tokenize(PROMPT), **GREEDY)) > 0
+    tokens = clip.tokenize(ENHANCE, image=torch.full((1, 8, 8, 3), float("nan")))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        clip.generate(tokens, **GREEDY)
+    with pytest.raises(ValueError, match="RGB images"):
+        clip.generate(clip.tokenize(ENHANCE, image=torch.zeros(1, 8, 8, 1)), **GREEDY)
+
+
+def _metadata(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata() or {})

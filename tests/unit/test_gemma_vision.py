@@ -1,0 +1,123 @@
+"""Gemma 3's vision tower from a Gemma source (``ltx_mgpu.text.gemma.vision``) and ComfyUI's image
+preparation (``ltx_mgpu.text.generate.image``), in one process on the tiny Gemma.
+
+* the ComfyUI file and the snapshot give the same tower (its config from the file's metadata);
+  its soft tokens are transformers' ``Gemma3ForConditionalGeneration.get_image_features`` with
+  ComfyUI's epsilons, image after image;
+* a file without the tower (a text-only ComfyUI file, a GGUF) has none; a tower without its
+  projector, a vision weight in int16 without a marker, a ComfyUI file whose tower does not fit
+  ComfyUI's 12B defaults with no config stored, are refused naming the fix;
+* the tokenizer's resize keeps the aspect ratio at about 896 x 896 pixels (ComfyUI's rounding);
+  the model's step gives the tower's square, normalized; bad images are refused naming the fix.
+
+Against ComfyUI's own code: tests/comfyui/test_comfyui_generate.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ltx_mgpu.assets.ggml_export import export_gemma_gguf
+from ltx_mgpu.text.gemma.sources import GemmaFormatError
+from ltx_mgpu.text.gemma.vision import COMFY_LAYER_NORM_EPS, VISION_CONFIG_METADATA_KEY, find_vision, load_vision
+from ltx_mgpu.text.generate.image import MAX_IMAGES, TOKENIZER_PIXELS, check_image, tokenizer_image, vision_pixels
+
+
+def _text_config(snapshot):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(snapshot)).text_config
+
+
+def _rewrite(src, dst, keep=lambda k: True, metadata=lambda m: m):
+    with safe_open(str(src), "pt") as f:
+        meta = dict(f.metadata() or {})
+    save_file({k: v for k, v in load_file(str(src)).items() if keep(k)}, str(dst), metadata=metadata(meta))
+    return dst
+
+
+def test_the_comfy_file_and_the_snapshot_give_transformers_image_features(tiny_gemma_dir, tiny_gemma_comfy_file):
+    from transformers import Gemma3ForConditionalGeneration
+
+    config = json.loads((tiny_gemma_dir / "config.json").read_text())
+    comfy, snapshot = find_vision(tiny_gemma_comfy_file), find_vision(tiny_gemma_dir)
+    for source in (comfy, snapshot):
+        assert source.mm_tokens_per_image == config["mm_tokens_per_image"] == 4
+        assert source.vision_config.num_attention_heads == config["vision_config"]["num_attention_heads"]
+        assert source.image_size == 28 and source.vision_config.layer_norm_eps == COMFY_LAYER_NORM_EPS
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(tiny_gemma_dir), dtype=torch.float32).eval()
+    for module in hf.model.vision_tower.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = COMFY_LAYER_NORM_EPS
+    hf.model.multi_modal_projector.mm_soft_emb_norm.eps = hf.config.text_config.rms_norm_eps
+    pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = hf.model.get_image_features(pixels).pooler_output.reshape(-1, 64)
+        for source in (comfy, snapshot):
+            got = load_vision(source, _text_config(tiny_gemma_dir))(pixels)
+            assert got.shape == (8, 64) and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert want.abs().max() > 0.1  # the tiny projector is not zero: images reach the text
+
+
+def test_a_file_without_the_tower_has_none_and_a_tower_off_comfyuis_defaults_is_refused(tiny_gemma_dir,
+                                                                                       tiny_gemma_comfy_file,
+                                                                                       tmp_path):
+    text_only = _rewrite(tiny_gemma_comfy_file, tmp_path / "text.safetensors",
+                         keep=lambda k: not k.startswith(("vision_model.", "multi_modal_projector.")))
+    assert find_vision(text_only) is None
+    assert find_vision(export_gemma_gguf(tiny_gemma_dir, tmp_path / "tiny.gguf", "Q8_0")) is None  # mmproj apart
+    no_projector = _rewrite(tiny_gemma_comfy_file, tmp_path / "half.safetensors",
+                            keep=lambda k: not k.startswith("multi_modal_projector."))
+    with pytest.raises(GemmaFormatError, match="no multi-modal projector"):
+        find_vision(no_projector)
+    odd = tmp_path / "int16.safetensors"
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    tensors["vision_model.encoder.layers.0.mlp.fc1.weight"] = tensors[
+        "vision_model.encoder.layers.0.mlp.fc1.weight"].to(torch.int16)
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        save_file(tensors, str(odd), metadata=dict(f.metadata()))
+    with pytest.raises(GemmaFormatError, match="fc1.weight is stored as I16 without a ComfyUI comfy_quant"):
+        find_vision(odd)
+    bare = _rewrite(tiny_gemma_comfy_file, tmp_path / "bare.safetensors",
+                    metadata=lambda m: {k: v for k, v in m.items() if k != VISION_CONFIG_METADATA_KEY})
+    with pytest.raises(GemmaFormatError, match="256 image tokens per image do not pool.*2x2 patches"):
+        find_vision(bare)  # ComfyUI's 12B defaults: 256 tokens per image
+
+
+def test_the_tokenizer_resize_keeps_the_aspect_at_896_squared():
+    image = torch.rand(1, 37, 53, 4)
+    out = tokenizer_image(image)
+    scale = math.sqrt(TOKENIZER_PIXELS / (37 * 53))
+    assert out.shape == (1, round(37 * scale), round(53 * scale), 3) and out.dtype == torch.float32
+    flat = tokenizer_image(torch.full((2, 10, 30, 3), 0.25))
+    assert flat.shape[0] == 2 and torch.allclose(flat, torch.full_like(flat, 0.25))
+
+
+def test_the_model_step_crops_the_centre_and_normalizes():
+    wide = torch.zeros(1, 40, 80, 3)
+    wide[:, :, 20:60] = 1.0  # a white centre half as wide as the image
+    x = vision_pixels(wide, 28)
+    assert x.shape == (1, 3, 28, 28)
+    assert x.min() >= -1 and x.max() <= 1 and torch.allclose(x[..., 14], torch.ones(1, 3, 28))
+    same = vision_pixels(torch.full((1, 28, 28, 3), 0.5), 28)
+    assert torch.allclose(same, torch.full_like(same, (128 / 255 - 0.5) / 0.5), atol=1e-6)  # 255 x 0.5 rounds to 128
+
+
+@pytest.mark.parametrize(("image", "match"), [
+    ([[0.0]], "must be a ComfyUI IMAGE"),
+    (torch.zeros(8, 8, 3), "floating tensor"),
+    (torch.zeros(1, 8, 8, 3, dtype=torch.uint8), "floating tensor"),
+    (torch.zeros(1, 8, 8, 1), "RGB images"),
+    (torch.zeros(MAX_IMAGES + 1, 4, 4, 3), "at most"),
+    (torch.tensor(float("inf")).expand(1, 4, 4, 3), "NaN or infinite"),
+])
+def test_bad_images_are_refused_with_the_fix(image, match):
+    with pytest.raises(ValueError, match=match):
+        check_image(image)
