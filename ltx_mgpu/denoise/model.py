@@ -8,7 +8,8 @@ memory-mapped :class:`~ltx_mgpu.denoise.checkpoint.StateDictLoader`. The connect
 ltx-core ``Embeddings1DConnector`` modules built with ComfyUI's ``LTXAVModel`` settings
 (double-precision RoPE, max position 4096, theta 1e4, split RoPE unless the config says
 otherwise) so that :func:`ltx_mgpu.denoise.comfyui.conditioning.text_contexts` on them matches
-ComfyUI's ``preprocess_text_embeds``.
+ComfyUI's ``preprocess_text_embeds``. The attention of both computes ComfyUI's query / key
+RMSNorm epsilon (:mod:`ltx_mgpu.denoise.comfyui.qk_norm`), set at load.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ltx_mgpu.denoise.checkpoint import (
     load_loras,
     packed_weight,
 )
+from ltx_mgpu.denoise.comfyui.qk_norm import use_comfy_qk_norm_eps
 from ltx_mgpu.denoise.compiling import CompileCache, CompileWatch, graph_key
 from ltx_mgpu.denoise.fp8 import (
     compile_blocks,
@@ -322,6 +324,9 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
     ours = plan.attention_type is not None and core_attention_type(plan.attention_type) != plan.attention_type
     if ours:
         install(transformer, attention_function(plan.attention_type))
+    for module in (transformer, *connectors):  # ComfyUI's attention norms (before any compile bakes them in)
+        if module is not None:
+            use_comfy_qk_norm_eps(module)
     compiles = None
     if plan.linears == "fp8":
         compile_blocks(transformer, dynamic=False)

@@ -1,7 +1,8 @@
 """Loading the LTX-2 denoiser: both checkpoint layouts (with and without stored config) give
 identical outputs, fp8 storage loads close to bf16, a missing-and-uninferable config fails
-clearly, LoRAs fuse as ComfyUI fuses them, and the connectors pad with registers exactly as
-ComfyUI's ``Embeddings1DConnector`` does. Tiny checkpoints, float32, CPU."""
+clearly, LoRAs fuse as ComfyUI fuses them, the connectors pad with registers exactly as
+ComfyUI's ``Embeddings1DConnector`` does, and the attention's query / key norms take ComfyUI's
+epsilon. Tiny checkpoints, float32, CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifier
 from ltx_core.model.transformer import Modality
+from ltx_core.model.transformer.attention import Attention
 from ltx_core.model.transformer.rope import generate_freq_grid_np, precompute_freqs_cis
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.denoise.checkpoint import CheckpointError, LoraSpec, infer_transformer_config, inspect_checkpoint
 from ltx_mgpu.denoise.comfyui.conditioning import run_connector, text_contexts
+from ltx_mgpu.denoise.comfyui.qk_norm import COMFY_QK_NORM_EPS
 from ltx_mgpu.denoise.model import export_transformer_only, load_ltx_model
 from ltx_mgpu.denoise.plan import TransformerPlan
 
@@ -277,6 +280,21 @@ def test_the_connectors_of_another_file_serve_a_transformer_file_without_them(ck
         load_ltx_model(TransformerPlan(gguf, dtype="fp32", connectors=src))
     with pytest.raises(FileNotFoundError, match="no connectors file at"):
         load_ltx_model(TransformerPlan(gguf, dtype="fp32", connectors=tmp_path / "missing.safetensors"))
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.3"])
+def test_the_attention_normalises_queries_and_keys_with_comfyuis_epsilon(ckpt, version):
+    """ComfyUI's ``CrossAttention`` (blocks and connectors): ``RMSNorm(eps=1e-5)``; ltx-core builds
+    them with the config's ``norm_eps`` (1e-6), which every other norm keeps (ComfyUI's there too)."""
+    model = load_ltx_model(TransformerPlan(ckpt[version], dtype="fp32"))
+    for module in (model.transformer, model.video_connector, model.audio_connector):
+        attentions = [m for m in module.modules() if isinstance(m, Attention)]
+        assert attentions and {(m.q_norm.eps, m.k_norm.eps) for m in attentions} == {(COMFY_QK_NORM_EPS,) * 2}
+    assert {b.norm_eps for b in model.transformer.transformer_blocks} == {1e-6}
+    assert model.transformer.norm_out.eps == model.transformer.audio_norm_out.eps == 1e-6
+    q = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)) * 1e-2
+    norm = model.transformer.transformer_blocks[0].attn1.q_norm
+    torch.testing.assert_close(norm(q), torch.nn.functional.rms_norm(q, (32,), norm.weight, 1e-5), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("value, match", [
