@@ -74,7 +74,8 @@ class TritonAttention:
     fp16, D 64 or 128) -> ``[B, Tq, H*D]`` in q's dtype, ``softmax(q k^T / sqrt(D)) v`` per head
     with int8 Q K^T and e4m3 P V (:mod:`ltx_mgpu.denoise.attention.kernel`: the formats, their
     error). With a ``mask`` (an additive bias, as ltx-core passes it: the text cross-attention's
-    padding, the Ulysses padding of a token count the GPUs do not divide) the call falls back to
+    padding, a guide's attention mask; the Ulysses and token-bucket padding cut the padded keys
+    instead and pass no mask) the call falls back to
     ltx-core's ``PytorchAttention`` (SDPA, the inputs' dtype), exactly what ``'pytorch'`` computes.
 
     ``qk`` / ``pv``: the formats of the two products (``kernel.QK_FORMATS`` / ``kernel.PV_FORMATS``;
