@@ -13,7 +13,10 @@ single-file format, which carries a one-layer SigLIP vision tower and the projec
 * ``tokenize(skip_template=False)`` with an image applies ComfyUI's image chat template;
 * a Gemma file without a vision tower refuses an image at ``tokenize`` (and the pool refuses one
   sent past it) naming the fix; an image that is not a finite ComfyUI IMAGE is refused before any
-  request; tokens with an image do not encode.
+  request; tokens with an image do not encode;
+* a raw request past the client's resize (an image larger than ComfyUI's tokenizer leaves one, a
+  strip whose resize would take gigabytes) is refused by every rank before any work, naming the
+  fix, and the pool keeps serving.
 
 The preprocessing and the whole path against ComfyUI itself: tests/comfyui/test_comfyui_generate.py.
 """
@@ -153,6 +156,19 @@ def test_an_image_without_a_vision_tower_or_a_bad_image_is_refused_with_the_fix(
         clip.generate(tokens, **GREEDY)
     with pytest.raises(ValueError, match="RGB images"):
         clip.generate(clip.tokenize(ENHANCE, image=torch.zeros(1, 8, 8, 1)), **GREEDY)
+
+
+def test_a_raw_image_past_the_clients_resize_is_refused_by_the_pool(pool, clip, monkeypatch):
+    import ltx_mgpu.client.text as client_text
+
+    te = clip.handle
+    monkeypatch.setattr(client_text, "tokenizer_image", lambda image: image.float().contiguous())  # a raw client
+    with pytest.raises(BadInputError, match="1200 x 1000 pixels, more than ComfyUI's Gemma tokenizer.*tokenizer_image"):
+        te.generate(ENHANCE, GREEDY, image=torch.rand(1, 1000, 1200, 3))
+    with pytest.raises(BadInputError, match="more than 16 to 1.*crop it"):
+        te.generate(ENHANCE, GREEDY, image=torch.rand(1, 2, 600, 3))
+    monkeypatch.undo()
+    assert enhance(clip, _image(0), **GREEDY)[0] == enhance(clip, _image(0), **GREEDY)[0]  # still serving
 
 
 def _metadata(path) -> dict:

@@ -8,7 +8,10 @@ preparation (``ltx_mgpu.text.generate.image``), in one process on the tiny Gemma
   projector, a vision weight in int16 without a marker, a ComfyUI file whose tower does not fit
   ComfyUI's 12B defaults with no config stored, are refused naming the fix;
 * the tokenizer's resize keeps the aspect ratio at about 896 x 896 pixels (ComfyUI's rounding);
-  the model's step gives the tower's square, normalized; bad images are refused naming the fix.
+  the model's step gives the tower's square, normalized, image by image as ComfyUI's batch; bad
+  images are refused naming the fix: a strip of more than 16 to 1 (whose resize for a 896-pixel
+  tower would take gigabytes), an image larger than the tokenizer leaves one (the pool's check),
+  and the finite check allocates nothing of the image's size.
 
 Against ComfyUI's own code: tests/comfyui/test_comfyui_generate.py.
 """
@@ -26,7 +29,15 @@ from safetensors.torch import load_file, save_file
 from ltx_mgpu.assets.ggml_export import export_gemma_gguf
 from ltx_mgpu.text.gemma.sources import GemmaFormatError
 from ltx_mgpu.text.gemma.vision import COMFY_LAYER_NORM_EPS, VISION_CONFIG_METADATA_KEY, find_vision, load_vision
-from ltx_mgpu.text.generate.image import MAX_IMAGES, TOKENIZER_PIXELS, check_image, tokenizer_image, vision_pixels
+from ltx_mgpu.text.generate.image import (
+    MAX_ASPECT,
+    MAX_IMAGES,
+    TOKENIZER_PIXELS,
+    check_image,
+    check_tokenized,
+    tokenizer_image,
+    vision_pixels,
+)
 
 
 def _text_config(snapshot):
@@ -121,3 +132,56 @@ def test_the_model_step_crops_the_centre_and_normalizes():
 def test_bad_images_are_refused_with_the_fix(image, match):
     with pytest.raises(ValueError, match=match):
         check_image(image)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1000, 3), (2, 4000, 3, 3), (1, 1, 4_000_000, 3)])
+def test_a_strip_is_refused_before_its_resize_would_take_gigabytes(shape):
+    """A 1 x 1000 strip: step 1 makes it 28 x 28,334, step 2 (image size 896) 896 x 906,688 float32
+    pixels, 9.7 GB per image, on the pool's GPU (before: allocated; 1 x 4,000,000 rounded its
+    height to 0 and failed in torch)."""
+    image = torch.zeros(shape[0], 1, 1, shape[3]).expand(*shape)  # a view: no memory of its size
+    with pytest.raises(ValueError, match=f"more than {MAX_ASPECT} to 1.*crop it"):
+        tokenizer_image(image)
+
+
+def test_every_aspect_up_to_the_limit_passes_both_steps():
+    for h, w in ((1, 1), (1, MAX_ASPECT), (MAX_ASPECT, 1), (37, 53), (3, 7), (1080, 1920), (100, 1599)):
+        out = tokenizer_image(torch.rand(1, h, w, 3))
+        assert check_tokenized(out) is out  # what the pool checks: every tokenizer output passes
+        assert vision_pixels(out, 28).shape == (1, 3, 28, 28)
+
+
+def test_the_model_step_image_by_image_equals_comfyuis_batch():
+    import torch.nn.functional as F
+
+    image = torch.rand(3, 40, 173, 3)
+    x = F.interpolate(image.movedim(-1, 1), size=(28, round(28 / 40 * 173)), mode="bicubic", antialias=True)
+    left = (x.shape[3] - 28) // 2
+    want = (torch.clip(255.0 * x[..., left:left + 28], 0, 255).round() / 255.0 - 0.5) / 0.5  # clip_preprocess
+    assert torch.equal(vision_pixels(image, 28), want)
+
+
+def test_the_pool_refuses_an_image_the_tokenizer_did_not_resize():
+    with pytest.raises(ValueError, match="2000 x 2000 pixels, more than ComfyUI's Gemma tokenizer.*tokenizer_image"):
+        check_tokenized(torch.zeros(1, 2000, 2000, 3))
+
+
+def test_the_finite_check_of_an_image_allocates_nothing_of_its_size():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    image = torch.rand(2, 300, 400, 3)
+    with Sizes() as sizes:
+        check_image(image)
+    assert sizes.largest < 1000  # torch.isfinite(image).all() wrote a bool per value (3 GB for 16 x 8000 x 8000)
