@@ -19,7 +19,8 @@ tower as ComfyUI's model prepares it (``vision_pixels``), run through the source
 projector (``ltx_mgpu.text.gemma.vision``, loaded on rank 0's layer device by the first
 generation with an image and kept with the encoder) and spliced in place of the prompt's first
 ``<image_soft_token>`` (``ltx_mgpu.text.generate.causal_lm``). A source without a vision tower
-refuses it (``bad_input``, naming the fix).
+refuses it (``bad_input``, naming the fix). A prompt without that token ignores the image, as
+ComfyUI's tokenizer does: the vision tower is neither loaded nor run for it.
 
 Errors: the options, the prompt's text and the image are checked on every rank before any work
 (:class:`~ltx_mgpu.text.generate.options.GenerateOptions`, ``check_prompts``, ``check_tokenized``:
@@ -44,7 +45,7 @@ from ltx_mgpu.text.gemma.vision import find_vision, load_vision
 from ltx_mgpu.text.generate.causal_lm import GemmaGenerator, GenerationCancelled, GenerationResult
 from ltx_mgpu.text.generate.image import check_tokenized, vision_pixels
 from ltx_mgpu.text.generate.options import GenerateOptions
-from ltx_mgpu.text.generate.tokens import GenerationTokenizer, sentencepiece_model
+from ltx_mgpu.text.generate.tokens import IMAGE_SOFT_TOKEN, GenerationTokenizer, sentencepiece_model
 from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS
 
 __all__ = ["PROGRESS_EVERY_S", "NO_VISION_TOWER", "NoVisionTower", "Generation", "generate"]
@@ -157,7 +158,9 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
                 raise ValueError(f"the prompt has {len(ids)} tokens, over the protocol's {MAX_TEXT_TOKENS}; "
                                  "shorten it")
             ctx.progress("generate", 0, options.max_length)
-            image_tokens = generation.image_tokens(image) if image is not None else None
+            # ComfyUI reads an image only in place of an <image_soft_token> (its tokenizer drops it otherwise)
+            read = image is not None and IMAGE_SOFT_TOKEN in ids
+            image_tokens = generation.image_tokens(image) if read else None
             result = generation.generator.generate(ids, options, should_stop=ctx.cancel_requested, on_token=on_token,
                                                    image_tokens=image_tokens)
             texts = (generation.tokenizer.decode(result.tokens), generation.tokenizer.decode(result.tokens, False))
