@@ -7,6 +7,8 @@ preparation (``ltx_mgpu.text.generate.image``), in one process on the tiny Gemma
 * a file without the tower (a text-only ComfyUI file, a GGUF) has none; a tower without its
   projector, a vision weight in int16 without a marker, a ComfyUI file whose tower does not fit
   ComfyUI's 12B defaults with no config stored, are refused naming the fix;
+* a quantized vision layer (ComfyUI's marker) is read dequantized; a NaN or an infinity in a
+  vision weight, the projector or a quantized layer's scale is refused at load, naming the tensor;
 * the tokenizer's resize keeps the aspect ratio at about 896 x 896 pixels (ComfyUI's rounding);
   the model's step gives the tower's square, normalized, image by image as ComfyUI's batch; bad
   images are refused naming the fix: a strip of more than 16 to 1 (whose resize for a 896-pixel
@@ -27,7 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.assets.ggml_export import export_gemma_gguf
-from ltx_mgpu.text.gemma.sources import GemmaFormatError
+from ltx_mgpu.quantized.dequant import dequantize
+from ltx_mgpu.quantized.encode import quantize_layer
+from ltx_mgpu.quantized.layers import LayerQuant
+from ltx_mgpu.text.gemma.sources import GemmaFormatError, GemmaWeightsError
 from ltx_mgpu.text.gemma.vision import COMFY_LAYER_NORM_EPS, VISION_CONFIG_METADATA_KEY, find_vision, load_vision
 from ltx_mgpu.text.generate.image import (
     MAX_ASPECT,
@@ -185,3 +190,42 @@ def test_the_finite_check_of_an_image_allocates_nothing_of_its_size():
     with Sizes() as sizes:
         check_image(image)
     assert sizes.largest < 1000  # torch.isfinite(image).all() wrote a bool per value (3 GB for 16 x 8000 x 8000)
+
+
+_FC1 = "vision_model.encoder.layers.0.mlp.fc1"
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4"])
+def test_a_quantized_vision_layer_is_read_and_a_damaged_one_refused(tiny_gemma_dir, tiny_gemma_comfy_file, tmp_path,
+                                                                   fmt):
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    dense = tensors.pop(f"{_FC1}.weight")
+    parts = quantize_layer(dense.float(), LayerQuant(fmt))
+    tensors.update({f"{_FC1}.{name}": value for name, value in parts.items()})
+    save_file(tensors, str(tmp_path / "q.safetensors"), metadata=meta)
+    source = find_vision(tmp_path / "q.safetensors")
+    want = dequantize(source.quant.of(f"{_FC1}.weight"), {n: v for n, v in parts.items() if n != "comfy_quant"},
+                      torch.float32)
+    got = load_vision(source, _text_config(tiny_gemma_dir)).tower.encoder.layers[0].mlp.fc1.weight
+    assert torch.equal(got, want) and (got - dense.float()).abs().max() < 0.5 * dense.float().abs().max()
+    scale = tensors[f"{_FC1}.weight_scale"].clone()
+    scale.reshape(-1).view(torch.uint8)[: scale.element_size()] = 0xFF  # a NaN (float or e8m0)
+    tensors[f"{_FC1}.weight_scale"] = scale
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(GemmaWeightsError, match=f"{_FC1}.weight holds NaN or infinite values.*download it again"):
+        load_vision(find_vision(tmp_path / "bad.safetensors"), _text_config(tiny_gemma_dir))
+
+
+@pytest.mark.parametrize("key", ["vision_model.encoder.layers.0.self_attn.q_proj.weight",
+                                 "multi_modal_projector.mm_input_projection_weight"])
+def test_a_non_finite_vision_weight_is_refused_at_load(tiny_gemma_dir, tiny_gemma_comfy_file, tmp_path, key):
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[3] = float("inf")
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(GemmaWeightsError, match=f"{key} holds NaN or infinite values; the file is damaged"):
+        load_vision(find_vision(tmp_path / "bad.safetensors"), _text_config(tiny_gemma_dir))
