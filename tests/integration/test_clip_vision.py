@@ -167,7 +167,7 @@ def test_a_raw_image_past_the_clients_resize_is_refused_by_the_pool(pool, clip, 
 
     te = clip.handle
     monkeypatch.setattr(client_text, "tokenizer_image", lambda image: image.float().contiguous())  # a raw client
-    with pytest.raises(BadInputError, match="1200 x 1000 pixels, more than ComfyUI's Gemma tokenizer.*tokenizer_image"):
+    with pytest.raises(BadInputError, match="1200 x 1000 pixels of 3 channels, more than ComfyUI's.*tokenizer_image"):
         te.generate(ENHANCE, GREEDY, image=torch.rand(1, 1000, 1200, 3))
     with pytest.raises(BadInputError, match="more than 16 to 1.*crop it"):
         te.generate(ENHANCE, GREEDY, image=torch.rand(1, 2, 600, 3))

@@ -167,8 +167,13 @@ def test_the_model_step_image_by_image_equals_comfyuis_batch():
 
 
 def test_the_pool_refuses_an_image_the_tokenizer_did_not_resize():
-    with pytest.raises(ValueError, match="2000 x 2000 pixels, more than ComfyUI's Gemma tokenizer.*tokenizer_image"):
+    with pytest.raises(ValueError, match="2000 x 2000 pixels of 3 channels, more than ComfyUI's Gemma tokenizer.*"
+                                         "tokenizer_image"):
         check_tokenized(torch.zeros(1, 2000, 2000, 3))
+    # channels the tokenizer drops: a raw request's [1, 896, 896, 2000] (6.4 GB) went to every rank's check and whole
+    # onto rank 0's GPU before the model's step kept three
+    with pytest.raises(ValueError, match="896 x 896 pixels of 4 channels.*3 channels"):
+        check_tokenized(torch.zeros(1, 1, 1, 1).expand(1, 896, 896, 4))
 
 
 def test_the_finite_check_of_an_image_allocates_nothing_of_its_size():

@@ -81,19 +81,20 @@ def check_image(image: object, what: str = "the image") -> torch.Tensor:
 
 
 def check_tokenized(image: object, what: str = "the image") -> torch.Tensor:
-    """``image`` as :func:`tokenizer_image` leaves one: :func:`check_image`'s, and no more pixels
-    per image than step 1's rounding gives (``h * w <= TOKENIZER_PIXELS + (h + w) / 2``: each side
-    is at most half a pixel over its exact scaled size, whose product is ``TOKENIZER_PIXELS``).
+    """``image`` as :func:`tokenizer_image` leaves one: :func:`check_image`'s, three channels, and
+    no more pixels per image than step 1's rounding gives (``h * w <= TOKENIZER_PIXELS + (h + w) /
+    2``: each side is at most half a pixel over its exact scaled size, whose product is
+    ``TOKENIZER_PIXELS``).
 
     Raises:
         ValueError: naming what is wrong and the fix.
     """
     image = check_image(image, what)
-    h, w = image.shape[1:3]
-    if h * w > TOKENIZER_PIXELS + (h + w) / 2 + 1:
-        raise ValueError(f"{what} is {w} x {h} pixels, more than ComfyUI's Gemma tokenizer leaves an image (about "
-                         "896 x 896): resize it first with ltx_mgpu.text.generate.image.tokenizer_image (the CLIP's "
-                         "generate does)")
+    h, w, c = image.shape[1:]
+    if c != 3 or h * w > TOKENIZER_PIXELS + (h + w) / 2 + 1:
+        raise ValueError(f"{what} is {w} x {h} pixels of {c} channels, more than ComfyUI's Gemma tokenizer leaves an "
+                         "image (about 896 x 896, 3 channels): resize it first with "
+                         "ltx_mgpu.text.generate.image.tokenizer_image (the CLIP's generate does)")
     return image
 
 
