@@ -234,3 +234,19 @@ def test_a_non_finite_vision_weight_is_refused_at_load(tiny_gemma_dir, tiny_gemm
     save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
     with pytest.raises(GemmaWeightsError, match=f"{key} holds NaN or infinite values; the file is damaged"):
         load_vision(find_vision(tmp_path / "bad.safetensors"), _text_config(tiny_gemma_dir))
+
+
+def test_stored_position_ids_are_not_read_as_a_weight(tiny_gemma_dir, tiny_gemma_comfy_file, tmp_path):
+    """An export that wrote SigLIP's ``position_ids`` buffer (int64 ``arange``): before, the image was
+    refused as 'stored as I64 without a ComfyUI comfy_quant marker'."""
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    tensors["vision_model.embeddings.position_ids"] = torch.arange(4)[None]
+    path = tmp_path / "ids.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    config = _text_config(tiny_gemma_dir)
+    with torch.inference_mode():
+        assert torch.equal(load_vision(find_vision(path), config)(pixels),
+                           load_vision(find_vision(tiny_gemma_comfy_file), config)(pixels))
