@@ -394,18 +394,19 @@ def test_guides_reference_audio_and_sharded_weights_on_a_gpu_pool_equal_the_call
         assert max((a - b).abs().max().item() for a, b in zip(out, want, strict=True)) <= 1e-4, weights
 
 
-def _fp8_sized_checkpoint(tmp_dir) -> str:
+def _fp8_sized_checkpoint(tmp_dir, video_head_dim: int = 64) -> str:
     """A 2-block LTX-2.3-layout transformer-only file whose block linears FP8 compute takes
-    (video and audio 4 heads x 64: 256 wide, feed-forwards 1,024), random weights, float32."""
+    (video and audio 4 heads x 64: 256 wide, feed-forwards 1,024; or video heads of
+    ``video_head_dim``), random weights, float32."""
     import json
 
     from safetensors.torch import save_file
     from sp_harness import build_tiny_model, tiny_config
 
-    sizes = dict(attention_head_dim=64, cross_attention_dim=256, audio_attention_head_dim=64,
+    sizes = dict(attention_head_dim=video_head_dim, cross_attention_dim=4 * video_head_dim, audio_attention_head_dim=64,
                  audio_cross_attention_dim=256)
     model = build_tiny_model(**sizes)
-    path = f"{tmp_dir}/fp8_sized.safetensors"
+    path = f"{tmp_dir}/fp8_sized_{video_head_dim}.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path,
               metadata={"config": json.dumps(tiny_config(**sizes))})
     return path
@@ -713,7 +714,8 @@ def test_triton_attention_compiles_into_one_graph_and_a_mask_runs_sdpa():
 def test_a_gpu_pool_loads_triton_8bit_and_its_model_path_equals_the_call_in_process(tmp_path):
     """``attention_type: triton_8bit`` through a one-GPU pool (dtype bf16 and fp8: the compiled
     blocks call the kernel) equals the in-process model of the same plan, stays within the
-    kernel's rounding of the SDPA model, and dtype fp32 is refused at load naming the fix."""
+    kernel's rounding of the SDPA model, and dtype fp32 or a head dim other than 64 and 128 (a
+    custom checkpoint's) is refused at load naming the fix."""
     from ltx_mgpu.client.denoise import remote_load_transformer
     from ltx_mgpu.client.errors import BadInputError
     from ltx_mgpu.client.model import PoolModel
@@ -739,6 +741,11 @@ def test_a_gpu_pool_loads_triton_8bit_and_its_model_path_equals_the_call_in_proc
         with pytest.raises(BadInputError, match="attention_type 'triton_8bit' cannot run on cuda.*'pytorch'"):
             remote_load_transformer(client, TransformerPlan(ckpt, dtype="fp32", attention_type="triton_8bit"),
                                     name="fp32", timeout=300)
+        # a custom checkpoint's head dim the kernel does not take: refused at load, not in the kernel
+        odd = _fp8_sized_checkpoint(tmp_path, video_head_dim=96)
+        with pytest.raises(BadInputError, match="'triton_8bit' cannot run on cuda.*head dims \\(64, 128\\), got 96"):
+            remote_load_transformer(client, TransformerPlan(odd, dtype="bf16", attention_type="triton_8bit"),
+                                    name="d96", timeout=300)
         got = {}
         for dtype in ("bf16", "fp8"):
             loaded = remote_load_transformer(client, TransformerPlan(ckpt, dtype=dtype, attention_type="triton_8bit"),

@@ -19,10 +19,13 @@ tower as ComfyUI's model prepares it (``vision_pixels``), run through the source
 projector (``ltx_mgpu.text.gemma.vision``, loaded on rank 0's layer device by the first
 generation with an image and kept with the encoder) and spliced in place of the prompt's first
 ``<image_soft_token>`` (``ltx_mgpu.text.generate.causal_lm``). A source without a vision tower
-refuses it (``bad_input``, naming the fix).
+refuses it (``bad_input``, naming the fix). A prompt without that token ignores the image, as
+ComfyUI's tokenizer does: the vision tower is neither loaded nor run for it.
 
 Errors: the options, the prompt's text and the image are checked on every rank before any work
-(:class:`~ltx_mgpu.text.generate.options.GenerateOptions`, ``check_prompts``, ``check_image``);
+(:class:`~ltx_mgpu.text.generate.options.GenerateOptions`, ``check_prompts``, ``check_tokenized``:
+an image larger than the tokenizer leaves one or of a long side over ``MAX_ASPECT`` times its short
+side is refused);
 what only rank 0 can find (no vision tower, the prompt's tokens over the protocol's bound, out of
 memory) is agreed: ``bad_input``, the pool keeps serving.
 """
@@ -40,9 +43,9 @@ from ltx_mgpu.pool.text_jobs import resident_text_encoder
 from ltx_mgpu.text.gemma.tokenizer import check_prompts
 from ltx_mgpu.text.gemma.vision import find_vision, load_vision
 from ltx_mgpu.text.generate.causal_lm import GemmaGenerator, GenerationCancelled, GenerationResult
-from ltx_mgpu.text.generate.image import check_image, vision_pixels
+from ltx_mgpu.text.generate.image import check_tokenized, vision_pixels
 from ltx_mgpu.text.generate.options import GenerateOptions
-from ltx_mgpu.text.generate.tokens import GenerationTokenizer, sentencepiece_model
+from ltx_mgpu.text.generate.tokens import IMAGE_SOFT_TOKEN, GenerationTokenizer, sentencepiece_model
 from ltx_mgpu.wire.messages import MAX_TEXT_TOKENS
 
 __all__ = ["PROGRESS_EVERY_S", "NO_VISION_TOWER", "NoVisionTower", "Generation", "generate"]
@@ -120,7 +123,8 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
 
     Raises:
         BadInput: options out of range (named), a prompt that is not Unicode text, an image that
-            is not a finite ``[B, H, W, 3+]`` float tensor, no encoder or another one or another
+            is not a finite ``[B, H, W, 3+]`` float tensor as the tokenizer leaves one
+            (``check_tokenized``), no encoder or another one or another
             patch set (as ``encode``); a source without a vision tower for an image, a prompt of
             more than ``MAX_TEXT_TOKENS`` ids, out of memory or any failure of rank 0's generation
             (agreed).
@@ -132,7 +136,7 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
         extra = sorted(set(tensors) - {"image"})
         if extra:
             raise ValueError(f"the generate request carries unexpected tensor(s) {extra[:5]}; it takes 'image' only")
-        image = check_image(tensors["image"], "the request's image") if "image" in tensors else None
+        image = check_tokenized(tensors["image"], "the request's image") if "image" in tensors else None
     except ValueError as e:
         raise BadInput(str(e)) from None
     state = resident_text_encoder(ctx, params)
@@ -154,7 +158,9 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
                 raise ValueError(f"the prompt has {len(ids)} tokens, over the protocol's {MAX_TEXT_TOKENS}; "
                                  "shorten it")
             ctx.progress("generate", 0, options.max_length)
-            image_tokens = generation.image_tokens(image) if image is not None else None
+            # ComfyUI reads an image only in place of an <image_soft_token> (its tokenizer drops it otherwise)
+            read = image is not None and IMAGE_SOFT_TOKEN in ids
+            image_tokens = generation.image_tokens(image) if read else None
             result = generation.generator.generate(ids, options, should_stop=ctx.cancel_requested, on_token=on_token,
                                                    image_tokens=image_tokens)
             texts = (generation.tokenizer.decode(result.tokens), generation.tokenizer.decode(result.tokens, False))

@@ -12,8 +12,13 @@ single-file format, which carries a one-layer SigLIP vision tower and the projec
   the ComfyUI file does;
 * ``tokenize(skip_template=False)`` with an image applies ComfyUI's image chat template;
 * a Gemma file without a vision tower refuses an image at ``tokenize`` (and the pool refuses one
-  sent past it) naming the fix; an image that is not a finite ComfyUI IMAGE is refused before any
-  request; tokens with an image do not encode.
+  sent past it) naming the fix; a prompt without ``<image_soft_token>`` ignores the image, as
+  ComfyUI's tokenizer does (so the pool neither loads nor needs the vision tower for it); an
+  image that is not a finite ComfyUI IMAGE is refused before any request; tokens with an image do
+  not encode;
+* a raw request past the client's resize (an image larger than ComfyUI's tokenizer leaves one, a
+  strip whose resize would take gigabytes) is refused by every rank before any work, naming the
+  fix, and the pool keeps serving.
 
 The preprocessing and the whole path against ComfyUI itself: tests/comfyui/test_comfyui_generate.py.
 """
@@ -148,11 +153,26 @@ def test_an_image_without_a_vision_tower_or_a_bad_image_is_refused_with_the_fix(
     with pytest.raises(BadInputError, match="has no vision tower.*gemma_3_12B_it_fp4_mixed"):
         te.generate(ENHANCE, GREEDY, image=_image(0))
     assert len(text_only.generate(text_only.tokenize(PROMPT), **GREEDY)) > 0
+    # a prompt without <image_soft_token> ignores the image, as ComfyUI's tokenizer does: no vision tower needed
+    assert te.generate(PROMPT, GREEDY, image=_image(0))["tokens"] == te.generate(PROMPT, GREEDY)["tokens"]
     tokens = clip.tokenize(ENHANCE, image=torch.full((1, 8, 8, 3), float("nan")))
     with pytest.raises(ValueError, match="NaN or infinite"):
         clip.generate(tokens, **GREEDY)
     with pytest.raises(ValueError, match="RGB images"):
         clip.generate(clip.tokenize(ENHANCE, image=torch.zeros(1, 8, 8, 1)), **GREEDY)
+
+
+def test_a_raw_image_past_the_clients_resize_is_refused_by_the_pool(pool, clip, monkeypatch):
+    import ltx_mgpu.client.text as client_text
+
+    te = clip.handle
+    monkeypatch.setattr(client_text, "tokenizer_image", lambda image: image.float().contiguous())  # a raw client
+    with pytest.raises(BadInputError, match="1200 x 1000 pixels of 3 channels, more than ComfyUI's.*tokenizer_image"):
+        te.generate(ENHANCE, GREEDY, image=torch.rand(1, 1000, 1200, 3))
+    with pytest.raises(BadInputError, match="more than 16 to 1.*crop it"):
+        te.generate(ENHANCE, GREEDY, image=torch.rand(1, 2, 600, 3))
+    monkeypatch.undo()
+    assert enhance(clip, _image(0), **GREEDY)[0] == enhance(clip, _image(0), **GREEDY)[0]  # still serving
 
 
 def _metadata(path) -> dict:

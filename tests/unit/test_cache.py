@@ -408,3 +408,33 @@ def test_a_non_finite_entry_of_an_older_version_is_discarded_and_encoded_again(c
     assert not path.exists() and good.exists()
     out, report = encode_cached(cache, ["a cat"], PARTS, RecordingEncoder(), batch_size=8)
     assert report.encoded == 1 and bool(torch.isfinite(out[0].tensor).all())
+
+
+def test_the_finite_checks_of_a_miss_and_a_hit_make_nothing_of_the_embeddings_size(cache):
+    """The checks that keep a non-finite embedding from being cached or returned are one
+    reduction each (``ltx_mgpu.finite``): ``torch.isfinite(t).all()`` wrote a bool tensor of the
+    embedding's size, twice per miss and once per hit, on the host of every encode through the
+    cache (several times the reduction's cost; the encoder's own check is one reduction since
+    b78713e)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.masks: list[int] = []  # the sizes of the bool tensors made
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bool:
+                    self.masks.append(t.numel())
+            return out
+
+    def encode(prompts):
+        return [PromptEmbedding(torch.randn(64, D), "2.0") for _ in prompts]
+
+    with Ops() as ops:
+        encode_cached(cache, ["a cat"], PARTS, encode, batch_size=8)  # a miss, written
+        out, report = encode_cached(cache, ["a cat"], PARTS, never_encode, batch_size=8)  # a hit, read
+    assert report.hits == 1 and out[0].tensor.shape == (64, D)
+    assert [n for n in ops.masks if n > 1] == []

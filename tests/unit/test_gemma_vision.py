@@ -7,8 +7,13 @@ preparation (``ltx_mgpu.text.generate.image``), in one process on the tiny Gemma
 * a file without the tower (a text-only ComfyUI file, a GGUF) has none; a tower without its
   projector, a vision weight in int16 without a marker, a ComfyUI file whose tower does not fit
   ComfyUI's 12B defaults with no config stored, are refused naming the fix;
+* a quantized vision layer (ComfyUI's marker) is read dequantized; a NaN or an infinity in a
+  vision weight, the projector or a quantized layer's scale is refused at load, naming the tensor;
 * the tokenizer's resize keeps the aspect ratio at about 896 x 896 pixels (ComfyUI's rounding);
-  the model's step gives the tower's square, normalized; bad images are refused naming the fix.
+  the model's step gives the tower's square, normalized, image by image as ComfyUI's batch; bad
+  images are refused naming the fix: a strip of more than 16 to 1 (whose resize for a 896-pixel
+  tower would take gigabytes), an image larger than the tokenizer leaves one (the pool's check),
+  and the finite check allocates nothing of the image's size.
 
 Against ComfyUI's own code: tests/comfyui/test_comfyui_generate.py.
 """
@@ -24,9 +29,20 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ltx_mgpu.assets.ggml_export import export_gemma_gguf
-from ltx_mgpu.text.gemma.sources import GemmaFormatError
+from ltx_mgpu.quantized.dequant import dequantize
+from ltx_mgpu.quantized.encode import quantize_layer
+from ltx_mgpu.quantized.layers import LayerQuant
+from ltx_mgpu.text.gemma.sources import GemmaFormatError, GemmaWeightsError
 from ltx_mgpu.text.gemma.vision import COMFY_LAYER_NORM_EPS, VISION_CONFIG_METADATA_KEY, find_vision, load_vision
-from ltx_mgpu.text.generate.image import MAX_IMAGES, TOKENIZER_PIXELS, check_image, tokenizer_image, vision_pixels
+from ltx_mgpu.text.generate.image import (
+    MAX_ASPECT,
+    MAX_IMAGES,
+    TOKENIZER_PIXELS,
+    check_image,
+    check_tokenized,
+    tokenizer_image,
+    vision_pixels,
+)
 
 
 def _text_config(snapshot):
@@ -121,3 +137,116 @@ def test_the_model_step_crops_the_centre_and_normalizes():
 def test_bad_images_are_refused_with_the_fix(image, match):
     with pytest.raises(ValueError, match=match):
         check_image(image)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1000, 3), (2, 4000, 3, 3), (1, 1, 4_000_000, 3)])
+def test_a_strip_is_refused_before_its_resize_would_take_gigabytes(shape):
+    """A 1 x 1000 strip: step 1 makes it 28 x 28,334, step 2 (image size 896) 896 x 906,688 float32
+    pixels, 9.7 GB per image, on the pool's GPU (before: allocated; 1 x 4,000,000 rounded its
+    height to 0 and failed in torch)."""
+    image = torch.zeros(shape[0], 1, 1, shape[3]).expand(*shape)  # a view: no memory of its size
+    with pytest.raises(ValueError, match=f"more than {MAX_ASPECT} to 1.*crop it"):
+        tokenizer_image(image)
+
+
+def test_every_aspect_up_to_the_limit_passes_both_steps():
+    for h, w in ((1, 1), (1, MAX_ASPECT), (MAX_ASPECT, 1), (37, 53), (3, 7), (1080, 1920), (100, 1599)):
+        out = tokenizer_image(torch.rand(1, h, w, 3))
+        assert check_tokenized(out) is out  # what the pool checks: every tokenizer output passes
+        assert vision_pixels(out, 28).shape == (1, 3, 28, 28)
+
+
+def test_the_model_step_image_by_image_equals_comfyuis_batch():
+    import torch.nn.functional as F
+
+    image = torch.rand(3, 40, 173, 3)
+    x = F.interpolate(image.movedim(-1, 1), size=(28, round(28 / 40 * 173)), mode="bicubic", antialias=True)
+    left = (x.shape[3] - 28) // 2
+    want = (torch.clip(255.0 * x[..., left:left + 28], 0, 255).round() / 255.0 - 0.5) / 0.5  # clip_preprocess
+    assert torch.equal(vision_pixels(image, 28), want)
+
+
+def test_the_pool_refuses_an_image_the_tokenizer_did_not_resize():
+    with pytest.raises(ValueError, match="2000 x 2000 pixels of 3 channels, more than ComfyUI's Gemma tokenizer.*"
+                                         "tokenizer_image"):
+        check_tokenized(torch.zeros(1, 2000, 2000, 3))
+    # channels the tokenizer drops: a raw request's [1, 896, 896, 2000] (6.4 GB) went to every rank's check and whole
+    # onto rank 0's GPU before the model's step kept three
+    with pytest.raises(ValueError, match="896 x 896 pixels of 4 channels.*3 channels"):
+        check_tokenized(torch.zeros(1, 1, 1, 1).expand(1, 896, 896, 4))
+
+
+def test_the_finite_check_of_an_image_allocates_nothing_of_its_size():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    image = torch.rand(2, 300, 400, 3)
+    with Sizes() as sizes:
+        check_image(image)
+    assert sizes.largest < 1000  # torch.isfinite(image).all() wrote a bool per value (3 GB for 16 x 8000 x 8000)
+
+
+_FC1 = "vision_model.encoder.layers.0.mlp.fc1"
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4"])
+def test_a_quantized_vision_layer_is_read_and_a_damaged_one_refused(tiny_gemma_dir, tiny_gemma_comfy_file, tmp_path,
+                                                                   fmt):
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    dense = tensors.pop(f"{_FC1}.weight")
+    parts = quantize_layer(dense.float(), LayerQuant(fmt))
+    tensors.update({f"{_FC1}.{name}": value for name, value in parts.items()})
+    save_file(tensors, str(tmp_path / "q.safetensors"), metadata=meta)
+    source = find_vision(tmp_path / "q.safetensors")
+    want = dequantize(source.quant.of(f"{_FC1}.weight"), {n: v for n, v in parts.items() if n != "comfy_quant"},
+                      torch.float32)
+    got = load_vision(source, _text_config(tiny_gemma_dir)).tower.encoder.layers[0].mlp.fc1.weight
+    assert torch.equal(got, want) and (got - dense.float()).abs().max() < 0.5 * dense.float().abs().max()
+    scale = tensors[f"{_FC1}.weight_scale"].clone()
+    scale.reshape(-1).view(torch.uint8)[: scale.element_size()] = 0xFF  # a NaN (float or e8m0)
+    tensors[f"{_FC1}.weight_scale"] = scale
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(GemmaWeightsError, match=f"{_FC1}.weight holds NaN or infinite values.*download it again"):
+        load_vision(find_vision(tmp_path / "bad.safetensors"), _text_config(tiny_gemma_dir))
+
+
+@pytest.mark.parametrize("key", ["vision_model.encoder.layers.0.self_attn.q_proj.weight",
+                                 "multi_modal_projector.mm_input_projection_weight"])
+def test_a_non_finite_vision_weight_is_refused_at_load(tiny_gemma_dir, tiny_gemma_comfy_file, tmp_path, key):
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[3] = float("inf")
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(GemmaWeightsError, match=f"{key} holds NaN or infinite values; the file is damaged"):
+        load_vision(find_vision(tmp_path / "bad.safetensors"), _text_config(tiny_gemma_dir))
+
+
+def test_stored_position_ids_are_not_read_as_a_weight(tiny_gemma_dir, tiny_gemma_comfy_file, tmp_path):
+    """An export that wrote SigLIP's ``position_ids`` buffer (int64 ``arange``): before, the image was
+    refused as 'stored as I64 without a ComfyUI comfy_quant marker'."""
+    with safe_open(str(tiny_gemma_comfy_file), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(tiny_gemma_comfy_file))
+    tensors["vision_model.embeddings.position_ids"] = torch.arange(4)[None]
+    path = tmp_path / "ids.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    config = _text_config(tiny_gemma_dir)
+    with torch.inference_mode():
+        assert torch.equal(load_vision(find_vision(path), config)(pixels),
+                           load_vision(find_vision(tiny_gemma_comfy_file), config)(pixels))

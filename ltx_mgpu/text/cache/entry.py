@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
+from ltx_mgpu.finite import is_finite
 from ltx_mgpu.text.cache.keys import FORMAT_VERSION, CacheKeyParts
 from ltx_mgpu.text.features import PromptEmbedding
 
@@ -47,7 +48,7 @@ def encode_entry(key: str, parts: CacheKeyParts, embedding: PromptEmbedding) -> 
     tensor = embedding.tensor.detach()
     if tensor.device.type == "meta":
         raise ValueError("cannot cache a 'meta' tensor (it has no data); encode on a real device")
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not is_finite(tensor):
         raise ValueError("the embedding holds NaN or infinite values; it is not cached (the text encoder's weights are "
                          "damaged or overflow in its dtype)")
     tensor = tensor.to("cpu").clone(memory_format=torch.contiguous_format)  # own storage, offset 0
@@ -106,7 +107,7 @@ def decode_entry(data: bytes, key: str, parts: CacheKeyParts) -> PromptEmbedding
         if want != "float32" or tensor.dtype != torch.bfloat16:
             raise DamagedEntry(f"stored as {tensor.dtype}, metadata says {want}")
         tensor = tensor.float()  # exact: it was stored because the upcast round-trips
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not is_finite(tensor):
         raise DamagedEntry("its embedding holds NaN or infinite values (written by an older version)")
     try:
         dropped = int(metadata["dropped_tokens"])

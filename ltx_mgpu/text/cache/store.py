@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 import torch
 
 from ltx_mgpu.files import check_directory_setting
+from ltx_mgpu.finite import is_finite
 from ltx_mgpu.text.cache.entry import DamagedEntry, decode_entry, encode_entry
 from ltx_mgpu.text.cache.keys import CacheKeyParts, cache_key, default_cache_dir
 from ltx_mgpu.text.features import PromptEmbedding
@@ -578,8 +579,7 @@ def encode_cached(
         for prompt, emb in zip(chunk, results):
             if not isinstance(emb, PromptEmbedding):
                 raise TypeError(f"encode_fn must return PromptEmbedding objects, got {type(emb).__name__}")
-            if emb.tensor.is_floating_point() and emb.tensor.device.type != "meta" \
-                    and not bool(torch.isfinite(emb.tensor).all()):
+            if emb.tensor.device.type != "meta" and not is_finite(emb.tensor):
                 raise ValueError(f"the embedding of prompt {prompt!r:.60} holds NaN or infinite values; nothing of "
                                  "it is cached or returned (the text encoder's weights are damaged or overflow in "
                                  "its dtype: load them again, or encode in bfloat16 or float32)")

@@ -62,9 +62,10 @@ COMFY_LAYER_NORM_EPS = 1e-5
 _COMFY_HEADS, _COMFY_TOKENS_PER_IMAGE = 16, 256
 #: Stored dtypes read as they are (safetensors' names).
 _PLAIN = ("BF16", "F16", "F32")
-#: SigLIP's attention-pooling head: stored by some exports, unused by Gemma 3 (``vision_use_head``
-#: off; ComfyUI's ``CLIPVision`` has none and ignores it).
-_UNUSED = "tower.head."
+#: Stored by some exports, not weights of the tower: SigLIP's attention-pooling head, unused by
+#: Gemma 3 (``vision_use_head`` off; ComfyUI's ``CLIPVision`` has none and ignores it), and the
+#: position ids (``arange``, a buffer transformers makes and 4.x-era exports wrote; int64).
+_UNUSED = ("tower.head.", "tower.embeddings.position_ids")
 #: Stored prefix -> our prefix (``tower.`` + transformers' ``SiglipVisionModel`` names, ``projector.``).
 _PREFIXES = (("model.vision_tower.vision_model.", "tower."), ("vision_tower.vision_model.", "tower."),
              ("model.vision_tower.", "tower."), ("vision_tower.", "tower."), ("vision_model.", "tower."),
