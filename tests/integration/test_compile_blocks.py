@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sp_harness import build_tiny_model, make_inputs, make_perturbations
 from ltx_core.model.transformer.attention import AttentionFunction
+from sp_harness import build_tiny_model, make_inputs, make_perturbations
 from torch._dynamo.utils import counters
 
 from ltx_mgpu.denoise.fp8 import compile_blocks
