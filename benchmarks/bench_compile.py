@@ -28,15 +28,17 @@ at it):
    at that size);
 3. ``unbucketed`` (unless ``--no-unbucketed``, or buckets are off): a fresh process with buckets
    off at both sizes (each compiles its own graph): the steady time of the same calls unpadded,
-   without the attention wrappers' graph breaks that one rank needs only with buckets.
+   without the attention wrappers (operators in the graph) that one rank needs only with buckets.
 
 Per call: ``first_s`` (wall time of the first forward, synchronised), ``steady_s`` (the median of
-``--repeats`` later forwards at the size) and ``compile_s = first_s - steady_s``; the tokens and
-the padded tokens the blocks ran; the Inductor / AOTAutograd cache counters of the process
+``--repeats`` later forwards at the size) and ``compile_s = first_s - steady_s``; ``dynamo``: what
+the first call added to the compiler's counts and timed phases (graphs, graph breaks, frames,
+seconds per phase: where ``compile_s`` goes); the tokens and the padded tokens the blocks ran;
+the Inductor / AOTAutograd cache counters of the process
 (``torch._dynamo.utils.counters``) and what the product said (the compile messages and the
 cache's log lines). Summary: the compile times, and the cost of buckets per step:
-``bucket_overhead`` (steady at ``--size`` bucketed / unbucketed - 1: no padding, the graph breaks
-alone) and ``padding_cost`` (at ``--nearby``: padding plus graph breaks) beside
+``bucket_overhead`` (steady at ``--size`` bucketed / unbucketed - 1: no padding, the wrappers
+alone) and ``padding_cost`` (at ``--nearby``: padding plus wrappers) beside
 ``padded_fraction`` (padded tokens / tokens - 1). Goals (issue 30): ``warm`` <= 10 s, ``cold``
 <= 45 s (``compile_s``); with buckets the nearby size compiles nothing.
 """
@@ -93,7 +95,7 @@ def child(a: argparse.Namespace) -> dict:
     for size, shape in zip(a.child_sizes.split(","), shapes):
         _, state, ctxs = make_inputs(shape, a.audio_tokens, a.text_tokens, a.caption_channels, device, dtype)
         v, au = modalities(state, torch.cat(ctxs), device, dtype)
-        times = []
+        times, before = [], _dynamo_totals()
         for _ in range(1 + a.repeats):
             sync(device)
             t0 = time.perf_counter()
@@ -101,14 +103,31 @@ def child(a: argparse.Namespace) -> dict:
                 sp(v, au, None)
             sync(device)
             times.append(time.perf_counter() - t0)
+            if len(times) == 1:
+                first = _dynamo_totals()
         steady = statistics.median(times[1:])
         tokens = shape[0] * shape[1] * shape[2]
         out["calls"][size] = {"tokens": tokens, "padded_tokens": sp.padded_tokens(tokens), "first_s": times[0],
-                              "steady_s": steady, "steady_runs_s": times[1:], "compile_s": times[0] - steady}
+                              "steady_s": steady, "steady_runs_s": times[1:], "compile_s": times[0] - steady,
+                              "dynamo": {k: first[k] - before.get(k, 0) for k in first
+                                         if first[k] - before.get(k, 0) > 1e-3}}
         print(f"{size}: first call {times[0]:.1f} s, then {steady * 1e3:.1f} ms "
               f"({tokens} tokens run as {sp.padded_tokens(tokens)})", flush=True)
     out["counters"] = {k: dict(counters[k]) for k in ("inductor", "aot_autograd", "stats") if k in counters}
     return out
+
+
+def _dynamo_totals() -> dict:
+    """The compiler's counts and seconds so far in this process: graphs, graph breaks, frames
+    compiled, and the seconds of each phase torch times (``dynamo_timed``:
+    ``compile_attempt_N`` the traces of a frame, a second one after a graph break;
+    ``bytecode_tracing``; ``OutputGraph.call_user_compiler`` the backend, here the cache lookups
+    and loads; ``build_guards``...; nested phases overlap)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters  # noqa: PLC0415 - the compiler's own record
+    totals = {f"{k}_s": sum(v) for k, v in compilation_time_metrics.items()}
+    totals.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
+                  frames=counters["frames"]["ok"])
+    return totals
 
 
 def run_child(argv: list[str], sizes: str, cache_dir: Path, timeout: float, extra: tuple[str, ...] = ()) -> dict:
