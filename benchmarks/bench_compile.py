@@ -37,8 +37,8 @@ at it):
 Per call: ``first_s`` (wall time of the first forward, synchronised), ``steady_s`` (the median of
 ``--repeats`` later forwards at the size) and ``compile_s = first_s - steady_s``; ``dynamo``: what
 the first call added to the compiler's counts and timed phases (graphs, graph breaks, frames,
-seconds per phase: where ``compile_s`` goes; what did not grow is left out); the tokens and the padded tokens the blocks ran;
-the Inductor / AOTAutograd cache counters of the process
+seconds per phase: where ``compile_s`` goes; what did not grow is left out); the tokens and the
+padded tokens the blocks ran; the Inductor / AOTAutograd cache counters of the process
 (``torch._dynamo.utils.counters``) and what the product said (the compile messages and the
 cache's log lines). Summary: the compile times, and the cost of buckets per step:
 ``bucket_overhead`` (steady at ``--size`` bucketed / unbucketed - 1: no padding, the wrappers
