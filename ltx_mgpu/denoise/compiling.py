@@ -20,9 +20,9 @@ cache's default ``<home>/embeddings`` (:func:`ltx_mgpu.identity.home_dir`);
 ``$LTX_MGPU_COMPILE_CACHE=off`` keeps nothing (torch's defaults then apply).
 
 Keys (:func:`graph_key`): the graph key is a SHA-256 over what changes the compiled graph and its
-kernels: the torch, CUDA and Triton versions, the GPU's name and compute capability, the block's
-structure and sizes (its ``repr``: the linears' sizes and fp8 compute / scaling) and parameter
-dtypes, the number of blocks, the layout and world size; the size key one over the shapes,
+kernels: the torch, CUDA and Triton versions, :data:`GRAPHS_REVISION`, the GPU's name and compute
+capability, the block's structure and sizes (its ``repr``: the linears' sizes and fp8 compute /
+scaling) and parameter dtypes, the number of blocks, the layout and world size; the size key one over the shapes,
 dtypes and strides of a block's inputs (:func:`size_key`). A key that differs only misses.
 
 Security: Inductor's artifacts are code that is executed, and the mega-cache blob is read by
@@ -62,13 +62,18 @@ from ltx_mgpu import settings
 from ltx_mgpu.files import write_atomically
 from ltx_mgpu.identity import home_dir
 
-__all__ = ["ARTIFACT_MAGIC", "MAX_ARTIFACT_BYTES", "CompileCache", "CompileCacheWarning", "CompileWatch",
+__all__ = ["ARTIFACT_MAGIC", "GRAPHS_REVISION", "MAX_ARTIFACT_BYTES", "CompileCache", "CompileCacheWarning",
+           "CompileWatch",
            "compile_cache_dir", "compile_message", "compiled_message", "graph_key", "private_dir", "size_key"]
 
 #: The first bytes of an artifact file; a SHA-256 of the payload follows, then the payload.
 ARTIFACT_MAGIC = b"ltx_mgpu compile artifacts 1\n"
 #: An artifact file larger than this is not read (no blob of the blocks' compiles comes near it).
 MAX_ARTIFACT_BYTES = 4 << 30
+#: The revision of how this package makes the blocks' graphs (what it installs in them before
+#: compiling: attention calls, wrappers as operators), part of every graph key: a new revision
+#: makes other graphs, so an earlier revision's artifact files are not taken for this one's.
+GRAPHS_REVISION = 2
 _DIGEST = 32
 _OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -138,7 +143,7 @@ def graph_key(model: torch.nn.Module, device: torch.device, *, layout: str = "",
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version, "device": device.type,
         "gpu": gpu, "blocks": len(blocks), "block": repr(blocks[0]),
         "params": [[n, str(p.dtype), list(p.shape)] for n, p in blocks[0].named_parameters()],
-        "layout": layout, "world_size": world_size,
+        "layout": layout, "world_size": world_size, "revision": GRAPHS_REVISION,
     }
     if attention:  # none for ltx-core's own backends: their keys stay as before
         parts["attention"] = attention

@@ -48,8 +48,10 @@ import zlib
 import torch
 import torch.nn.functional as F
 from ltx_core.guidance.perturbations import BatchedPerturbationConfig, PerturbationType
+from ltx_core.model.transformer.attention import AttentionFunction
 from ltx_core.model.transformer.transformer import BasicAVTransformerBlock
 
+from ltx_mgpu.denoise.attention.function import traceable
 from ltx_mgpu.denoise.plan import Fp8Config
 from ltx_mgpu.quantized import kernels
 from ltx_mgpu.shards import local_rows, local_tensor
@@ -315,18 +317,24 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool | None = None) -> int:
     compiled graph serves them all, per code object and input shapes (inductor fuses each
     activation's FP8 quantisation into the kernel that produces it): an ltx-core
     ``BasicAVTransformerBlock`` gets its perturbations as :class:`BlockPerturbations`, so no
-    graph depends on the block's index. Attention wrappers that exchange tokens between ranks
-    run outside the graph (``torch.compiler.disable``). ``dynamic``: ``torch.compile``'s (None: a
-    second token count recompiles with symbolic shapes; False: one compiled graph per token
+    graph depends on the block's index; an ltx-core ``AttentionFunction`` member in a block's
+    attention modules is replaced by the same call in a form Dynamo traces
+    (:func:`~ltx_mgpu.denoise.attention.function.traceable`: no graph break). The
+    sequence-parallel attention wrappers (token exchange, padded keys cut) are one opaque
+    operator each (:mod:`ltx_mgpu.denoise.parallel.ulysses`). ``dynamic``: ``torch.compile``'s
+    (None: a second token count recompiles with symbolic shapes; False: one compiled graph per token
     count)."""
     blocks = list(model.transformer_blocks)
-    # One graph per token count, layout and batch, for each code object the attention wrappers'
-    # graph breaks make (``Attention.forward`` and its resume functions): a pool that meets many
-    # sizes must not reach the limits, past which Dynamo would run the blocks eagerly.
+    # One graph per token count, layout and batch (and per code object, should a graph break
+    # remain): a pool that meets many sizes must not reach the limits, past which Dynamo would
+    # run the blocks eagerly.
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, _RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * _RECOMPILE_LIMIT)
     for block in blocks:
+        for module in block.modules():  # ltx-core's enum attention functions, as a call Dynamo traces
+            if isinstance(getattr(module, "attention_function", None), AttentionFunction):
+                module.attention_function = traceable(module.attention_function)
         compiled = torch.compile(block.forward, dynamic=dynamic)
         shared = isinstance(block, BasicAVTransformerBlock)
         block.forward = _shared_graph_forward(block, compiled) if shared else compiled

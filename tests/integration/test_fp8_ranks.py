@@ -48,9 +48,9 @@ def test_a_sharded_fp8_file_gathers_e4m3_and_equals_the_replicated_load(tmp_path
 
 def test_fp8_compute_under_sequence_parallelism_cfg_parallel_and_sharding_equals_world_size_one(tmp_path):
     """The compiled e4m3 blocks (per-token activation scales, so a token's quantisation does not
-    depend on how the tokens are split) with the Ulysses exchanges running eagerly between the
-    compiled regions, on 2 gloo ranks: Ulysses, CFG-parallel and FSDP2-sharded weights equal the
-    compiled fp8 model at world size 1."""
+    depend on how the tokens are split) with the Ulysses exchanges as one operator of the
+    compiled graph (running eagerly inside it), on 2 gloo ranks: Ulysses, CFG-parallel and
+    FSDP2-sharded weights equal the compiled fp8 model at world size 1."""
     shape = dict(frames=3, height=3, width=5, audio_tokens=7, batch=2, fp8_compute=True)
     cases = [dict(name="fp8_sharded_ulysses", **shape, layout="ulysses", sharded=True),
              dict(name="fp8_cfg", **shape, layout="cfg_ulysses")]

@@ -20,6 +20,7 @@ from ltx_mgpu.denoise.attention.function import (
     core_attention_type,
     install,
     support_error,
+    traceable,
 )
 from ltx_mgpu.denoise.compiling import graph_key
 from ltx_mgpu.denoise.model import load_ltx_model
@@ -114,3 +115,17 @@ def test_the_emulated_rounding_backs_the_chosen_formats(tq, tk, d):
     assert bf16 < err["int8", "16bit"] < err["int8", "e4m3"] < 0.05
     assert err["int8", "e4m3"] < err["e4m3", "16bit"] < err["e4m3", "e4m3"]
     assert 2 * err["int8", "16bit"] < err["e4m3", "16bit"]
+
+
+def test_an_enum_attention_function_becomes_the_same_call_without_a_graph_break():
+    """``traceable``: ltx-core's ``AttentionFunction`` member as a call Dynamo traces whole
+    (``fullgraph=True``; a break in torch 2.9's Dynamo otherwise), equal to the member's call;
+    other functions unchanged."""
+    q, k, v = _qkv(tq=9, tk=12, heads=4, d=16)
+    fn = traceable(AttentionFunction.PYTORCH)
+    want = AttentionFunction.PYTORCH(q, k, v, 4)
+    assert torch.equal(fn(q, k, v, 4), want)
+    got = torch.compile(lambda a, b, c: fn(a, b, c, 4), fullgraph=True, backend="eager")(q, k, v)
+    assert torch.equal(got, want)
+    triton = TritonAttention()
+    assert traceable(triton) is triton

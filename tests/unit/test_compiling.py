@@ -8,10 +8,12 @@ import hashlib
 import os
 import re
 import stat
+from unittest import mock
 
 import pytest
 import torch
 
+from ltx_mgpu.denoise import compiling
 from ltx_mgpu.denoise.compiling import (
     ARTIFACT_MAGIC,
     CompileCache,
@@ -182,3 +184,5 @@ def test_the_graph_key_changes_with_what_changes_the_graph():
     assert graph_key(a, "cpu") == graph_key(Model(8), "cpu")  # weights' values do not matter
     assert len({graph_key(a, "cpu"), graph_key(b, "cpu"), graph_key(a, "cpu", world_size=2),
                 graph_key(a, "cpu", layout="cfg_ulysses"), graph_key(a.to(torch.bfloat16), "cpu")}) == 5
+    with mock.patch.object(compiling, "GRAPHS_REVISION", compiling.GRAPHS_REVISION + 1):  # our graphs change
+        assert graph_key(a, "cpu") != graph_key(Model(8), "cpu")

@@ -152,3 +152,12 @@ def test_wrapping_an_x0_model_names_the_fix():
 
     with pytest.raises(TypeError, match="velocity_model"):
         SequenceParallelTransformer(X0Model(build_tiny_model()), None, 64)
+
+
+def test_the_wrappers_operator_runs_only_inside_a_sequence_parallel_forward():
+    """``torch.ops.ltx_mgpu.ulysses_attention`` (what a compiled block calls for a wrapper) runs
+    the wrapper installed for the forward under way; called outside one it refuses, naming where
+    it runs, instead of running some other model's wrapper."""
+    q = torch.randn(1, 4, 8)
+    with pytest.raises(RuntimeError, match="only inside SequenceParallelTransformer.forward"):
+        torch.ops.ltx_mgpu.ulysses_attention(q, q, q, 2, None, "self")

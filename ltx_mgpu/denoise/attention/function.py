@@ -19,12 +19,18 @@ import functools
 import importlib.util
 
 import torch
-from ltx_core.model.transformer.attention import Attention, AttentionFunction, PytorchAttention
+from ltx_core.model.transformer.attention import (
+    Attention,
+    AttentionFunction,
+    FlashAttention3,
+    PytorchAttention,
+    XFormersAttention,
+)
 
 from ltx_mgpu.denoise.attention import kernel
 
 __all__ = ["MIN_CAPABILITY", "TRITON_8BIT", "TritonAttention", "attention_function", "core_attention_type", "install",
-           "support_error"]
+           "support_error", "traceable"]
 
 #: The ``attention_type`` of this backend (one of :data:`ltx_mgpu.choices.ATTENTION_TYPES`).
 TRITON_8BIT = "triton_8bit"
@@ -118,6 +124,25 @@ def attention_function(name: str):
         ValueError: a name ltx-core does not know either.
     """
     return TritonAttention() if name == TRITON_8BIT else AttentionFunction(name)
+
+
+def traceable(fn):
+    """The attention callable ``fn`` in a form ``torch.compile`` traces without a graph break:
+    an ltx-core ``AttentionFunction`` member (an ``Enum`` whose call Dynamo cannot trace in some
+    torch versions, 2.9 for one: a graph break and a restarted trace at every attention) becomes
+    ``functools.partial(AttentionFunction.__call__, member)``, the same call; anything else is
+    returned as is.
+
+    The member's call makes an instance of one of ltx-core's attention classes, subclasses of a
+    ``typing.Protocol``, whose first instantiation in a process replaces the class's ``__init__``
+    (``typing``'s ``_no_init_or_replace_init``): the class dict Dynamo guarded on while tracing
+    the first block changes, and the next block is traced and compiled again. So each of those
+    classes is instantiated once here, before any trace."""
+    if isinstance(fn, AttentionFunction):
+        for cls in (PytorchAttention, XFormersAttention, FlashAttention3):
+            cls()
+        return functools.partial(AttentionFunction.__call__, fn)
+    return fn
 
 
 def install(model: torch.nn.Module, fn) -> int:

@@ -44,6 +44,17 @@ own process group (made once per pool group and group count) or, one rank per gr
 plain model; every rank then all-gathers the groups' outputs. With ``auto`` each rank holds the
 same tokens as under pure Ulysses (``B * T / W``) and the all-to-alls run over fewer ranks.
 
+Compiling (dtype fp8 compiles every block, :func:`ltx_mgpu.denoise.fp8.compile_blocks`): the two
+wrappers are one opaque operator of the block's graph, ``torch.ops.ltx_mgpu.ulysses_attention``
+(``torch.library``; out shaped like the queries), which runs the installed wrapper of its kind
+eagerly: the exchanges, the cut to the real keys (whose count varies inside a token bucket) and
+the attention function. So a block compiles to one graph, with no graph break (a break makes
+Dynamo trace the block's frame twice and cut it into several graphs, each traced, cached and
+looked up apart). The wrapper a graph's call runs is the one of the first block, set for the
+duration of the model call by :meth:`SequenceParallelTransformer.forward`: every block's wrapper
+of a kind holds the same state and inner function (ltx-core builds every ``Attention`` with one,
+:func:`~ltx_mgpu.denoise.attention.function.install` sets one).
+
 Every rank must call ``forward`` with the same inputs and perturbation config: the blocks
 skip attention (and so the collectives) on ``all_perturbed`` / skip flags, which is safe
 only when every rank skips alike. The collectives move bytes only, so the result equals
@@ -167,12 +178,19 @@ class UlyssesSelfAttention:
     model) is cut to the same keys.
     """
 
+    kind = "self"
+
     def __init__(self, inner, state: _ShardState):
         self.inner = inner
         self.state = state
 
-    @torch.compiler.disable  # the exchange runs eagerly between compiled block regions (fp8 compute)
     def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque call in the graph (module doc: Compiling)
+            return torch.ops.ltx_mgpu.ulysses_attention(q, k, v, heads, mask, self.kind)
+        return self.run(q, k, v, heads, mask)
+
+    def run(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The exchange and the attention, eagerly: ``[B, T_local, heads*D]`` out, like ``q``."""
         s = self.state
         q, k, v = s.tokens_to_heads([q, k, v], heads)
         k, v, mask = s.real_keys(k, v, mask)
@@ -187,12 +205,19 @@ class UlyssesVideoToAudioAttention:
     padded ones left out), then the head outputs are all-gathered: ``[B, T_audio, heads*D]``.
     """
 
+    kind = "video_to_audio"
+
     def __init__(self, inner, state: _ShardState):
         self.inner = inner
         self.state = state
 
-    @torch.compiler.disable
     def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque call in the graph (module doc: Compiling)
+            return torch.ops.ltx_mgpu.ulysses_attention(q, k, v, heads, mask, self.kind)
+        return self.run(q, k, v, heads, mask)
+
+    def run(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The exchange and the attention, eagerly: ``[B, T_audio, heads*D]`` out, like ``q``."""
         s = self.state
         if mask is not None:
             raise NotImplementedError("sequence parallelism does not support a video->audio attention mask")
@@ -207,6 +232,33 @@ class UlyssesVideoToAudioAttention:
         out = self.inner(q, k, v, h_local, None)
         gathered = _all_gather_stacked(out, s.world, s.group)  # [W, B, T_audio, h*D]
         return gathered.view(s.world, b, t_audio, h_local, -1).permute(1, 2, 0, 3, 4).reshape(b, t_audio, hd)
+
+
+#: The wrappers a compiled graph's ``ulysses_attention`` calls run: the installed ones of the
+#: sequence-parallel forward under way, by ``kind`` (:meth:`SequenceParallelTransformer._ulysses`
+#: sets it for its model call; forwards never nest).
+_ACTIVE: dict[str, UlyssesSelfAttention | UlyssesVideoToAudioAttention] = {}
+
+
+@torch.library.custom_op("ltx_mgpu::ulysses_attention", mutates_args=())
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: torch.Tensor | None,
+                      kind: str) -> torch.Tensor:
+    """A wrapper's :meth:`~UlyssesSelfAttention.run` as one operator of a compiled graph: the
+    wrapper of ``kind`` (``"self"`` or ``"video_to_audio"``) installed for the forward under way;
+    out: a new contiguous tensor shaped and typed like ``q``.
+
+    Raises:
+        RuntimeError: called outside a sequence-parallel forward.
+    """
+    wrapper = _ACTIVE.get(kind)
+    if wrapper is None:
+        raise RuntimeError(f"ulysses_attention ({kind}) runs only inside SequenceParallelTransformer.forward")
+    return wrapper.run(q, k, v, heads, mask).contiguous()
+
+
+@ulysses_attention.register_fake
+def _(q, k, v, heads, mask, kind):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 #: The wrapper of each attention module :data:`~ltx_mgpu.denoise.parallel.split.ULYSSES_SPLIT` declares,
@@ -477,10 +529,14 @@ class SequenceParallelTransformer(torch.nn.Module):
         t = video.latent.shape[1]
         local, t_pad = shard_video(video, s.world, s.rank, self.padded_tokens(t, s.world))
         s.valid_tokens, s.padded_tokens = t, t_pad
+        block = self.model.transformer_blocks[0]
+        wrappers = [getattr(getattr(block, name, None), "attention_function", None) for name in _WRAPPERS]
+        _ACTIVE.update({w.kind: w for w in wrappers if isinstance(w, tuple(_WRAPPERS.values()))})
         try:
             vx_local, ax = self.model(local, audio, perturbations)
         finally:
             s.valid_tokens = s.padded_tokens = 0
+            _ACTIVE.clear()
         if s.world == 1:
             return vx_local[:, :t], ax
         gathered = _all_gather_stacked(vx_local, s.world, s.group)  # [W, B, T_loc, C]
