@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ltx_mgpu.finite import is_finite, nonfinite
 from ltx_mgpu.text.config import TOKEN_BUDGET, canonical_dtype
 from ltx_mgpu.text.features import Projection, PromptEmbedding
 from ltx_mgpu.text.gemma import graphs
@@ -67,15 +68,11 @@ def _store(row: torch.Tensor, dtype: torch.dtype, out: RowAllocator | None, j: i
     return dest.copy_(row)
 
 
-def _finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor on ``t``'s device: every value of ``t`` is finite. One reduction pass
-    (``torch.aminmax``, which propagates NaN; an infinite value is the minimum or the maximum), with
-    nothing of ``t``'s size allocated, where ``torch.isfinite(t).all()`` writes a bool tensor of
-    ``t``'s size and reads it again (on the host, many times slower)."""
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    lo, hi = torch.aminmax(t)
-    return torch.isfinite(lo) & torch.isfinite(hi)
+def _nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
+    """:func:`ltx_mgpu.finite.nonfinite` of ``t`` as a 0-dim bool tensor on ``t``'s device (False
+    where ``t`` cannot hold a NaN: an empty row)."""
+    flag = nonfinite(t)
+    return flag if flag is not None else torch.zeros((), dtype=torch.bool, device=t.device)
 
 
 def _exact_in(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -333,7 +330,7 @@ class PromptEncoder:
         if features.device.type != "cuda":
             projected = self.projection.project(features)
             rows = [_store(projected[j, m - n:], out_dtype, out, j) for j, n in enumerate(lengths)]
-            return rows, [bool(_finite_flag(row)) for row in rows]
+            return rows, [is_finite(row) for row in rows]
         width = self.projection.out_features
         numel = sum(lengths) * width
         staging = self._staging
@@ -345,15 +342,15 @@ class PromptEncoder:
         pending, at = [], 0
         for g0 in range(0, b, group):
             projected = self.projection.project(features[g0:g0 + group])
-            views, finite = [], []
+            views, bad = [], []
             for j in range(g0, min(b, g0 + group)):
                 n = lengths[j]
                 host = staging[at:at + n * width].view(n, width)
                 host.copy_(projected[j - g0, m - n:], non_blocking=True)
-                finite.append(_finite_flag(projected[j - g0, m - n:]))
+                bad.append(_nonfinite_flag(projected[j - g0, m - n:]))
                 views.append(host)
                 at += n * width
-            flags[g0:g0 + len(finite)].copy_(torch.stack(finite), non_blocking=True)
+            flags[g0:g0 + len(bad)].copy_(torch.stack(bad), non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
             pending.append((done, views))
@@ -362,9 +359,9 @@ class PromptEncoder:
             done.synchronize()
             for v in views:
                 rows.append(_store(v, out_dtype, out, len(rows)))
-        ok = flags.tolist()
+        ok = [not f for f in flags.tolist()]
         if not _exact_in(self.projection.dtype, out_dtype):
-            ok = [f and bool(_finite_flag(row)) for f, row in zip(ok, rows)]
+            ok = [f and is_finite(row) for f, row in zip(ok, rows)]
         return rows, ok
 
 
