@@ -458,8 +458,16 @@ def test_fp8_calls_padded_to_a_token_bucket_share_a_graph_on_the_flash_kernel(tm
     """``dtype: fp8`` through ``velocity_model`` (as the pool calls it, the product's token buckets):
     72 and 75 video tokens both run as the bucket of 128, one compiled graph for both (Dynamo's
     counters); the two attentions that see the padded video run on SDPA's flash kernel alone
-    (which takes no mask: the padded keys are left out, not masked); each call equals the
-    unpadded compiled call within bf16 rounding."""
+    (which takes no mask: the padded keys are left out, not masked).
+
+    Exactness of the padding is shown in fp32, where nothing rounds it away: the padded call
+    equals the unpadded one to 1e-4 on the GPU's kernels. In fp8 the padded and unpadded calls
+    run different kernels (other GEMM tiles at another row count), and e4m3 re-rounds their
+    bf16-level differences into a few percent (a bf16 rounding of the latent moves this model's
+    fp8 velocity about 4 %, its bf16 one 0.8 %), so there each is held to the fp8 error of the
+    unpadded call against the bf16 model: no more than 1.25 times it."""
+    import dataclasses
+
     import torch._dynamo.utils as dynamo_utils
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -472,7 +480,18 @@ def test_fp8_calls_padded_to_a_token_bucket_share_a_graph_on_the_flash_kernel(tm
     x, t, ctx = _fp8_inputs()
     g = torch.Generator().manual_seed(9)
     inputs = [x, [torch.randn(2, 128, 3, 5, 5, generator=g).cuda().bfloat16(), x[1]]]
+    fp32 = load_ltx_model(TransformerPlan(ckpt, dtype="fp32"), "cuda")
+    bucketed = dataclasses.replace(fp32, buckets=fp8.buckets)  # eager blocks, padded as the fp8 model pads
+    bf16 = load_ltx_model(TransformerPlan(ckpt), "cuda")
     with torch.no_grad():
+        for xs in inputs:
+            xs32 = [a.float() for a in xs]
+            plain = comfy_forward(fp32, fp32.transformer, xs32, t, ctx.float())
+            padded = comfy_forward(bucketed, bucketed.velocity_model(), xs32, t, ctx.float())
+            for a, b in zip(padded, plain, strict=True):
+                assert _rel(a, b) <= 1e-4, _rel(a, b)
+        del fp32, bucketed
+        ref = [comfy_forward(bf16, bf16.transformer, xs, t, ctx) for xs in inputs]
         want = [comfy_forward(fp8, fp8.transformer, xs, t, ctx) for xs in inputs]  # unpadded, own graphs
     velocity = fp8.velocity_model()
     flash_calls = []
@@ -488,19 +507,22 @@ def test_fp8_calls_padded_to_a_token_bucket_share_a_graph_on_the_flash_kernel(tm
             wrapper.inner = on_flash
     graphs = []
     with torch.no_grad():
-        for xs, w in zip(inputs, want, strict=True):
+        for xs, w, r in zip(inputs, want, ref, strict=True):
             got = comfy_forward(fp8, velocity, xs, t, ctx)
             graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
-            for a, b in zip(got, w, strict=True):
-                assert a.shape == b.shape and torch.isfinite(a).all() and _rel(a, b) <= 1e-2, _rel(a, b)
+            for a, b, c in zip(got, w, r, strict=True):
+                assert a.shape == b.shape and torch.isfinite(a).all()
+                assert _rel(a, c) <= 1.25 * _rel(b, c), (_rel(a, c), _rel(b, c))
     assert graphs[1] == graphs[0]  # 75 tokens ran the graph 72 tokens compiled
     assert {(q, m) for q, _, m in flash_calls} >= {(128, None)} and all(m is None for _, _, m in flash_calls)
     assert {k for _, k, _ in flash_calls} == {72, 75}
 
 
 def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
-    """``dtype: fp8`` through a one-GPU pool's MODEL path equals the in-process fp8 model, also
-    with FSDP2-sharded weights (world size 1, the compiled blocks inside FSDP's hooks); a ComfyUI
+    """``dtype: fp8`` through a one-GPU pool's MODEL path equals the in-process fp8 model called as
+    the pool calls it (``velocity_model``: padded to the token bucket, so the same compiled
+    kernels), also with FSDP2-sharded weights (world size 1, the compiled blocks inside FSDP's
+    hooks); a ComfyUI
     LoRA patch changes the result and removing it restores the unpatched one; a skipped block
     (skip-layer guidance) equals the in-process skip and gives the compiled block back."""
     from ltx_mgpu.client.denoise import remote_load_transformer
@@ -514,9 +536,9 @@ def test_fp8_compute_on_a_gpu_pool_replicated_sharded_and_patched(tmp_path):
     local = load_ltx_model(TransformerPlan(ckpt, dtype="fp8"), "cuda")
     x, t, ctx = _fp8_inputs()
     with torch.no_grad():
-        want = comfy_forward(local, local.transformer, x, t, ctx)
+        want = comfy_forward(local, local.velocity_model(), x, t, ctx)
         with skipped_blocks(local.transformer, [0]):
-            want_skipped = comfy_forward(local, local.transformer, x, t, ctx)
+            want_skipped = comfy_forward(local, local.velocity_model(), x, t, ctx)
     g = torch.Generator().manual_seed(8)
 
     class Lora:
@@ -713,7 +735,8 @@ def test_triton_attention_compiles_into_one_graph_and_a_mask_runs_sdpa():
 
 def test_a_gpu_pool_loads_triton_8bit_and_its_model_path_equals_the_call_in_process(tmp_path):
     """``attention_type: triton_8bit`` through a one-GPU pool (dtype bf16 and fp8: the compiled
-    blocks call the kernel) equals the in-process model of the same plan, stays within the
+    blocks call the kernel) equals the in-process model of the same plan called as the pool calls
+    it (``velocity_model``, padded to the token bucket), stays within the
     kernel's rounding of the SDPA model, and dtype fp32 or a head dim other than 64 and 128 (a
     custom checkpoint's) is refused at load naming the fix."""
     from ltx_mgpu.client.denoise import remote_load_transformer
@@ -730,10 +753,10 @@ def test_a_gpu_pool_loads_triton_8bit_and_its_model_path_equals_the_call_in_proc
     with torch.no_grad():
         for dtype in ("bf16", "fp8"):
             local = load_ltx_model(TransformerPlan(ckpt, dtype=dtype, attention_type="triton_8bit"), "cuda")
-            want[dtype] = comfy_forward(local, local.transformer, x, t, ctx)
+            want[dtype] = comfy_forward(local, local.velocity_model(), x, t, ctx)  # as the pool calls it
             del local
             plain = load_ltx_model(TransformerPlan(ckpt, dtype=dtype, attention_type="pytorch"), "cuda")
-            sdpa[dtype] = comfy_forward(plain, plain.transformer, x, t, ctx)
+            sdpa[dtype] = comfy_forward(plain, plain.velocity_model(), x, t, ctx)
             del plain
     base = short_dir()
     client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)

@@ -80,7 +80,7 @@ class Config(NamedTuple):
 
 #: The configuration per head dim (the default of :func:`attend`). ``benchmarks/bench_attention.py
 #: --sweep`` times the alternatives at LTX-2's shapes.
-CONFIGS = {128: Config(128, 128, 8, 3), 64: Config(128, 128, 8, 3)}
+CONFIGS = {128: Config(64, 128, 4, 3), 64: Config(64, 128, 4, 3)}
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
