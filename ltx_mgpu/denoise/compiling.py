@@ -185,14 +185,14 @@ def _what(tokens: int | None, world_size: int, bucketed: bool) -> str:
 
 def compile_message(tokens: int | None, cached: bool, world_size: int = 1, bucketed: bool = False) -> str:
     """What a person reads when a block call compiles: ``"compiling the transformer blocks for
-    6,144 video tokens, first time at this size: about a minute"`` (``cached``: ``"..., from the
+    6,144 video tokens, first time at this size: up to a minute"`` (``cached``: ``"..., from the
     compile cache: a few seconds"``); with ``world_size`` > 1 the tokens are each GPU's; with
     ``bucketed`` (token buckets, :mod:`ltx_mgpu.denoise.parallel.buckets`) they are the bucket's, which
     every smaller count down to the previous bucket shares: ``"for up to 6,144 video tokens"``."""
     what = _what(tokens, world_size, bucketed)
     if cached:
         return f"compiling the transformer blocks for {what}, from the compile cache: a few seconds"
-    return f"compiling the transformer blocks for {what}, first time at this size: about a minute"
+    return f"compiling the transformer blocks for {what}, first time at this size: up to a minute"
 
 
 def compiled_message(tokens: int | None, seconds: float, world_size: int = 1, bucketed: bool = False) -> str:

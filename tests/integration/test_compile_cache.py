@@ -73,7 +73,7 @@ def test_a_fresh_process_loads_the_saved_compile_and_hits_the_cache(tmp_path):
     first = run_child(48, cache_dir)
     assert first["loaded"] == 0
     assert first["logs"][0] == ("compiling the transformer blocks for 48 video tokens, first time at this size: "
-                                "about a minute")
+                                "up to a minute")
     assert first["logs"][1].startswith(f"compile cache: saved {cache_dir / 'artifacts'}")
     assert first["counters"]["inductor"].get("fxgraph_cache_miss", 0) >= 1
     assert first["counters"]["inductor"].get("fxgraph_cache_hit", 0) == 0

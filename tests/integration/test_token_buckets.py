@@ -46,4 +46,4 @@ def test_nearby_sizes_share_one_compiled_graph_and_equal_the_eager_model():
     assert graphs[3] == graphs[2] + 1  # the next bucket compiles its one graph
     assert said == [compile_message(48, False, bucketed=True), compile_message(64, False, bucketed=True)]
     assert said[0] == ("compiling the transformer blocks for up to 48 video tokens, first time at this size: "
-                       "about a minute")
+                       "up to a minute")

@@ -129,13 +129,13 @@ def test_a_link_at_an_artifact_path_is_not_followed(cache_env, tmp_path):
 
 def test_the_message_names_the_size_and_what_it_costs():
     assert compile_message(6144, cached=False) == (
-        "compiling the transformer blocks for 6,144 video tokens, first time at this size: about a minute")
+        "compiling the transformer blocks for 6,144 video tokens, first time at this size: up to a minute")
     assert compile_message(6144, cached=True) == (
         "compiling the transformer blocks for 6,144 video tokens, from the compile cache: a few seconds")
     assert compile_message(1536, cached=False, world_size=4) == (
-        "compiling the transformer blocks for 1,536 video tokens per GPU, first time at this size: about a minute")
+        "compiling the transformer blocks for 1,536 video tokens per GPU, first time at this size: up to a minute")
     assert compile_message(6144, cached=False, bucketed=True) == (
-        "compiling the transformer blocks for up to 6,144 video tokens, first time at this size: about a minute")
+        "compiling the transformer blocks for up to 6,144 video tokens, first time at this size: up to a minute")
     assert compiled_message(6144, 38.7) == "compiled the transformer blocks for 6,144 video tokens in 39 s"
     assert compiled_message(1536, 2.2, world_size=4, bucketed=True) == (
         "compiled the transformer blocks for up to 1,536 video tokens per GPU in 2 s")

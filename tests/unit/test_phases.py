@@ -110,7 +110,7 @@ def test_a_compile_is_a_phase_that_begins_and_ends():
     said, events = [], []
     ctx = SimpleNamespace(log=said.append, progress=lambda *event: events.append(event))
     announce_compile(ctx, "compiling the transformer blocks for up to 6,144 video tokens, first time at this size: "
-                          "about a minute")
+                          "up to a minute")
     announce_compile(ctx, "compiled the transformer blocks for up to 6,144 video tokens in 39 s", done=True)
     assert events == [("compile", 0, 1), ("compile", 1, 1)] and len(said) == 2
     assert phase_label("compile") == "compiling" and ProgressBars.LABELS["compile"] == "compile"
