@@ -160,7 +160,10 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
             ctx.progress("generate", 0, options.max_length)
             # ComfyUI reads an image only in place of an <image_soft_token> (its tokenizer drops it otherwise)
             read = image is not None and IMAGE_SOFT_TOKEN in ids
+            loads_vision = read and generation.vision is None
             image_tokens = generation.image_tokens(image) if read else None
+            if loads_vision:  # status counts the vision tower's bytes from now on
+                state.publish(ctx)
             result = generation.generator.generate(ids, options, should_stop=ctx.cancel_requested, on_token=on_token,
                                                    image_tokens=image_tokens)
             texts = (generation.tokenizer.decode(result.tokens), generation.tokenizer.decode(result.tokens, False))

@@ -153,9 +153,15 @@ class ResidentTextEncoder:
         if self.generation is not None:
             self.generation.reset()
 
+    def publish(self, ctx: JobContext) -> None:
+        """Hold this encoder in ``ctx``'s model registry under :data:`TEXT_ENCODER`, with its
+        :meth:`info` and patch set id as its ``status`` entry (again after a change they show)."""
+        ctx.models.put(TEXT_ENCODER, self, info={**self.info(), "patches": self.patches})
+
     def info(self) -> dict:
         """``status`` entry: key, placement, weights, whether this rank holds Gemma, and the
-        bytes and devices of its weights (Gemma + projection)."""
+        bytes and devices of its weights (Gemma + projection, and the vision tower once an image
+        loaded it: rank 0, float32)."""
         config = self.request.config
         info: dict[str, Any] = {"key": self.request.key, "placement": config.placement,
                                 "weights": self.request.weights_mode, "dtype": config.dtype,
@@ -165,6 +171,9 @@ class ResidentTextEncoder:
         if self.encoder is not None:
             tensors = [*self.encoder.tower.model.parameters(), *self.encoder.tower.model.buffers(),
                        *self.encoder.projection.parameters()]
+            vision = getattr(self.generation, "vision", None)
+            if vision is not None:
+                tensors += [*vision.parameters(), *vision.buffers()]
             info["bytes"] = int(sum(t.numel() * t.element_size() for t in tensors))
             info["devices"] = sorted({str(t.device) for t in tensors})
         if self.device_map:
@@ -225,7 +234,7 @@ def load_text_encoder(ctx: JobContext, params: dict, tensors: dict) -> tuple[dic
             free_memory(ctx.device)
     ctx.agree(error)
     state = ResidentTextEncoder(req, encoder, tp.wire_dtype(ctx.device.type, config.dtype), device_map)
-    ctx.models.put(TEXT_ENCODER, state, info=state.info())
+    state.publish(ctx)
     seconds = time.perf_counter() - t0
     if encoder is not None:
         ctx.log(f"loaded Gemma ({encoder.tower.format}, {req.weights_mode}, {config.placement}) and the "
@@ -477,5 +486,5 @@ def text_patches(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, di
     used = used_adapters(params["entries"])
     state.patches = params["patches"] if patches else NO_PATCHES
     state.adapters = {k: v for k, v in held.items() if k in used}
-    ctx.models.put(TEXT_ENCODER, state, info={**state.info(), "patches": state.patches})
+    state.publish(ctx)
     return {"patches": state.patches, "keys": len(keys), "adapters": sorted(state.adapters)}, {}

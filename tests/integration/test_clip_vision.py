@@ -120,6 +120,26 @@ def test_the_snapshot_reads_the_image_as_the_comfy_file(pool, clip):
     assert enhance(snapshot, _image(4), **GREEDY) == enhance(clip, _image(4), **GREEDY)
 
 
+def test_status_counts_the_vision_tower_once_an_image_loads_it(pool, reference):
+    """The text encoder's ``status`` bytes on rank 0 grow by the vision tower's (SigLIP and the
+    projector, float32: transformers' modules, so the reference's count) when the first image
+    loads it; rank 1 holds no vision tower."""
+    te, loaded = run("LTXMGPU_GemmaLoader", pool, "tiny-gemma", "checkpoints/tiny-ltx-2.3.safetensors", "bf16",
+                     "single", True)
+    clip = type(loaded)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+
+    def held():
+        return [r["models"]["text_encoder"]["bytes"] for r in pool.client.status()["ranks"]]
+
+    enhance(clip, None, text=PROMPT, **GREEDY)  # loads this encoder; no image: no vision tower
+    before = held()
+    enhance(clip, _image(5), **GREEDY)
+    hf = reference[0].model
+    vision = [*hf.vision_tower.parameters(), *hf.vision_tower.buffers(), *hf.multi_modal_projector.parameters(),
+              *hf.multi_modal_projector.buffers()]
+    assert held() == [before[0] + sum(t.numel() * t.element_size() for t in vision), before[1]]
+
+
 def test_a_batch_of_images_is_one_image_entry_as_comfyuis(clip, reference):
     images = torch.cat([_image(1, h=64, w=40), _image(2, h=64, w=40)])
     ids, _ = enhance(clip, images, **GREEDY)
