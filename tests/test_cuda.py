@@ -463,9 +463,9 @@ def test_fp8_calls_padded_to_a_token_bucket_share_a_graph_on_the_flash_kernel(tm
     Exactness of the padding is shown in fp32, where nothing rounds it away: the padded call
     equals the unpadded one to 1e-4 on the GPU's kernels. In fp8 the padded and unpadded calls
     run different kernels (other GEMM tiles at another row count), and e4m3 re-rounds their
-    bf16-level differences into a few percent (a bf16 rounding of the latent moves this model's
-    fp8 velocity about 4 %, its bf16 one 0.8 %), so there each is held to the fp8 error of the
-    unpadded call against the bf16 model: no more than 1.25 times it."""
+    bf16-level differences into percents (``benchmarks/results/notes.md``, "fp8 and token
+    buckets"), so there each is held to the fp8 error of the unpadded call against the bf16
+    model: no more than 1.25 times it."""
     import dataclasses
 
     import torch._dynamo.utils as dynamo_utils
