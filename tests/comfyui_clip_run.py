@@ -6,7 +6,8 @@ Used by ``tests/comfyui/test_comfyui_clip.py``; run with ComfyUI's Python (``$CO
 
 ``SPEC.json``: ``{"comfyui": dir, "gemma_config": the tiny snapshot's config.json, "text_encoders":
 dir, "gemma": file name there (ComfyUI's single-file format), "checkpoints": dir, "checkpoint":
-file name there, "loras": dir, "lora": file name there, "prompts": {case: text},
+file name there, "loras": dir, "lora": file name there, "lora_projection": file name there (a LoRA
+on the text projection), "prompts": {case: text},
 "long_tokens": n}``. The ``long`` case is made here: the shortest repetition of a sentence that
 ComfyUI's tokenizer makes at least ``long_tokens`` tokens.
 
@@ -208,6 +209,16 @@ def main() -> int:
         (theirs_after,) = encode(comfy_nodes.LoraLoader().load_lora(model, theirs, spec["lora"], 1.0, 1.0)[1],
                                  prompts["short"])
         tensors["lora.comfy"] = theirs_after[0][0].contiguous()
+
+        # a LoRA on the text projection (a tower key with it) at strength_clip 0.8, on both CLIPs
+        logs.clear()
+        proj_ours = comfy_nodes.LoraLoader().load_lora(model, ours, spec["lora_projection"], 1.0, 0.8)[1]
+        proj_theirs = comfy_nodes.LoraLoader().load_lora(model, theirs, spec["lora_projection"], 1.0, 0.8)[1]
+        report["lora_projection"] = {"ours": sorted(proj_ours.patches), "comfy": sorted(proj_theirs.patcher.patches),
+                                     "logs": [m for m in logs if "not loaded" in m.lower()]}
+        for who, clip in (("ours", proj_ours), ("comfy", proj_theirs)):
+            (cond,) = encode(clip, prompts["short"])
+            tensors[f"lora_projection.{who}"] = cond[0][0].contiguous()
     pool.client.shutdown()
     save_file(tensors, str(out_dir / "conds.safetensors"))
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
