@@ -464,6 +464,9 @@ def text_patches(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, di
     if state.encoder is not None:
         if state.merged is None:
             state.merged = EncoderPatches(state.encoder.tower, state.encoder.projection)
+            vision = getattr(state.generation, "vision", None)
+            if vision is not None:  # rank 0 loaded the vision tower for an image before any patch set
+                state.merged.vision.attach(vision)
         try:
             keys = state.merged.set(patches)
         except Exception as e:  # noqa: BLE001 - a key that does not fit, out of memory: agreed below

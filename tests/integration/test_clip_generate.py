@@ -13,8 +13,8 @@ Generation (``GemmaClip.generate`` / ``decode``, what ComfyUI's ``TextGenerate``
 
 LoRAs (``LoraLoader``'s CLIP strength: ``add_patches``; ``text_patches`` in the pool):
 
-* ``cond_stage_model.state_dict()`` names the Gemma tower's weights and the LTX-2.3 text
-  projection's as ComfyUI does, so ``add_patches`` takes exactly those keys;
+* ``cond_stage_model.state_dict()`` names the Gemma tower's weights, its vision tower's and
+  projector's and the LTX-2.3 text projection's as ComfyUI does, so ``add_patches`` takes exactly those keys;
 * a LoRA'd CLIP encodes (and generates) what an in-process encoder with the same patches merged
   does (fp32, every key of a layer patched, ``batch_parallel``: both ranks merged); the plain CLIP
   afterwards encodes what it did before; strengths matter; a LoRA on the text projection (both
@@ -41,8 +41,9 @@ from ltx_mgpu.denoise.patches import WeightPatch
 from ltx_mgpu.text.cache.keys import resolve_dtype
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
-from ltx_mgpu.text.encoder.patches import EncoderPatches
+from ltx_mgpu.text.encoder.patches import EncoderPatches, comfy_vision_keys
 from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX, TowerPatches
+from ltx_mgpu.text.gemma.vision import find_vision
 from ltx_mgpu.text.generate.causal_lm import GemmaGenerator
 from ltx_mgpu.text.generate.options import GenerateOptions
 from ltx_mgpu.text.generate.tokens import GenerationTokenizer, sentencepiece_model
@@ -233,8 +234,10 @@ def test_the_clip_names_the_gemma_weights_as_comfyui(fp32, local):
     keys = fp32[1].cond_stage_model.state_dict()
     projection = {f"text_embedding_projection.{n}": tuple(p.shape)
                   for n, p in local.encoder.projection.named_parameters()}  # LTX-2.3's two linears
-    assert len(projection) == 4 and {k: tuple(v.shape) for k, v in keys.items()} == {
-        **{COMFY_TOWER_PREFIX + n: tuple(p.shape) for n, p in local.tower.model.named_parameters()}, **projection}
+    vision = comfy_vision_keys(find_vision(fp32[0].config.gemma))  # the tiny ComfyUI file has a vision tower
+    assert len(projection) == 4 and vision and {k: tuple(v.shape) for k, v in keys.items()} == {
+        **{COMFY_TOWER_PREFIX + n: tuple(p.shape) for n, p in local.tower.model.named_parameters()}, **projection,
+        **vision}
     assert all(v.device.type == "meta" for v in keys.values())
     twin = fp32[1].clone()
     assert twin.add_patches({"diffusion_model.x.weight": adapter(torch.zeros(1, 1), torch.zeros(1, 1))}) == []

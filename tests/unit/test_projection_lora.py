@@ -8,6 +8,11 @@
 * a patched projection equals a projection loaded from ComfyUI's merged weights (float32 merge in
   the checkpoint's feature order, rounded to the file's bf16): the stored parameters are equal and
   so are the outputs; bias diffs (``.diff_b``) merge; ``set({})`` and a changed set restore exactly;
+* ComfyUI's names of the vision tower's and projector's weights (``Gemma3_12B.vision_model``, a
+  ``CLIPVision`` with SigLIP's names, and ``.multi_modal_projector``) are the loaded ``GemmaVision``'s
+  parameters under ComfyUI's prefixes; vision patches kept before the tower loads merge when it is
+  attached, a changed set restores and merges (rounded to the file's bf16, as ComfyUI), and a
+  Gemma without a vision tower refuses vision keys naming the fix;
 * the whole encoder's set sends each key to its part, refuses a key of neither part, a projection
   key of the other LTX-2 version and a factor that does not fit, before any weight changes.
 """
@@ -24,7 +29,10 @@ from ltx_mgpu.text.encoder.patches import (
     COMFY_PROJECTION_PREFIX,
     EncoderPatches,
     ProjectionPatches,
+    VisionPatches,
     comfy_projection_keys,
+    comfy_vision_key,
+    comfy_vision_keys,
 )
 from ltx_mgpu.text.features import load_projection
 from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX
@@ -130,7 +138,8 @@ def test_the_encoders_set_sends_each_key_to_its_part_and_refuses_before_any_chan
     merger = EncoderPatches(tower, proj)
     good = {tower_key: [_lora(q.shape)], video_key: [_lora(weights["video_aggregate_embed.weight"].shape)]}
     cases = {
-        "gemma3_12b.transformer.vision_model.x.weight": "the LoRA patches something else",
+        "gemma3_12b.transformer.lm_head.weight": "the LoRA patches something else",
+        "gemma3_12b.transformer.vision_model.x.weight": "vision tower has no such weight",
         COMFY_PROJECTION_PREFIX + "weight": "LTX-2.3 text projection has no such weight",
         COMFY_PROJECTION_PREFIX + "audio_aggregate_embed.weight": "do not make the weight.s",
     }
@@ -142,3 +151,64 @@ def test_the_encoders_set_sends_each_key_to_its_part_and_refuses_before_any_chan
     assert not torch.equal(q.detach(), loaded_q) and not torch.equal(proj.video_aggregate_embed.weight, loaded_v)
     assert merger.set({}) == set()
     assert torch.equal(q.detach(), loaded_q) and torch.equal(proj.video_aggregate_embed.weight, loaded_v)
+
+
+# --------------------------------------------------------------------------- the vision tower and projector
+
+
+def test_comfyuis_names_of_the_vision_weights_are_the_loaded_parameters(gemma):
+    from ltx_mgpu.text.gemma.vision import find_vision, load_vision
+
+    source = find_vision(gemma["comfy"])
+    model = load_vision(source, gemma["tower"].config)
+    keys = comfy_vision_keys(source)
+    assert keys == {comfy_vision_key(n): tuple(p.shape) for n, p in model.named_parameters()}
+    # ComfyUI's Gemma3_12B: CLIPVision (SigLIP names) as vision_model, Gemma3MultiModalProjector
+    assert keys["gemma3_12b.transformer.vision_model.encoder.layers.0.self_attn.q_proj.weight"]
+    assert "gemma3_12b.transformer.vision_model.post_layernorm.weight" in keys
+    assert "gemma3_12b.transformer.multi_modal_projector.mm_soft_emb_norm.weight" in keys
+    with pytest.raises(ValueError, match="not a vision tower or projector parameter"):
+        comfy_vision_key("head.probe")
+
+
+def test_vision_patches_merge_when_attached_and_when_the_set_changes(gemma):
+    from ltx_mgpu.text.gemma.vision import find_vision, load_vision
+
+    source = find_vision(gemma["comfy"])
+    q_key = "gemma3_12b.transformer.vision_model.encoder.layers.0.self_attn.q_proj.weight"
+    norm_key = "gemma3_12b.transformer.multi_modal_projector.mm_soft_emb_norm.weight"
+    fresh = load_vision(source, gemma["tower"].config)
+    q, norm = fresh.tower.encoder.layers[0].self_attn.q_proj.weight, fresh.projector.mm_soft_emb_norm.weight
+    loaded_q, loaded_norm = q.detach().clone(), norm.detach().clone()
+    q_patches = [_lora(q.shape, strength_model=0.5)]
+    g = torch.Generator().manual_seed(5)
+    norm_patches = [WeightPatch("diff", 0.3, diff=torch.randn(norm.shape, generator=g))]
+
+    state = VisionPatches(gemma["comfy"])
+    assert state.set({q_key: q_patches}) == {q_key}  # kept: no model yet
+    state.attach(fresh)
+    assert torch.equal(q.detach(), _comfy_merge(loaded_q, q_patches).float())  # the file's bf16, as ComfyUI
+    assert state.set({norm_key: norm_patches}) == {norm_key}
+    assert torch.equal(q.detach(), loaded_q)
+    assert torch.equal(norm.detach(), _comfy_merge(loaded_norm, norm_patches).float())
+    assert state.set({}) == set() and torch.equal(norm.detach(), loaded_norm)
+    with pytest.raises(ValueError, match="has no such weight"):
+        state.set({"gemma3_12b.transformer.vision_model.encoder.layers.9.mlp.fc1.weight": q_patches})
+    with pytest.raises(ValueError, match="do not make the weight.s"):
+        state.set({q_key: [_lora((3, 3))]})
+    assert torch.equal(q.detach(), loaded_q) and state.keys == set()
+
+
+def test_vision_keys_on_a_gemma_without_a_vision_tower_are_refused_with_the_fix(gemma, tmp_path):
+    from safetensors import safe_open
+
+    text_only = tmp_path / "text-only.safetensors"
+    with safe_open(str(gemma["comfy"]), "pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        save_file({k: f.get_tensor(k) for k in names if not k.startswith(("vision_model.", "multi_modal"))},
+                  str(text_only), metadata=f.metadata())
+    state = VisionPatches(text_only)
+    key = "gemma3_12b.transformer.vision_model.post_layernorm.weight"
+    with pytest.raises(ValueError, match="has no vision tower"):
+        state.set({key: [WeightPatch("diff", 1.0, diff=torch.ones(64))]})
+    assert state.set({}) == set()

@@ -36,9 +36,10 @@ from torch import nn
 
 from ltx_mgpu.text.features import Projection, detect_projection_version
 from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX, TowerPatches
+from ltx_mgpu.text.gemma.vision import VisionSource, find_vision, vision_weights
 
-__all__ = ["COMFY_PROJECTION_PREFIX", "EncoderPatches", "ProjectionPatches", "comfy_projection_keys",
-           "projection_file_weights"]
+__all__ = ["COMFY_PROJECTION_PREFIX", "EncoderPatches", "ProjectionPatches", "VisionPatches", "comfy_projection_keys",
+           "comfy_vision_key", "comfy_vision_keys", "projection_file_weights"]
 
 #: The prefix of the projection's keys in ComfyUI's LTX-2 text encoder state dict.
 COMFY_PROJECTION_PREFIX = "text_embedding_projection."
@@ -49,6 +50,9 @@ _LAYOUTS = {
             for side in ("video", "audio") for p in ("weight", "bias")},
 }
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+#: ``GemmaVision``'s parameter prefix -> ComfyUI's (``Gemma3_12B.vision_model`` / ``.multi_modal_projector``).
+_VISION_PREFIXES = (("tower.", "gemma3_12b.transformer.vision_model."),
+                    ("projector.", "gemma3_12b.transformer.multi_modal_projector."))
 #: Rows of a projection weight merged at a time (bounds the float32 copies on the device).
 _ROWS = 256
 
@@ -169,6 +173,118 @@ class ProjectionPatches:
             param[rows].copy_(block.to(param.dtype))
 
 
+def comfy_vision_keys(source: VisionSource) -> dict[str, tuple[int, ...]]:
+    """ComfyUI's state-dict key -> shape of each vision weight of ``source`` (module doc):
+    ``gemma3_12b.transformer.vision_model.<name>`` / ``gemma3_12b.transformer.multi_modal_projector.<name>``.
+
+    Raises:
+        GemmaFormatError: as :func:`~ltx_mgpu.text.gemma.vision.vision_weights`.
+    """
+    return {comfy_vision_key(ours): shape for ours, (shape, _) in vision_weights(source).items()}
+
+
+def comfy_vision_key(ours: str) -> str:
+    """ComfyUI's key of a vision weight named as ``GemmaVision``'s parameter (``tower.<name>`` ->
+    ``gemma3_12b.transformer.vision_model.<name>``, ``projector.<name>`` ->
+    ``gemma3_12b.transformer.multi_modal_projector.<name>``; the names after the prefix are the
+    same on both sides, module doc).
+
+    Raises:
+        ValueError: a name of neither part.
+    """
+    for mine, comfy in _VISION_PREFIXES:
+        if ours.startswith(mine):
+            return comfy + ours[len(mine):]
+    raise ValueError(f"{ours}: not a vision tower or projector parameter (tower.* / projector.*)")
+
+
+class VisionPatches:
+    """The vision part of a patch set (module doc): checked against the source's vision weights
+    when set, merged into the loaded :class:`~ltx_mgpu.text.gemma.vision.GemmaVision` when one
+    is attached (:meth:`attach`, when rank 0 loads it) and whenever the set changes after.
+
+    Args:
+        gemma: the Gemma source (its vision tower is found from its headers when a patch names it).
+    """
+
+    def __init__(self, gemma: str | os.PathLike):
+        self.gemma = gemma
+        self.keys: set[str] = set()
+        self.model: nn.Module | None = None
+        self._wanted: dict[str, list] = {}
+        self._backup: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, tuple[str, tuple[int, ...], torch.dtype | None]] | None = None
+
+    def _known(self) -> dict[str, tuple[str, tuple[int, ...], torch.dtype | None]]:
+        """ComfyUI key -> (our name, shape, stored dtype or None) of the source's vision weights."""
+        if self._weights is None:
+            source = find_vision(self.gemma)
+            if source is None:
+                raise ValueError(f"the Gemma source {self.gemma} has no vision tower, so the LoRA's vision tower keys "
+                                 "cannot be merged (they act only on an image, which this Gemma cannot read); load a "
+                                 "Gemma 3 file with the vision tower, or use a LoRA without those keys")
+            self._weights = {comfy_vision_key(ours): (ours, shape, dtype)
+                             for ours, (shape, dtype) in vision_weights(source).items()}
+        return self._weights
+
+    def check(self, patches: Mapping[str, Sequence[Any]]) -> None:
+        """Raise unless every patch of ``patches`` fits its vision weight (nothing changes).
+
+        Raises:
+            ValueError: no vision tower in the source, a key it does not have, a patch that does
+                not fit (names the key).
+        """
+        if not patches:
+            return
+        known = self._known()
+        for key, plist in patches.items():
+            if key not in known:
+                raise ValueError(f"{key}: the Gemma's vision tower has no such weight; the LoRA was made for another "
+                                 "model")
+            for p in plist:
+                p.check(key, known[key][1])
+
+    def set(self, patches: Mapping[str, Sequence[Any]]) -> set[str]:
+        """Keep ``patches`` as the vision part and merge them into the attached model, if any
+        (keys patched before and absent now restored). Returns the patched keys.
+
+        Raises:
+            ValueError: as :meth:`check`, before any weight changes.
+        """
+        wanted = {k: list(v) for k, v in patches.items() if v}
+        self.check(wanted)
+        self._wanted = wanted
+        if self.model is not None:
+            self._apply()
+        self.keys = set(wanted)
+        return set(self.keys)
+
+    def attach(self, model: nn.Module) -> None:
+        """``model`` (a freshly loaded ``GemmaVision`` of this source) takes the kept patches."""
+        self.model, self._backup = model, {}
+        self._apply()
+
+    def _apply(self) -> None:
+        known = self._known() if (self._wanted or self._backup) else {}
+        with torch.no_grad():
+            for key in sorted(set(self._backup) - set(self._wanted)):
+                self.model.get_parameter(known[key][0]).copy_(self._backup.pop(key).to(self.model_device))
+            for key in sorted(self._wanted):
+                ours, _, stored = known[key]
+                param = self.model.get_parameter(ours)
+                if key not in self._backup:
+                    self._backup[key] = param.detach().to("cpu", copy=True)
+                narrow = stored if stored is not None and stored.itemsize < param.dtype.itemsize else param.dtype
+                merged = self._backup[key].to(device=param.device, dtype=narrow).to(torch.float32)
+                for p in self._wanted[key]:
+                    p.apply(merged)
+                param.copy_(merged.to(narrow).to(param.dtype))
+
+    @property
+    def model_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
 class EncoderPatches:
     """The patch set merged into one loaded text encoder: keys under ``gemma3_12b.transformer.model.``
     go to the tower (``ltx_mgpu.text.gemma.lora.TowerPatches``), keys under
@@ -182,6 +298,7 @@ class EncoderPatches:
     def __init__(self, tower: Any, projection: Projection):
         self.tower = TowerPatches(tower)
         self.projection = ProjectionPatches(projection)
+        self.vision = VisionPatches(tower.path)
 
     def set(self, patches: Mapping[str, Sequence[Any]]) -> set[str]:
         """Both parts' :meth:`~ProjectionPatches.set` with their keys of ``patches``; returns the
@@ -192,16 +309,20 @@ class EncoderPatches:
                 part does not have, or a patch that does not fit. Device memory may fail midway:
                 then call ``set({})`` to restore.
         """
-        tower, projection = {}, {}
+        tower, projection, vision = {}, {}, {}
         for key, plist in patches.items():
             if key.startswith(COMFY_PROJECTION_PREFIX):
                 projection[key] = plist
             elif key.startswith(COMFY_TOWER_PREFIX):
                 tower[key] = plist
+            elif key.startswith(tuple(comfy for _, comfy in _VISION_PREFIXES)):
+                vision[key] = plist
             else:
                 raise ValueError(f"{key}: the pool's text encoder patches the Gemma text tower's weights "
-                                 f"({COMFY_TOWER_PREFIX}...) and the text projection's ({COMFY_PROJECTION_PREFIX}...); "
-                                 "the LoRA patches something else")
+                                 f"({COMFY_TOWER_PREFIX}...), its vision tower's and projector's "
+                                 f"({', '.join(comfy + '...' for _, comfy in _VISION_PREFIXES)}) and the text "
+                                 f"projection's ({COMFY_PROJECTION_PREFIX}...); the LoRA patches something else")
         self.projection.check({k: v for k, v in projection.items() if v})
+        self.vision.check({k: v for k, v in vision.items() if v})
         keys = self.tower.set(tower)
-        return keys | self.projection.set(projection)
+        return keys | self.projection.set(projection) | self.vision.set(vision)
