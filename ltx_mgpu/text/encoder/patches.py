@@ -1,6 +1,8 @@
 """ComfyUI's weight patches on the pool's whole text encoder (``LoraLoader``'s CLIP strength): the
-Gemma text tower and the LTX-2 text projection (:class:`EncoderPatches`), with the projection's
-part (:class:`ProjectionPatches`) and its key names (:func:`comfy_projection_keys`).
+Gemma text tower, the LTX-2 text projection and Gemma's vision tower and projector
+(:class:`EncoderPatches`), with the projection's part (:class:`ProjectionPatches`), the vision
+part (:class:`VisionPatches`) and their key names (:func:`comfy_projection_keys`,
+:func:`comfy_vision_keys`). The tower's part is ``ltx_mgpu.text.gemma.lora.TowerPatches``.
 
 ComfyUI's LTX-2 text encoder (``LTXAVTEModel``, ``comfy/text_encoders/lt.py``, 0.20.1) holds the
 projection as ``text_embedding_projection``: one ``Linear(D*L, 3840, bias=False)`` for LTX-2.0
@@ -21,8 +23,25 @@ stochastic_rounding`` is a plain cast for bf16 / fp16 / fp32), then written into
 place. The projection stores its weights with the features permuted (``Projection.from_file_layout``);
 the patches, made for the checkpoint's layout, merge in that layout, block of rows by block of rows
 (each row permuted on its own), and the result is permuted back. The loaded value is kept in host
-memory the first time a weight is patched and put back when a later set no longer patches it, as
-``TowerPatches`` does for the tower (``ltx_mgpu.text.gemma.lora``).
+memory the first time a weight is patched and put back (and the host copy freed) when a later set
+no longer patches it, as ``TowerPatches`` does for the tower (``ltx_mgpu.text.gemma.lora``), which
+keeps its copies.
+
+The vision tower: ComfyUI's ``Gemma3_12B`` (``comfy/text_encoders/llama.py``) holds SigLIP as
+``vision_model`` (``comfy.clip_model.CLIPVision``, whose parameter names for a SigLIP config --
+``embeddings.patch_embedding``, ``embeddings.position_embedding``, ``encoder.layers.N.{layer_norm1,
+self_attn.{q,k,v,out}_proj, layer_norm2, mlp.fc1, mlp.fc2}``, ``post_layernorm`` -- are
+transformers' ``SiglipVisionModel``'s) and ``multi_modal_projector`` (``mm_input_projection_weight``,
+``mm_soft_emb_norm.weight``: transformers' ``Gemma3MultiModalProjector``'s names), so its keys are
+``gemma3_12b.transformer.vision_model.<name>`` / ``gemma3_12b.transformer.multi_modal_projector.
+<name>`` with ``<name>`` the pool's ``GemmaVision`` parameter under ``tower.`` / ``projector.``
+(:func:`comfy_vision_key`). ComfyUI runs it only for an image, so the pool merges the vision part
+only into rank 0's ``GemmaVision``, which loads with the first image: the part is checked against
+the source's headers when set (on every holder) and kept; the loaded tower takes it when it loads
+(:meth:`VisionPatches.attach`) and whenever the set changes after. The merge is the projection's:
+float32 from the loaded value, rounded to the dtype the file stores the weight in (bf16 / fp16),
+written in place; a quantized vision layer (a ``comfy_quant`` marker) keeps the float32 merge of
+its dequantized weight (ComfyUI re-quantizes it), as ``TowerPatches`` does for quantized tower layers.
 """
 
 from __future__ import annotations
@@ -145,7 +164,7 @@ class ProjectionPatches:
         with torch.no_grad():
             for key in sorted(self.keys - set(wanted)):
                 param, _, _ = self._target(key)
-                param.copy_(self._backup[key].to(param.device))
+                param.copy_(self._backup.pop(key))  # the host copy is freed; copy_ crosses devices
             for key in sorted(wanted):
                 self._merge(key, wanted[key])
         self.keys = set(wanted)
@@ -268,7 +287,7 @@ class VisionPatches:
         known = self._known() if (self._wanted or self._backup) else {}
         with torch.no_grad():
             for key in sorted(set(self._backup) - set(self._wanted)):
-                self.model.get_parameter(known[key][0]).copy_(self._backup.pop(key).to(self.model_device))
+                self.model.get_parameter(known[key][0]).copy_(self._backup.pop(key))  # copy_ crosses devices
             for key in sorted(self._wanted):
                 ours, _, stored = known[key]
                 param = self.model.get_parameter(ours)
@@ -279,10 +298,6 @@ class VisionPatches:
                 for p in self._wanted[key]:
                     p.apply(merged)
                 param.copy_(merged.to(narrow).to(param.dtype))
-
-    @property
-    def model_device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
 
 class EncoderPatches:
