@@ -18,7 +18,8 @@ LoRAs (``LoraLoader``'s CLIP strength: ``add_patches``; ``text_patches`` in the 
 * a LoRA'd CLIP encodes (and generates) what an in-process encoder with the same patches merged
   does (fp32, every key of a layer patched, ``batch_parallel``: both ranks merged); the plain CLIP
   afterwards encodes what it did before; strengths matter; a LoRA on the text projection (both
-  linears, a diff on a bias) encodes what the in-process encoder with it merged does;
+  linears, a diff on a bias) encodes what the in-process encoder with it merged does, on both
+  ``batch_parallel`` ranks too;
 * the embedding cache keeps a LoRA'd CLIP's entries apart from the plain one's;
 * a factor that does not fit is refused naming the key, the pool keeps serving; a LyCORIS
   adapter is refused at ``add_patches``.
@@ -291,10 +292,16 @@ def test_a_lora_clip_generates_with_the_lora_merged(fp32, local, merged):
 
 def test_both_batch_parallel_ranks_merge_the_lora(fp32, local, merged):
     factors, patches = merged
+    w = local.encoder.projection.audio_aggregate_embed.weight
+    g = torch.Generator().manual_seed(12)
+    key = "text_embedding_projection.audio_aggregate_embed.weight"
+    factors = {**factors, key: (0.05 * torch.randn(w.shape[0], 2, generator=g),
+                                0.05 * torch.randn(2, w.shape[1], generator=g))}
+    patches = {**patches, key: [WeightPatch("lora", 0.8, up=factors[key][0], down=factors[key][1], alpha=4.0)]}
     te, clip = variant(fp32[0], placement="batch_parallel")
     prompts = [PROMPT + " one", PROMPT + " two", PROMPT + " three"]
     got, _, _ = te.encode(prompts, use_cache=False, patches=lora_clip(clip, factors, 0.8)._text_patches())
-    merger = TowerPatches(local.tower)
+    merger = EncoderPatches(local.tower, local.encoder.projection)
     merger.set(patches)
     try:
         want = local.encoder.encode(prompts)
