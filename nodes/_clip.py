@@ -60,14 +60,19 @@ the CLIP class in ``comfy/sd.py``):
   ignores the layer option; LTX-2 conditions on every Gemma layer).
 * ``add_patches(patches, strength_patch=1.0, strength_model=1.0)`` (``LoraLoader``'s CLIP
   strength): kept on the clone as ComfyUI's ``ModelPatcher`` keeps them, for the keys of
-  ``cond_stage_model.state_dict()`` (ComfyUI's names of the Gemma text tower's weights,
-  ``gemma3_12b.transformer.model.<weight>``, as meta tensors: ``comfy.lora.model_lora_keys_clip``
-  maps a LoRA's text-encoder keys onto them); returns those keys. Encodes and generations of a
-  CLIP with patches run with them merged into the pool's Gemma
-  (``ltx_mgpu.text.gemma.lora.TowerPatches``: as ComfyUI merges them) and are cached under the
-  patches' content id; a CLIP without patches gets the loaded weights back. Only plain LoRAs and
-  diffs merge (LoHa, LoKr, DoRA, offsets: refused, naming the key); keys of the vision tower or
-  the text projection are not among ours, so ComfyUI reports them as not loaded.
+  ``cond_stage_model.state_dict()``, as meta tensors: ComfyUI's names of every weight of its
+  LTX-2 text encoder (``LTXAVTEModel``, ``comfy/text_encoders/lt.py``), which
+  ``comfy.lora.model_lora_keys_clip`` maps a LoRA's text-encoder keys onto: the Gemma text
+  tower's (``gemma3_12b.transformer.model.<weight>``), the LTX-2 text projection's
+  (``text_embedding_projection.weight`` for LTX-2.0, ``text_embedding_projection.{video,audio}_
+  aggregate_embed.{weight,bias}`` for 2.3) and, when the Gemma file has a vision tower, its
+  SigLIP's and projector's (``gemma3_12b.transformer.vision_model.<weight>``,
+  ``gemma3_12b.transformer.multi_modal_projector.<weight>``); returns the keys taken. Encodes and
+  generations of a CLIP with patches run with them merged into the pool's text encoder as
+  ComfyUI merges them (``ltx_mgpu.text.encoder.patches.EncoderPatches``: the tower, the
+  projection, and the vision tower when an image loads it) and are cached under the patches'
+  content id; a CLIP without patches gets the loaded weights back. Only plain LoRAs and diffs
+  merge (LoHa, LoKr, DoRA, offsets: refused, naming the key).
 
 **Images need the vision tower.** ``tokenize(image=...)`` reads the Gemma file's headers: a file
 without Gemma 3's vision tower (a text-only file or snapshot, a GGUF, whose vision tower is a
@@ -150,9 +155,10 @@ class _Handle(Protocol):
 class PoolTextEncoderModel:
     """``GemmaClip.cond_stage_model``: Gemma lives in the pool, not in this process.
 
-    ``state_dict()`` names the Gemma text tower's weights as ComfyUI's LTX-2 text encoder does
-    (``gemma3_12b.transformer.model.<weight>``), as meta tensors of their shapes: all that
-    ``comfy.lora.model_lora_keys_clip`` reads (read from the Gemma's headers on first use,
+    ``state_dict()`` names the text encoder's weights as ComfyUI's LTX-2 text encoder does (the
+    Gemma text tower's, the text projection's, the vision tower's and projector's when the Gemma
+    file has them: module doc), as meta tensors of their shapes: all that
+    ``comfy.lora.model_lora_keys_clip`` reads (read from the files' headers on first use,
     ``ltx_mgpu.client.text.clip_weight_keys``). Any other attribute of ComfyUI's text encoder
     model raises :class:`UnsupportedClipFeature`.
     """

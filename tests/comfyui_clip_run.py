@@ -6,7 +6,9 @@ Used by ``tests/comfyui/test_comfyui_clip.py``; run with ComfyUI's Python (``$CO
 
 ``SPEC.json``: ``{"comfyui": dir, "gemma_config": the tiny snapshot's config.json, "text_encoders":
 dir, "gemma": file name there (ComfyUI's single-file format), "checkpoints": dir, "checkpoint":
-file name there, "loras": dir, "lora": file name there, "prompts": {case: text},
+file name there, "loras": dir, "lora": file name there, "lora_projection": file name there (a LoRA
+on the text projection), "checkpoint_20" and "lora_projection_20" (optional: the tiny LTX-2.0
+checkpoint there and a LoRA on its projection), "prompts": {case: text},
 "long_tokens": n}``. The ``long`` case is made here: the shortest repetition of a sentence that
 ComfyUI's tokenizer makes at least ``long_tokens`` tokens.
 
@@ -94,7 +96,11 @@ def prepare_text_encoders(spec: dict, folders: tuple[str, ...]) -> None:
     with safe_open(checkpoint, "pt") as f:
         widths = (f.get_slice("text_embedding_projection.video_aggregate_embed.bias").get_shape()[0],
                   f.get_slice("text_embedding_projection.audio_aggregate_embed.bias").get_shape()[0])
-    shrink_gemma(json.loads(Path(spec["gemma_config"]).read_text()), widths)
+    single = None
+    if spec.get("checkpoint_20"):
+        with safe_open(str(Path(spec["checkpoints"]) / spec["checkpoint_20"]), "pt") as f:
+            single = f.get_slice("text_embedding_projection.aggregate_embed.weight").get_shape()[0]
+    shrink_gemma(json.loads(Path(spec["gemma_config"]).read_text()), widths, single_width=single)
     for folder in folders:
         folder_paths.add_model_folder_path(folder, spec[folder])
 
@@ -208,6 +214,33 @@ def main() -> int:
         (theirs_after,) = encode(comfy_nodes.LoraLoader().load_lora(model, theirs, spec["lora"], 1.0, 1.0)[1],
                                  prompts["short"])
         tensors["lora.comfy"] = theirs_after[0][0].contiguous()
+
+        # a LoRA on the text projection (a tower key with it) at strength_clip 0.8, on both CLIPs
+        logs.clear()
+        proj_ours = comfy_nodes.LoraLoader().load_lora(model, ours, spec["lora_projection"], 1.0, 0.8)[1]
+        proj_theirs = comfy_nodes.LoraLoader().load_lora(model, theirs, spec["lora_projection"], 1.0, 0.8)[1]
+        report["lora_projection"] = {"ours": sorted(proj_ours.patches), "comfy": sorted(proj_theirs.patcher.patches),
+                                     "logs": [m for m in logs if "not loaded" in m.lower()]}
+        for who, clip in (("ours", proj_ours), ("comfy", proj_theirs)):
+            (cond,) = encode(clip, prompts["short"])
+            tensors[f"lora_projection.{who}"] = cond[0][0].contiguous()
+
+        # LTX-2.0's single projection (ComfyUI's key text_embedding_projection.weight): plain and with a LoRA on it
+        if spec.get("checkpoint_20"):
+            logs.clear()
+            theirs20 = LTXAVTextEncoderLoader.execute(text_encoder=spec["gemma"],
+                                                      ckpt_name=spec["checkpoint_20"]).result[0]
+            _, ours20 = loader.execute(pool, spec["gemma"], f"checkpoints/{spec['checkpoint_20']}", "bf16", "single",
+                                       True)
+            lora20 = {who: comfy_nodes.LoraLoader().load_lora(model, clip, spec["lora_projection_20"], 1.0, 0.8)[1]
+                      for who, clip in (("ours", ours20), ("comfy", theirs20))}
+            report["lora_projection_20"] = {"ours": sorted(lora20["ours"].patches),
+                                            "comfy": sorted(lora20["comfy"].patcher.patches),
+                                            "logs": [m for m in logs if "not loaded" in m.lower()]}
+            for who, plain in (("ours", ours20), ("comfy", theirs20)):
+                for case, clip in (("plain", plain), ("lora", lora20[who])):
+                    (cond,) = encode(clip, prompts["short"])
+                    tensors[f"ltx20.{case}.{who}"] = cond[0][0].contiguous()
     pool.client.shutdown()
     save_file(tensors, str(out_dir / "conds.safetensors"))
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))

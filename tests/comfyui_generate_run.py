@@ -7,7 +7,8 @@ Used by ``tests/comfyui/test_comfyui_generate.py``; run with ComfyUI's Python (`
 
 ``SPEC.json``: ``{"comfyui": dir, "gemma_config": the model's config.json, "text_encoders": dir,
 "gemma": file name there (ComfyUI's single-file format), "checkpoints": dir, "checkpoint": file
-name there, "loras": dir, "lora": file name there or null, "prompts": [...], "max_length": n, "plain":
+name there, "loras": dir, "lora": file name there or null, "lora_vision": file name there or null
+(a LoRA on the vision tower), "prompts": [...], "max_length": n, "plain":
 TextGenerate's cases too (default true), "images": the cases with an image too (default false)}``.
 
 ComfyUI hard-codes Gemma 3 12B's sizes; ``comfyui_clip_run.shrink_gemma`` replaces them by the
@@ -26,9 +27,13 @@ never runs). Then, on ``LTXAVTextEncoderLoader``'s CLIP (``comfy``) and on our G
   ComfyUI's default (image) chat template and an image;
 * with a LoRA (``lora``): ComfyUI's ``LoraLoader`` (strength_clip 0.8) on each CLIP, then
   ``CLIPTextEncode`` and the greedy enhancement on the LoRA'd CLIPs, and ``CLIPTextEncode`` on
-  the plain ones.
+  the plain ones;
+* with a LoRA on the vision tower and projector (``lora_vision``): ``LoraLoader`` (strength_clip
+  0.8) on each CLIP, then ``TextGenerateLTX2Prompt`` greedy with an image and with a batch of two;
+  the keys each CLIP patched, and both CLIPs' state-dict names and shapes of the vision weights.
 
-Writes ``OUT_DIR/report.json`` (``{"runs": {case: {who: {"ids", "text"}}}, "lora_logs": [...]}``)
+Writes ``OUT_DIR/report.json`` (``{"runs": {case: {who: {"ids", "text"}}}, "lora_logs": [...], "lora_vision":
+{"patched", "state_dict", "logs"}}``)
 and ``OUT_DIR/conds.safetensors`` (``<case>.<who>`` conditioning tensors).
 """
 
@@ -136,6 +141,8 @@ def main() -> int:
             runs.setdefault(case, {})[who] = {"ids": sink[-1], "text": text}
 
     both = {"comfy": theirs, "ours": ours}
+    report_vision: dict = {}
+    lora_logs: list = []
     with torch.inference_mode():
         for i, prompt in enumerate(spec["prompts"]):
             enhance(f"ltx2.greedy.{i}", TextGenerateLTX2Prompt, both, prompt, SAMPLING_OFF)
@@ -165,10 +172,31 @@ def main() -> int:
                         (cond,) = encode(clip, prompt)
                         tensors[f"{case}.{i}.{who}"] = cond[0][0].contiguous()
             enhance("lora.greedy", TextGenerateLTX2Prompt, lora_clips, spec["prompts"][0], SAMPLING_OFF)
+            lora_logs = list(logs)
+        if spec.get("lora_vision"):
+            model = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clip=False)[0]
+            logs.clear()
+            vision_clips = {who: comfy_nodes.LoraLoader().load_lora(model, clip, spec["lora_vision"], 0.0, 0.8)[1]
+                            for who, clip in both.items()}
+            vision_logs = [m for m in logs if "not loaded" in m.lower()]
+            enhance("image.lora.greedy.0", TextGenerateLTX2Prompt, vision_clips, spec["prompts"][0], SAMPLING_OFF,
+                    image=image(0))
+            enhance("image.lora.batch", TextGenerateLTX2Prompt, vision_clips, spec["prompts"][0], SAMPLING_OFF,
+                    image=image(2, 2))
+            # the patched keys, and the vision tower's and projector's state-dict names and shapes on both CLIPs
+            vision = ("gemma3_12b.transformer.vision_model.", "gemma3_12b.transformer.multi_modal_projector.")
+            state = {"ours": ours.cond_stage_model.state_dict(), "comfy": theirs.cond_stage_model.state_dict()}
+            report_vision = {
+                "patched": {"ours": sorted(vision_clips["ours"].patches),
+                            "comfy": sorted(vision_clips["comfy"].patcher.patches)},
+                "state_dict": {who: {k: list(v.shape) for k, v in sd.items() if k.startswith(vision)}
+                               for who, sd in state.items()},
+                "logs": vision_logs}
     pool.client.shutdown()
     if tensors:
         save_file(tensors, str(out_dir / "conds.safetensors"))
-    (out_dir / "report.json").write_text(json.dumps({"runs": runs, "lora_logs": logs}, indent=1))
+    (out_dir / "report.json").write_text(json.dumps({"runs": runs, "lora_logs": lora_logs,
+                                                     "lora_vision": report_vision}, indent=1))
     return 0
 
 

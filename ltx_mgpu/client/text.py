@@ -322,22 +322,43 @@ def _clip_weight_keys(gemma: str, stats: tuple) -> dict[str, tuple[int, ...]]:
     # reads the source's config and builds Gemma on the meta device (transformers): only
     # LoraLoader on the Gemma Loader's CLIP asks for the keys
     from ltx_mgpu.text.encoder.configs import read_gemma_config
+    from ltx_mgpu.text.encoder.patches import comfy_vision_keys  # as above
     from ltx_mgpu.text.gemma.lora import comfy_clip_keys, tower_parameter_shapes  # as above
+    from ltx_mgpu.text.gemma.vision import find_vision  # as above
 
-    return comfy_clip_keys(tower_parameter_shapes(read_gemma_config(gemma)))
+    keys = comfy_clip_keys(tower_parameter_shapes(read_gemma_config(gemma)))
+    vision = find_vision(gemma)
+    if vision is not None:
+        keys.update(comfy_vision_keys(vision))
+    return keys
+
+
+@functools.lru_cache(maxsize=8)
+def _projection_weight_keys(projection: str, stats: tuple) -> dict[str, tuple[int, ...]]:
+    from ltx_mgpu.text.encoder.patches import comfy_projection_keys  # as above (headers only)
+
+    return comfy_projection_keys(projection)
 
 
 def clip_weight_keys(config: TextEncoderConfig) -> dict[str, tuple[int, ...]]:
-    """ComfyUI's state-dict keys of the Gemma text tower's weights (``gemma3_12b.transformer.
-    model.<name>``) -> shape, for ``config.gemma``: what ``comfy.lora.model_lora_keys_clip`` maps
-    a LoRA's text-encoder keys onto. From the source's headers (memoised while its files are
-    unchanged).
+    """ComfyUI's state-dict keys of the text encoder's weights -> shape, for ``config``: the Gemma
+    text tower's (``gemma3_12b.transformer.model.<name>``), its vision tower's and projector's when
+    the Gemma source has them (``gemma3_12b.transformer.vision_model.<name>``,
+    ``gemma3_12b.transformer.multi_modal_projector.<name>``) and the LTX-2 text projection's
+    (``text_embedding_projection.weight`` for LTX-2.0; ``text_embedding_projection.{video,audio}_
+    aggregate_embed.{weight,bias}`` for LTX-2.3: ``ltx_mgpu.text.encoder.patches``), what
+    ``comfy.lora.model_lora_keys_clip`` maps a LoRA's text-encoder keys onto. From the sources'
+    headers (memoised while their files are unchanged).
 
     Raises:
-        FileNotFoundError, GemmaFormatError: as ``read_gemma_config``.
+        FileNotFoundError, GemmaFormatError: as ``read_gemma_config`` and ``find_vision``. ProjectionFormatError:
+            ``config.projection`` has no LTX-2 text projection.
     """
     st = os.stat(config.gemma)
-    return dict(_clip_weight_keys(config.gemma, (st.st_mtime_ns, st.st_size, st.st_ino)))
+    keys = dict(_clip_weight_keys(config.gemma, (st.st_mtime_ns, st.st_size, st.st_ino)))
+    sp = os.stat(config.projection)
+    keys.update(_projection_weight_keys(config.projection, (sp.st_mtime_ns, sp.st_size, sp.st_ino)))
+    return keys
 
 
 @functools.lru_cache(maxsize=8)

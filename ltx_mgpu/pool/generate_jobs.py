@@ -17,7 +17,9 @@ Image: the request's tensor ``image`` (``[B, h, w, 3]`` float32, the image as Co
 tokenizer leaves it: ``ltx_mgpu.text.generate.image.tokenizer_image``) is prepared for the vision
 tower as ComfyUI's model prepares it (``vision_pixels``), run through the source's SigLIP and
 projector (``ltx_mgpu.text.gemma.vision``, loaded on rank 0's layer device by the first
-generation with an image and kept with the encoder) and spliced in place of the prompt's first
+generation with an image and kept with the encoder; the resident patch set's vision keys merged into
+it when it loads and whenever the set changes: ``ltx_mgpu.text.encoder.patches.VisionPatches``) and
+spliced in place of the prompt's first
 ``<image_soft_token>`` (``ltx_mgpu.text.generate.causal_lm``). A source without a vision tower
 refuses it (``bad_input``, naming the fix). A prompt without that token ignores the image, as
 ComfyUI's tokenizer does: the vision tower is neither loaded nor run for it.
@@ -75,13 +77,14 @@ class Generation:
     vision: Any = field(default=None, repr=False)
 
     def reset(self) -> None:
-        """The tower's weights changed: the generator makes its LM head again (the vision tower
-        keeps its weights: text-encoder patches do not reach it)."""
+        """The tower's weights changed: the generator makes its LM head again (the vision tower's
+        patches are merged into it in place: ``ltx_mgpu.text.encoder.patches.VisionPatches``)."""
         self.generator.reset()
 
-    def image_tokens(self, image: Any) -> Any:
+    def image_tokens(self, image: Any, patches: Any = None) -> Any:
         """The soft tokens ``[B * mm_tokens_per_image, D]`` of ``image`` (module doc); the vision
-        tower is loaded on first use.
+        tower is loaded on first use, and then takes ``patches`` (the resident encoder's
+        ``VisionPatches``, which keeps it patched from then on; None: no patch set yet).
 
         Raises:
             NoVisionTower: the source has no vision tower (:data:`NO_VISION_TOWER`).
@@ -91,7 +94,10 @@ class Generation:
             source = find_vision(tower.path)
             if source is None:
                 raise NoVisionTower(f"the Gemma source {tower.path} {NO_VISION_TOWER}")
-            self.vision = load_vision(source, tower.config, tower.device)
+            vision = load_vision(source, tower.config, tower.device)
+            if patches is not None:
+                patches.attach(vision)
+            self.vision = vision
         with torch.inference_mode():
             return self.vision(vision_pixels(image.to(tower.device, torch.float32), self.vision.image_size))
 
@@ -161,7 +167,8 @@ def generate(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
             # ComfyUI reads an image only in place of an <image_soft_token> (its tokenizer drops it otherwise)
             read = image is not None and IMAGE_SOFT_TOKEN in ids
             loads_vision = read and generation.vision is None
-            image_tokens = generation.image_tokens(image) if read else None
+            vision_patches = state.merged.vision if state.merged is not None else None
+            image_tokens = generation.image_tokens(image, vision_patches) if read else None
             if loads_vision:  # status counts the vision tower's bytes from now on
                 state.publish(ctx)
             result = generation.generator.generate(ids, options, should_stop=ctx.cancel_requested, on_token=on_token,

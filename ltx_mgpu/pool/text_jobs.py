@@ -19,8 +19,8 @@ frees them.
 
 Text-encoder LoRAs (``text_patches``, ComfyUI's ``LoraLoader`` on the Gemma Loader's CLIP): the
 resident encoder holds one patch set at a time, named by the client's content id
-(``patches``; ``"none"`` for the loaded weights), merged into the holders' Gemma
-(``ltx_mgpu.text.gemma.lora.TowerPatches``). ``encode`` and ``generate`` name the set they
+(``patches``; ``"none"`` for the loaded weights), merged into the holders' Gemma and text
+projection (``ltx_mgpu.text.encoder.patches.EncoderPatches``). ``encode`` and ``generate`` name the set they
 expect; any other is refused with reason ``stale_patches`` and the client sends its set and
 retries, so an encode never runs on another CLIP's LoRA.
 """
@@ -41,8 +41,8 @@ from ltx_mgpu.pool.engines import BadInput, JobContext, failure_message, free_me
 from ltx_mgpu.text.config import COMPILE_NF4, MAX_KEY, TextEncoderConfig
 from ltx_mgpu.text.encoder import placement as tp
 from ltx_mgpu.text.encoder.device_map import describe_device_map
+from ltx_mgpu.text.encoder.patches import EncoderPatches
 from ltx_mgpu.text.encoder.prompt import PromptEncoder
-from ltx_mgpu.text.gemma.lora import TowerPatches
 from ltx_mgpu.text.gemma.tokenizer import check_prompts
 from ltx_mgpu.wire.messages import NO_PATCHES
 
@@ -141,7 +141,7 @@ class ResidentTextEncoder:
     device_map: dict | None = None
     patches: str = NO_PATCHES
     adapters: dict = field(default_factory=dict)
-    merged: TowerPatches | None = None
+    merged: EncoderPatches | None = None
     generation: Any = None
 
     def weights_changed(self) -> None:
@@ -435,10 +435,12 @@ def encode(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
 @register_engine("text_patches")
 def text_patches(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, dict]:
     """Merge ComfyUI's weight patches (``LoraLoader``'s CLIP strength) into the resident text
-    encoder, on every rank that holds Gemma (``ltx_mgpu.text.gemma.lora.TowerPatches``).
+    encoder, on every rank that holds Gemma: its text tower and the LTX-2 text projection
+    (``ltx_mgpu.text.encoder.patches.EncoderPatches``).
 
     Params: ``patches`` (the set's id), ``entries`` and ``adapters`` (ComfyUI's patch set:
-    ``ltx_mgpu.pool.patch_requests``; keys ``gemma3_12b.transformer.model.<weight>``), ``expect``.
+    ``ltx_mgpu.pool.patch_requests``; keys ``gemma3_12b.transformer.model.<weight>`` and
+    ``text_embedding_projection.<weight or bias>``), ``expect``.
     Empty ``entries`` restores the loaded weights.
 
     Returns (rank 0):
@@ -461,7 +463,10 @@ def text_patches(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict, di
     keys: set[str] = set()
     if state.encoder is not None:
         if state.merged is None:
-            state.merged = TowerPatches(state.encoder.tower)
+            state.merged = EncoderPatches(state.encoder.tower, state.encoder.projection)
+            vision = getattr(state.generation, "vision", None)
+            if vision is not None:  # rank 0 loaded the vision tower for an image before any patch set
+                state.merged.vision.attach(vision)
         try:
             keys = state.merged.set(patches)
         except Exception as e:  # noqa: BLE001 - a key that does not fit, out of memory: agreed below

@@ -145,9 +145,21 @@ class Projection(nn.Module):
             # Stored layer-major: feature l*D + d instead of the checkpoint's d*L + l, so the
             # normalised layers are written into one buffer with contiguous copies (the
             # same products, summed in another order).
-            weight = weight.reshape(-1, embedding_dim, num_layers).transpose(1, 2).reshape(weight.shape[0], -1)
-            lin = _frozen_linear(weight.contiguous(), weights.get(f"{name}.bias"))
+            lin = _frozen_linear(self.from_file_layout(weight), weights.get(f"{name}.bias"))
             setattr(self, name, lin)
+
+    def from_file_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """A projection weight ``[out, D*L]`` of the checkpoint's feature order (``d*L + l``) in
+        the order this module stores it (``l*D + d``), contiguous; any dtype and device (rows
+        are permuted independently, so a block of rows may be given)."""
+        return weight.reshape(-1, self.embedding_dim, self.num_layers).transpose(1, 2).reshape(
+            weight.shape[0], -1).contiguous()
+
+    def to_file_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`from_file_layout`: a stored weight (or block of its rows) in
+        the checkpoint's feature order ``d*L + l``, contiguous."""
+        return weight.reshape(-1, self.num_layers, self.embedding_dim).transpose(1, 2).reshape(
+            weight.shape[0], -1).contiguous()
 
     @property
     def in_features(self) -> int:

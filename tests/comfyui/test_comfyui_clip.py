@@ -20,7 +20,12 @@ our Gemma Loader (its ``clip`` output, on a pool of 2 CPU ranks), and encodes wi
 * inside a node's execution, our encode's progress bar is that node's;
 * ``LoraLoader`` with our CLIP applies the LoRA to the model and its text-encoder key to our
   CLIP (the pool's Gemma): the conditioning equals ComfyUI's LoRA'd encoder's (fp32, 1e-4), no key
-  reported as not loaded (more LoRA cases and prompt enhancement: test_comfyui_generate.py).
+  reported as not loaded (more LoRA cases and prompt enhancement: test_comfyui_generate.py); a LoRA on
+  the text projection (both LTX-2.3 linears, a ``.diff_b`` on the video bias, and a tower key; strength
+  0.8) patches the same keys as on ComfyUI's encoder, none reported as not loaded, and the
+  conditioning equals ComfyUI's (fp32, 1e-4); on the tiny LTX-2.0 checkpoint (its projection in bf16
+  too) a LoRA on the single projection (ComfyUI's key ``text_embedding_projection.weight``) does the
+  same, and the plain encodes agree.
 
 The text projection of the tiny LTX-2.3 checkpoint is stored in bf16 for this test, as in the real
 LTX-2 checkpoints: ComfyUI keeps the projection in the Gemma file's dtype (bf16), so an fp32 one
@@ -59,6 +64,7 @@ CASES = (*PROMPTS, "long")
 LONG_TOKENS = 1100
 REL = 1e-4
 TE_KEY = "text_encoders.gemma3_12b.transformer.model.layers.0.self_attn.q_proj"
+PROJ_KEY = "text_encoders.text_embedding_projection"
 MODEL_KEY = "diffusion_model.transformer_blocks.0.attn1.to_q"
 
 
@@ -67,7 +73,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_ltx_23, tiny_gemma_dir, tiny_gemma_comfy_file):
+def run(tiny_ltx_23, tiny_ltx_20, tiny_gemma_dir, tiny_gemma_comfy_file):
     with tempfile.TemporaryDirectory(prefix="ltxm-clip-") as d:
         root = Path(d)
         folders = {name: root / name for name in ("text_encoders", "checkpoints", "loras", "out")}
@@ -85,9 +91,32 @@ def run(tiny_ltx_23, tiny_gemma_dir, tiny_gemma_comfy_file):
                    f"{TE_KEY}.lora_A.weight": torch.randn(2, 64, generator=g),
                    f"{TE_KEY}.lora_B.weight": torch.randn(64, 2, generator=g)},
                   str(folders["loras"] / "te-and-model.safetensors"))
+        proj = {k[len("text_embedding_projection."):]: v.shape for k, v in sd.items()
+                if k.startswith("text_embedding_projection.")}
+        lora_proj = {f"{TE_KEY}.lora_A.weight": torch.randn(2, 64, generator=g),
+                     f"{TE_KEY}.lora_B.weight": torch.randn(64, 2, generator=g),
+                     f"{PROJ_KEY}.video_aggregate_embed.diff_b": torch.randn(proj["video_aggregate_embed.bias"],
+                                                                            generator=g)}
+        for side in ("video", "audio"):
+            out_f, in_f = proj[f"{side}_aggregate_embed.weight"]
+            lora_proj[f"{PROJ_KEY}.{side}_aggregate_embed.lora_A.weight"] = torch.randn(4, in_f, generator=g)
+            lora_proj[f"{PROJ_KEY}.{side}_aggregate_embed.lora_B.weight"] = torch.randn(out_f, 4, generator=g)
+            lora_proj[f"{PROJ_KEY}.{side}_aggregate_embed.alpha"] = torch.tensor(2.0)
+        save_file(lora_proj, str(folders["loras"] / "te-projection.safetensors"))
+        with safe_open(str(tiny_ltx_20), "pt") as f:
+            metadata20 = f.metadata()
+        sd20 = {k: (v.to(torch.bfloat16) if k.startswith("text_embedding_projection.") else v)
+                for k, v in load_file(str(tiny_ltx_20)).items()}
+        save_file(sd20, str(folders["checkpoints"] / "tiny-ltx-2.0.safetensors"), metadata=metadata20)
+        out_f, in_f = sd20["text_embedding_projection.aggregate_embed.weight"].shape
+        save_file({f"{PROJ_KEY}.lora_A.weight": torch.randn(4, in_f, generator=g),
+                   f"{PROJ_KEY}.lora_B.weight": torch.randn(out_f, 4, generator=g),
+                   f"{PROJ_KEY}.alpha": torch.tensor(2.0)}, str(folders["loras"] / "te-projection-20.safetensors"))
         spec = {"comfyui": COMFYUI_DIR, "gemma_config": str(Path(tiny_gemma_dir) / "config.json"),
                 "gemma": "tiny-gemma-comfy.safetensors", "checkpoint": "tiny-ltx-2.3.safetensors",
-                "lora": "te-and-model.safetensors", "prompts": PROMPTS, "long_tokens": LONG_TOKENS,
+                "lora": "te-and-model.safetensors", "lora_projection": "te-projection.safetensors",
+                "checkpoint_20": "tiny-ltx-2.0.safetensors", "lora_projection_20": "te-projection-20.safetensors",
+                "prompts": PROMPTS, "long_tokens": LONG_TOKENS,
                 **{k: str(v) for k, v in folders.items() if k != "out"}}
         (root / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LTX_MGPU_RUNTIME_DIR": str(root / "run"),
@@ -150,3 +179,23 @@ def test_lora_loader_with_our_clip(run):
     assert _rel(tensors["lora.ours"], tensors["short.ours"]) > 1e-3  # the text encoder's LoRA is merged
     assert _rel(tensors["lora.ours"], tensors["lora.comfy"]) <= REL  # as ComfyUI's LoRA'd encoder
     assert not [m for m in lora["logs"] if "lora key not loaded" in m and TE_KEY in m]
+
+
+def test_lora_loader_patches_the_text_projection_as_comfyuis_encoder(run):
+    tensors, report = run
+    lora = report["lora_projection"]
+    projection = {f"text_embedding_projection.{s}_aggregate_embed.{p}" for s in ("video", "audio")
+                  for p in ("weight", "bias")} - {"text_embedding_projection.audio_aggregate_embed.bias"}
+    assert projection <= set(lora["comfy"]) and lora["ours"] == lora["comfy"]  # the same keys patched
+    assert not lora["logs"]  # no key reported as not loaded
+    assert _rel(tensors["lora_projection.comfy"], tensors["short.comfy"]) > 1e-3  # the LoRA changes it
+    assert _rel(tensors["lora_projection.ours"], tensors["lora_projection.comfy"]) <= REL
+
+
+def test_lora_loader_patches_ltx20s_single_projection_as_comfyuis_encoder(run):
+    tensors, report = run
+    lora = report["lora_projection_20"]
+    assert lora["ours"] == lora["comfy"] == ["text_embedding_projection.weight"] and not lora["logs"]
+    assert _rel(tensors["ltx20.plain.ours"], tensors["ltx20.plain.comfy"]) <= REL
+    assert _rel(tensors["ltx20.lora.comfy"], tensors["ltx20.plain.comfy"]) > 1e-3  # the LoRA changes it
+    assert _rel(tensors["ltx20.lora.ours"], tensors["ltx20.lora.comfy"]) <= REL

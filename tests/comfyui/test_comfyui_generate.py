@@ -19,7 +19,12 @@ installed in the interpreter running pytest; skipped otherwise, saying how to ru
   image;
 * ``LoraLoader`` (a LoRA on every weight of two decoder layers, ComfyUI's ``text_encoders.`` key
   format, strength_clip 0.8) on both CLIPs: ``CLIPTextEncode`` agrees to 1e-5 relative, the
-  LoRA'd greedy enhancement is token-identical, and no LoRA key is reported as not loaded.
+  LoRA'd greedy enhancement is token-identical, and no LoRA key is reported as not loaded;
+* ``LoraLoader`` with a LoRA on the vision tower and projector (LoRAs on attention, MLP and the
+  patch-embedding conv, one by the key without ``gemma3_12b.``; diffs on two norms):
+  both CLIPs name the vision weights alike (names and shapes) and patch the same keys, none is
+  reported as not loaded, and the greedy enhancement with an image and with a batch of two is
+  token-identical to ComfyUI's, which the LoRA changes.
 
 The fp32 ComfyUI file of the 270M: with a bf16 file ComfyUI embeds each generated token in bf16
 (its scaled embedding runs in the weight's dtype for a fed-back token) where the pool computes in
@@ -72,6 +77,27 @@ def _lora(shapes: dict[str, tuple[int, ...]], path: Path) -> None:
     save_file(sd, str(path))
 
 
+def _vision_lora(shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """A LoRA on the vision tower and projector, in ComfyUI's generic text-encoder formats: LoRAs on
+    layer 0's attention and MLP (one by the key without ``gemma3_12b.``, ComfyUI's second form) and on the
+    patch embedding (a conv), diffs on the last LayerNorm and the projector's RMSNorm."""
+    g = torch.Generator().manual_seed(9)
+    sd = {}
+    for name, short in (("vision_model.encoder.layers.0.self_attn.q_proj", False),
+                        ("vision_model.encoder.layers.0.self_attn.v_proj", False),
+                        ("vision_model.encoder.layers.0.mlp.fc1", True),
+                        ("vision_model.embeddings.patch_embedding", False)):
+        out_f, *rest = shapes[f"{name}.weight"]
+        key = "text_encoders." + ("transformer." if short else "gemma3_12b.transformer.") + name
+        sd[f"{key}.lora_A.weight"] = 2.0 * torch.randn(4, *rest, generator=g)
+        sd[f"{key}.lora_B.weight"] = 2.0 * torch.randn(out_f, 4, *([1] * (len(rest) - 1)), generator=g)
+        sd[f"{key}.alpha"] = torch.tensor(2.0)
+    for name in ("vision_model.post_layernorm", "multi_modal_projector.mm_soft_emb_norm"):
+        sd[f"text_encoders.gemma3_12b.transformer.{name}.diff"] = 8.0 * torch.randn(shapes[f"{name}.weight"],
+                                                                                     generator=g)
+    save_file(sd, str(path))
+
+
 def _run(root: Path, spec: dict) -> tuple[dict, dict]:
     out = root / "out"
     out.mkdir()
@@ -107,9 +133,11 @@ def tiny(tiny_ltx_23, tiny_gemma_dir, tiny_gemma_comfy_file):
         save_file(sd, str(folders["checkpoints"] / "tiny-ltx-2.3.safetensors"), metadata=metadata)
         shapes = {k: tuple(v.shape) for k, v in load_file(str(tiny_gemma_comfy_file)).items()}
         _lora(shapes, folders["loras"] / "gemma-lora.safetensors")
+        _vision_lora(shapes, folders["loras"] / "vision-lora.safetensors")
         yield _run(root, {"gemma_config": str(Path(tiny_gemma_dir) / "config.json"),
                           "gemma": "tiny-gemma-comfy.safetensors", "checkpoint": "tiny-ltx-2.3.safetensors",
-                          "lora": "gemma-lora.safetensors", "prompts": PROMPTS, "max_length": 40, "images": True,
+                          "lora": "gemma-lora.safetensors", "lora_vision": "vision-lora.safetensors",
+                          "prompts": PROMPTS, "max_length": 40, "images": True,
                           **{k: str(v) for k, v in folders.items()}})
 
 
@@ -192,3 +220,18 @@ def test_lora_loader_clip_strength_equals_comfyuis(tiny):
     assert lora_run["ours"]["ids"] == lora_run["comfy"]["ids"]
     assert lora_run["ours"]["ids"] != report["runs"]["ltx2.greedy.0"]["ours"]["ids"]
     assert not [m for m in report["lora_logs"] if "NOT LOADED" in m]
+
+
+def test_lora_loader_on_the_vision_tower_equals_comfyuis_with_an_image(tiny):
+    report, _ = tiny
+    vision = report["lora_vision"]
+    ours, theirs = vision["state_dict"]["ours"], vision["state_dict"]["comfy"]
+    assert ours == theirs and len(ours) > 10  # the vision tower's and projector's names and shapes, as ComfyUI's
+    assert vision["patched"]["ours"] == vision["patched"]["comfy"] and len(vision["patched"]["ours"]) == 6
+    assert not vision["logs"]  # no LoRA key reported as not loaded
+    runs = report["runs"]
+    for case in ("image.lora.greedy.0", "image.lora.batch"):
+        assert runs[case]["ours"]["ids"] == runs[case]["comfy"]["ids"], f"{case}: token ids differ"
+        assert runs[case]["ours"]["text"] == runs[case]["comfy"]["text"], f"{case}: text differs"
+    lora = [runs[c]["comfy"]["ids"] for c in ("image.lora.greedy.0", "image.lora.batch")]
+    assert lora != [runs[c]["comfy"]["ids"] for c in ("image.greedy.0", "image.batch")]  # the LoRA counts

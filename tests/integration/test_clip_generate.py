@@ -13,11 +13,13 @@ Generation (``GemmaClip.generate`` / ``decode``, what ComfyUI's ``TextGenerate``
 
 LoRAs (``LoraLoader``'s CLIP strength: ``add_patches``; ``text_patches`` in the pool):
 
-* ``cond_stage_model.state_dict()`` names the Gemma tower's weights as ComfyUI does, so
-  ``add_patches`` takes exactly those keys;
+* ``cond_stage_model.state_dict()`` names the Gemma tower's weights, its vision tower's and
+  projector's and the LTX-2.3 text projection's as ComfyUI does, so ``add_patches`` takes exactly those keys;
 * a LoRA'd CLIP encodes (and generates) what an in-process encoder with the same patches merged
   does (fp32, every key of a layer patched, ``batch_parallel``: both ranks merged); the plain CLIP
-  afterwards encodes what it did before; strengths matter;
+  afterwards encodes what it did before; strengths matter; a LoRA on the text projection (both
+  linears, a diff on a bias) encodes what the in-process encoder with it merged does, on both
+  ``batch_parallel`` ranks too;
 * the embedding cache keeps a LoRA'd CLIP's entries apart from the plain one's;
 * a factor that does not fit is refused naming the key, the pool keeps serving; a LyCORIS
   adapter is refused at ``add_patches``.
@@ -40,7 +42,9 @@ from ltx_mgpu.denoise.patches import WeightPatch
 from ltx_mgpu.text.cache.keys import resolve_dtype
 from ltx_mgpu.text.encoder.loading import load_gemma_text_tower
 from ltx_mgpu.text.encoder.local import LocalTextEncoder
+from ltx_mgpu.text.encoder.patches import EncoderPatches, comfy_vision_keys
 from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX, TowerPatches
+from ltx_mgpu.text.gemma.vision import find_vision
 from ltx_mgpu.text.generate.causal_lm import GemmaGenerator
 from ltx_mgpu.text.generate.options import GenerateOptions
 from ltx_mgpu.text.generate.tokens import GenerationTokenizer, sentencepiece_model
@@ -229,8 +233,12 @@ def merged(local, fp32):
 
 def test_the_clip_names_the_gemma_weights_as_comfyui(fp32, local):
     keys = fp32[1].cond_stage_model.state_dict()
-    assert {k: tuple(v.shape) for k, v in keys.items()} == {
-        COMFY_TOWER_PREFIX + n: tuple(p.shape) for n, p in local.tower.model.named_parameters()}
+    projection = {f"text_embedding_projection.{n}": tuple(p.shape)
+                  for n, p in local.encoder.projection.named_parameters()}  # LTX-2.3's two linears
+    vision = comfy_vision_keys(find_vision(fp32[0].config.gemma))  # the tiny ComfyUI file has a vision tower
+    assert len(projection) == 4 and vision and {k: tuple(v.shape) for k, v in keys.items()} == {
+        **{COMFY_TOWER_PREFIX + n: tuple(p.shape) for n, p in local.tower.model.named_parameters()}, **projection,
+        **vision}
     assert all(v.device.type == "meta" for v in keys.values())
     twin = fp32[1].clone()
     assert twin.add_patches({"diffusion_model.x.weight": adapter(torch.zeros(1, 1), torch.zeros(1, 1))}) == []
@@ -284,10 +292,16 @@ def test_a_lora_clip_generates_with_the_lora_merged(fp32, local, merged):
 
 def test_both_batch_parallel_ranks_merge_the_lora(fp32, local, merged):
     factors, patches = merged
+    w = local.encoder.projection.audio_aggregate_embed.weight
+    g = torch.Generator().manual_seed(12)
+    key = "text_embedding_projection.audio_aggregate_embed.weight"
+    factors = {**factors, key: (0.05 * torch.randn(w.shape[0], 2, generator=g),
+                                0.05 * torch.randn(2, w.shape[1], generator=g))}
+    patches = {**patches, key: [WeightPatch("lora", 0.8, up=factors[key][0], down=factors[key][1], alpha=4.0)]}
     te, clip = variant(fp32[0], placement="batch_parallel")
     prompts = [PROMPT + " one", PROMPT + " two", PROMPT + " three"]
     got, _, _ = te.encode(prompts, use_cache=False, patches=lora_clip(clip, factors, 0.8)._text_patches())
-    merger = TowerPatches(local.tower)
+    merger = EncoderPatches(local.tower, local.encoder.projection)
     merger.set(patches)
     try:
         want = local.encoder.encode(prompts)
@@ -295,6 +309,34 @@ def test_both_batch_parallel_ranks_merge_the_lora(fp32, local, merged):
         merger.set({})
     for g, w in zip(got, want):
         torch.testing.assert_close(g.tensor, w.tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lora_on_the_text_projection_is_merged_into_the_pools(fp32, local, merged):
+    factors, patches = merged
+    g = torch.Generator().manual_seed(11)
+    proj = local.encoder.projection
+    bias = torch.randn(proj.video_aggregate_embed.bias.shape, generator=g)
+    for side in ("video", "audio"):
+        w = getattr(proj, f"{side}_aggregate_embed").weight
+        factors = {**factors, f"text_embedding_projection.{side}_aggregate_embed.weight": (
+            0.05 * torch.randn(w.shape[0], 2, generator=g), 0.05 * torch.randn(2, w.shape[1], generator=g))}
+    clip = lora_clip(fp32[1], factors, 0.8)
+    assert clip.add_patches({"text_embedding_projection.video_aggregate_embed.bias": ("diff", (bias,))}, 0.5) == [
+        "text_embedding_projection.video_aggregate_embed.bias"]
+    ours = clip_encode(clip, PROMPT)
+    want_patches = {k: [WeightPatch("lora", 0.8, up=u, down=d, alpha=4.0)] for k, (u, d) in factors.items()}
+    want_patches["text_embedding_projection.video_aggregate_embed.bias"] = [WeightPatch("diff", 0.5, diff=bias)]
+    merger = EncoderPatches(local.tower, proj)
+    merger.set(want_patches)
+    try:
+        want = local.encoder.encode([PROMPT])[0].tensor
+    finally:
+        merger.set({})
+    tower_only = clip_encode(lora_clip(fp32[1], merged[0], 0.8), PROMPT)
+    assert (ours - tower_only).abs().max() > 1e-3 * tower_only.abs().max()  # the projection's LoRA counts
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(clip_encode(fp32[1], PROMPT + " after"),
+                               local.encoder.encode([PROMPT + " after"])[0].tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_a_lora_that_does_not_fit_is_refused_by_key_and_the_pool_keeps_serving(fp32):

@@ -11,6 +11,9 @@ single-file format, which carries a one-layer SigLIP vision tower and the projec
 * the Hugging Face snapshot (its ``vision_tower.*`` keys and ``config.json``) reads the image as
   the ComfyUI file does;
 * ``tokenize(skip_template=False)`` with an image applies ComfyUI's image chat template;
+* a LoRA on the vision tower (``LoraLoader``'s CLIP strength on a SigLIP weight and a LayerNorm)
+  generates what transformers' model with ComfyUI's merge of it generates, whether the set came
+  before the image loaded the vision tower or after; the plain CLIP then gets the loaded weights;
 * a Gemma file without a vision tower refuses an image at ``tokenize`` (and the pool refuses one
   sent past it) naming the fix; a prompt without ``<image_soft_token>`` ignores the image, as
   ComfyUI's tokenizer does (so the pool neither loads nor needs the vision tower for it); an
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 
 import pytest
 import torch
@@ -138,6 +142,57 @@ def test_status_counts_the_vision_tower_once_an_image_loads_it(pool, reference):
     vision = [*hf.vision_tower.parameters(), *hf.vision_tower.buffers(), *hf.multi_modal_projector.parameters(),
               *hf.multi_modal_projector.buffers()]
     assert held() == [before[0] + sum(t.numel() * t.element_size() for t in vision), before[1]]
+
+
+VISION_Q = "gemma3_12b.transformer.vision_model.encoder.layers.0.self_attn.q_proj.weight"
+VISION_NORM = "gemma3_12b.transformer.vision_model.post_layernorm.weight"
+
+
+def vision_lora(hf):
+    """A LoRA on SigLIP's layer-0 query and a diff on its last LayerNorm: ComfyUI key -> (adapter,
+    what it merges into transformers' weight: ComfyUI's float32 merge at strength 0.8, rounded to
+    the file's bf16)."""
+    g = torch.Generator().manual_seed(13)
+    q = hf.model.vision_tower.encoder.layers[0].self_attn.q_proj.weight
+    norm = hf.model.vision_tower.post_layernorm.weight
+    up, down, diff = torch.randn(q.shape[0], 2, generator=g), torch.randn(2, q.shape[1], generator=g), \
+        torch.randn(norm.shape, generator=g)
+    lora = types.SimpleNamespace(name="lora", weights=(up, down, 4.0, None, None, None))
+    return {VISION_Q: (lora, (q.to(torch.bfloat16).float() + 0.8 * 2.0 * up @ down).to(torch.bfloat16).float()),
+            VISION_NORM: (("diff", (diff,)), (norm.to(torch.bfloat16).float() + 0.8 * diff).to(torch.bfloat16).float())}
+
+
+def test_a_lora_on_the_vision_tower_is_merged_when_it_loads_and_when_the_set_changes(pool, clip, reference):
+    hf = reference[0]
+    patches = vision_lora(hf)
+    lora = clip.clone()
+    assert sorted(lora.add_patches({k: a for k, (a, _) in patches.items()}, 0.8)) == sorted(patches)
+    params = {VISION_Q: hf.model.vision_tower.encoder.layers[0].self_attn.q_proj.weight,
+              VISION_NORM: hf.model.vision_tower.post_layernorm.weight}
+    loaded = {k: p.detach().clone() for k, p in params.items()}
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(patches[k][1])
+    try:
+        want_lora = transformers_ids(reference, ENHANCE, _image(6))
+    finally:
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(loaded[k])
+    want_plain = transformers_ids(reference, ENHANCE, _image(6))
+    assert want_lora != want_plain  # the LoRA changes what the model reads
+    te, loaded_snapshot = run("LTXMGPU_GemmaLoader", pool, "tiny-gemma", "checkpoints/tiny-ltx-2.3.safetensors", "bf16",
+                              "single", True)
+    other = type(loaded_snapshot)(dataclasses.replace(te, config=dataclasses.replace(te.config, dtype="float32")))
+    # a patch set merged before the vision tower loads: it takes the set when the image loads it
+    enhance(other, None, text=PROMPT, **GREEDY)  # another encoder resident: this one loads afresh
+    assert enhance(lora, _image(6), **GREEDY)[0] == want_lora
+    assert enhance(clip, _image(6), **GREEDY)[0] == want_plain  # the loaded weights back
+    assert enhance(lora, _image(6), **GREEDY)[0] == want_lora  # merged again into the loaded tower
+    # the vision tower loaded before any patch set: the first set reaches it
+    enhance(other, None, text=PROMPT, **GREEDY)
+    assert enhance(clip, _image(6), **GREEDY)[0] == want_plain
+    assert enhance(lora, _image(6), **GREEDY)[0] == want_lora
 
 
 def test_a_batch_of_images_is_one_image_entry_as_comfyuis(clip, reference):

@@ -51,7 +51,7 @@ from ltx_mgpu.quantized.layers import AUX_SUFFIXES, FileQuant, QuantFormatError,
 from ltx_mgpu.text.gemma.sources import GemmaFormatError, GemmaWeightsError, detect_gemma_format, safetensors_keys
 
 __all__ = ["VISION_CONFIG_METADATA_KEY", "COMFY_LAYER_NORM_EPS", "VisionSource", "GemmaVision", "find_vision",
-           "load_vision"]
+           "load_vision", "vision_weights"]
 
 #: A ComfyUI file's header entry with the vision tower's config (JSON) where its sizes are not
 #: Gemma 3 12B's in what the shapes do not tell (heads, tokens per image).
@@ -138,6 +138,23 @@ def _shapes(keys: dict[str, tuple[Path, str]], quant: FileQuant | None) -> dict[
                                    "saying how to read it; use a Gemma 3 file whose vision tower is bf16, fp16, fp32 "
                                    "or marked, or disconnect the image")
         out[ours] = q.logical_shape(stored) if q is not None else stored
+    return out
+
+
+def vision_weights(source: VisionSource) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Our name (``tower.<SiglipVisionModel name>`` / ``projector.<name>``) -> (dense shape, the
+    float dtype the source stores it in; None for a quantized layer) of each vision weight
+    (headers only).
+
+    Raises:
+        GemmaFormatError: a tensor of a kind ltx_mgpu cannot read (as :func:`find_vision`).
+    """
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    shapes = _shapes(source.keys, source.quant)
+    out = {}
+    for ours, (_, k), piece in _each(source.keys):
+        q = source.quant.of(k) if source.quant is not None else None
+        out[ours] = (shapes[ours], None if q is not None else dtypes[piece.get_dtype()])
     return out
 
 
