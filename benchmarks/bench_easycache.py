@@ -7,7 +7,8 @@ Run with ComfyUI's Python, ``COMFYUI_DIR`` = the checkout, from the repository r
     COMFYUI_DIR=... $COMFYUI_PYTHON benchmarks/bench_easycache.py --out benchmarks/results/easycache_cpu.json
     # a transformer whose steps cost more than the pool's round trip (random weights, real keys):
     ... --random-layers 4 --latent 4x8x8 --audio-tokens 32 --runs 5   # easycache_cpu.json
-    # on a GPU (one rank on GPU 0; ComfyUI's own model on the same GPU), 8 blocks of LTX-2 19B's width:
+    # on a GPU (one rank on GPU 0; ComfyUI's own model on the same GPU), 8 blocks of LTX-2 19B's width
+    # (a machine without ComfyUI: docs/benchmarks.md, "EasyCache on a GPU", carries a slice of it):
     ... --gpus 0 --dtype bf16 --random-dtype bf16 --random-layers 8 --random-heads 32 --random-head-dim 128 \
         --random-audio-heads 32 --random-audio-head-dim 64 --latent 16x16x24 --audio-tokens 126 --text-tokens 1024
 
