@@ -19,7 +19,7 @@ extras), loads this pack as ComfyUI loads a custom node, starts a pool through `
 ``LTXMGPU_ModelLoader`` from ``--checkpoint`` (default: the pack's tiny LTX-2.3 checkpoint), or from
 a checkpoint it writes with random weights of the ``--random-*`` sizes (the LTX-2.3 key names and
 ``config`` metadata; random, because a header-only file reads as zeros and EasyCache would then
-skip every step it may). ComfyUI loads its own model from the same file.
+skip every step it may; deleted when the process exits). ComfyUI loads its own model from the same file.
 
 Each variant samples ``CFGGuider`` (``--cfg``, cond + uncond in one call) + ``euler``,
 ``BasicScheduler`` ``--steps`` on an audio-video latent (``--latent`` FxHxW video, ``--audio-tokens``)
@@ -39,6 +39,8 @@ Raises ``SystemExit`` with the fix when ``COMFYUI_DIR`` is not a ComfyUI checkou
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib.util
 import json
 import logging
@@ -110,6 +112,11 @@ def load_pack() -> dict:
     return dict(pack.NODES)
 
 
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def _shape(text: str) -> tuple[int, int, int]:
     try:
         f, h, w = (int(v) for v in text.lower().split("x"))
@@ -172,6 +179,7 @@ def main(argv=None) -> int:
         config = random_config(a.random_layers, a.random_heads, a.random_head_dim, a.random_audio_heads,
                                a.random_audio_head_dim)
         checkpoint = str(work / "random-ltx-2.3.safetensors")
+        atexit.register(_remove, checkpoint)  # gigabytes at a GPU run's sizes: gone when the run ends, however
         t0 = time.perf_counter()
         result["checkpoint_bytes"] = write_random_checkpoint(checkpoint, config, a.random_dtype)
         print(f"wrote {checkpoint} ({result['checkpoint_bytes'] / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s",
