@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-comfy", action="store_true", help="leave out ComfyUI's own model")
     ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args(argv)
+    if a.checkpoint and a.random_layers:
+        raise SystemExit("give --checkpoint or --random-layers (a checkpoint this run writes), not both")
 
     comfyui = os.environ.get("COMFYUI_DIR")
     if not comfyui or not (Path(comfyui) / "comfy" / "sd.py").is_file():
