@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -99,17 +98,6 @@ def write_random_checkpoint(path: str | os.PathLike, config: dict, dtype: str = 
     save_file(sd, str(path), metadata={"config": json.dumps(config, sort_keys=True),
                                        "model_version": MODEL_VERSIONS["2.3"]})
     return os.path.getsize(path)
-
-
-def load_pack() -> dict:
-    """In a process that has imported ComfyUI: this repository loaded as ComfyUI loads a custom node
-    (a package under another name, so its ``nodes`` does not shadow ComfyUI's); its nodes by id."""
-    spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
-                                                  submodule_search_locations=[str(REPO)])
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules["ltx_mgpu_pack"] = pack
-    spec.loader.exec_module(pack)
-    return dict(pack.NODES)
 
 
 def _remove(path: str) -> None:
@@ -171,6 +159,7 @@ def main(argv=None) -> int:
     from comfy_extras import nodes_custom_sampler as ncs
     from comfy_extras.nodes_easycache import EasyCacheNode
 
+    from benchmarks.comfy_pack import load_pack
     from benchmarks.timing import time_interleaved, write_json
 
     nodes = load_pack()

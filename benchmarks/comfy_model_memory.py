@@ -15,7 +15,6 @@ Each checkpoint (the tiny one, and ``bench_model_path.write_shaped_checkpoint``'
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -41,18 +40,17 @@ def measure(checkpoint: str) -> dict:
     import comfy.model_management  # noqa: F401 - ComfyUI's device set-up, before the measure
     import torch
 
-    spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
-                                                  submodule_search_locations=[str(REPO)])
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules["ltx_mgpu_pack"] = pack
-    spec.loader.exec_module(pack)
+    sys.path.insert(0, str(REPO))
+    from benchmarks.comfy_pack import load_pack
+
+    load_pack()
     from ltx_mgpu.client.model import PoolModel
 
     model_mod = sys.modules["ltx_mgpu_pack.nodes._model"]
     cuda = torch.cuda.is_available()
     rss0, cuda0 = _rss(), torch.cuda.memory_allocated() if cuda else None
     t0 = time.perf_counter()
-    patcher = model_mod.pool_model_patcher(PoolModel(lambda: None, lambda: None), checkpoint, "bf16")
+    patcher = model_mod.pool_model_patcher(PoolModel(lambda: None, lambda: None), checkpoint, "bfloat16")
     seconds = time.perf_counter() - t0
     keys = len(patcher.model_state_dict())
     return {"checkpoint": checkpoint, "file_bytes": os.path.getsize(checkpoint), "build_s": seconds,

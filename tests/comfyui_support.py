@@ -80,16 +80,12 @@ def has_comfyui() -> bool:
 
 def load_pack_in_process() -> dict:
     """In a process that has imported ComfyUI: load this repository as ComfyUI loads a custom node
-    (a package under another name, so its ``nodes`` does not shadow ComfyUI's) and return its
-    nodes by id (what its ``comfy_entrypoint`` gives ComfyUI)."""
-    import importlib.util
+    and return its nodes by id (``benchmarks.comfy_pack.load_pack``)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks.comfy_pack import load_pack
 
-    spec = importlib.util.spec_from_file_location("ltx_mgpu_pack", REPO / "__init__.py",
-                                                  submodule_search_locations=[str(REPO)])
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules["ltx_mgpu_pack"] = pack
-    spec.loader.exec_module(pack)
-    return dict(pack.NODES)
+    return load_pack()
 
 
 def collect_warnings() -> list[str]:
