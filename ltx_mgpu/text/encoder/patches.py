@@ -54,7 +54,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ltx_mgpu.text.features import Projection, detect_projection_version
-from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX, TowerPatches
+from ltx_mgpu.text.gemma.lora import COMFY_TOWER_PREFIX, FLOAT_DTYPES, TowerPatches, merged_weight
 from ltx_mgpu.text.gemma.vision import VisionSource, find_vision, vision_weights
 
 __all__ = ["COMFY_PROJECTION_PREFIX", "EncoderPatches", "ProjectionPatches", "VisionPatches", "comfy_projection_keys",
@@ -68,7 +68,6 @@ _LAYOUTS = {
     "2.3": {f"{side}_aggregate_embed.{p}": (f"{side}_aggregate_embed", p, f"{side}_aggregate_embed.{p}")
             for side in ("video", "audio") for p in ("weight", "bias")},
 }
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 #: ``GemmaVision``'s parameter prefix -> ComfyUI's (``Gemma3_12B.vision_model`` / ``.multi_modal_projector``).
 _VISION_PREFIXES = (("tower.", "gemma3_12b.transformer.vision_model."),
                     ("projector.", "gemma3_12b.transformer.multi_modal_projector."))
@@ -90,7 +89,7 @@ def projection_file_weights(path: str | os.PathLike) -> dict[str, tuple[tuple[in
         for comfy, (_, _, name) in _LAYOUTS[version].items():
             sl = f.get_slice(prefix + name)
             out[COMFY_PROJECTION_PREFIX + comfy] = (tuple(int(n) for n in sl.get_shape()),
-                                                    _SAFETENSORS_DTYPES.get(sl.get_dtype()))
+                                                    FLOAT_DTYPES.get(sl.get_dtype()))
     return out
 
 
@@ -175,21 +174,16 @@ class ProjectionPatches:
         if key not in self._backup:
             self._backup[key] = param.detach().to("cpu", copy=True)
         stored = self._files().get(key, ((), None))[1]
-        narrow = stored if stored is not None and stored.itemsize < param.dtype.itemsize else param.dtype
         backup = self._backup[key]
+        if name != "weight":  # a bias: no feature order
+            param.copy_(merged_weight(backup, stored, param.dtype, param.device, plist))
+            return
         proj = self.projection
-        step = _ROWS if name == "weight" else backup.shape[0]
-        for r0 in range(0, backup.shape[0], step):
-            rows = slice(r0, min(r0 + step, backup.shape[0]))
-            block = backup[rows].to(device=param.device, dtype=narrow).to(torch.float32)
-            if name == "weight":
-                block = proj.to_file_layout(block)
-            for p in plist:
-                p.apply(block, rows if name == "weight" else None)
-            block = block.to(narrow)
-            if name == "weight":
-                block = proj.from_file_layout(block)
-            param[rows].copy_(block.to(param.dtype))
+        for r0 in range(0, backup.shape[0], _ROWS):  # the file's feature order, a block of rows at a time
+            rows = slice(r0, min(r0 + _ROWS, backup.shape[0]))
+            block = proj.to_file_layout(backup[rows].to(param.device))
+            merged = merged_weight(block, stored, param.dtype, param.device, plist, rows)
+            param[rows].copy_(proj.from_file_layout(merged))
 
 
 def comfy_vision_keys(source: VisionSource) -> dict[str, tuple[int, ...]]:
@@ -242,8 +236,8 @@ class VisionPatches:
                 raise ValueError(f"the Gemma source {self.gemma} has no vision tower, so the LoRA's vision tower keys "
                                  "cannot be merged (they act only on an image, which this Gemma cannot read); load a "
                                  "Gemma 3 file with the vision tower, or use a LoRA without those keys")
-            self._weights = {comfy_vision_key(ours): (ours, shape, dtype)
-                             for ours, (shape, dtype) in vision_weights(source).items()}
+            self._weights = {comfy_vision_key(ours): (ours, shape, FLOAT_DTYPES.get(code))
+                             for ours, (shape, code) in vision_weights(source).items()}
         return self._weights
 
     def check(self, patches: Mapping[str, Sequence[Any]]) -> None:
@@ -293,11 +287,7 @@ class VisionPatches:
                 param = self.model.get_parameter(ours)
                 if key not in self._backup:
                     self._backup[key] = param.detach().to("cpu", copy=True)
-                narrow = stored if stored is not None and stored.itemsize < param.dtype.itemsize else param.dtype
-                merged = self._backup[key].to(device=param.device, dtype=narrow).to(torch.float32)
-                for p in self._wanted[key]:
-                    p.apply(merged)
-                param.copy_(merged.to(narrow).to(param.dtype))
+                param.copy_(merged_weight(self._backup[key], stored, param.dtype, param.device, self._wanted[key]))
 
 
 class EncoderPatches:

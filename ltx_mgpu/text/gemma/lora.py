@@ -52,13 +52,15 @@ from ltx_mgpu.text.gemma.comfy_file import open_comfy_file
 from ltx_mgpu.text.gemma.keys import SNAPSHOT_KEY_MAPPING
 from ltx_mgpu.text.gemma.tower import GemmaTextTower
 
-__all__ = ["COMFY_TOWER_PREFIX", "TowerPatches", "comfy_clip_keys", "tower_parameter_shapes"]
+__all__ = ["COMFY_TOWER_PREFIX", "FLOAT_DTYPES", "TowerPatches", "comfy_clip_keys", "merged_weight",
+           "tower_parameter_shapes"]
 
 #: The prefix of the Gemma text tower's keys in ComfyUI's LTX-2 text encoder state dict
 #: (``LTXAVTEModel.gemma3_12b`` -> ``Gemma3_12BModel.transformer`` -> ``Gemma3_12B.model``).
 COMFY_TOWER_PREFIX = "gemma3_12b.transformer.model."
-#: safetensors' dtype names -> torch dtypes (the float ones a Gemma file stores).
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+#: safetensors' dtype names -> torch dtypes, for the float kinds a weight a patch merges into is
+#: stored as (any other kind has no entry).
+FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def tower_parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
@@ -77,6 +79,20 @@ def comfy_clip_keys(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int,
     return {COMFY_TOWER_PREFIX + name: tuple(shape) for name, shape in shapes.items()}
 
 
+def merged_weight(loaded: torch.Tensor, stored: torch.dtype | None, dtype: torch.dtype, device: torch.device | str,
+                  patches: Sequence[Any], rows: slice | None = None) -> torch.Tensor:
+    """ComfyUI's merge of ``patches`` (in order) into a loaded weight (module doc): ``loaded`` (the
+    loaded value, or its ``rows`` of the whole weight, any device) in the narrower of ``stored``
+    (the dtype the file stores the weight in; None: not known) and ``dtype`` (the parameter's),
+    upcast to float32, each patch's ``apply(weight, rows)``, rounded back to that narrower dtype.
+    Returns it in ``dtype`` on ``device``, shaped like ``loaded``."""
+    narrow = stored if stored is not None and stored.itemsize < dtype.itemsize else dtype
+    merged = loaded.to(device=device, dtype=narrow).to(torch.float32)
+    for p in patches:
+        p.apply(merged, rows)
+    return merged.to(narrow).to(dtype)
+
+
 def _file_dtypes(tower: GemmaTextTower) -> dict[str, torch.dtype]:
     """Tower parameter name -> the float dtype its source file stores it in (headers only), for
     the dense layers of a ComfyUI file or a snapshot; quantized layers, GGUF and NF4 have none."""
@@ -88,7 +104,7 @@ def _file_dtypes(tower: GemmaTextTower) -> dict[str, torch.dtype]:
             for name in src.shapes:
                 key = "model." + name
                 if src.quant.of(key) is None:
-                    dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                    dtype = FLOAT_DTYPES.get(f.get_slice(key).get_dtype())
                     if dtype is not None:
                         out[name] = dtype
     elif tower.format == "hf_snapshot":
@@ -97,7 +113,7 @@ def _file_dtypes(tower: GemmaTextTower) -> dict[str, torch.dtype]:
             with safe_open(str(file), framework="pt") as f:
                 names = f.keys()  # a safe_open handle is not iterable
                 for key in names:
-                    dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                    dtype = FLOAT_DTYPES.get(f.get_slice(key).get_dtype())
                     if dtype is not None:
                         out[re.sub(pattern, repl, key)] = dtype
     return out
@@ -206,12 +222,7 @@ class TowerPatches:
             self._backup[key] = weight.detach().to("cpu", copy=True)
         if self._file_dtypes is None:
             self._file_dtypes = _file_dtypes(self.tower)
-        stored = self._file_dtypes.get(name)
-        narrow = stored if stored is not None and stored.itemsize < weight.dtype.itemsize else weight.dtype
-        merged = self._backup[key].to(device=weight.device, dtype=narrow).to(torch.float32)
-        for p in plist:
-            p.apply(merged)
-        weight.copy_(merged.to(narrow).to(weight.dtype))
+        weight.copy_(merged_weight(self._backup[key], self._file_dtypes.get(name), weight.dtype, weight.device, plist))
 
 
 class _LowRank:

@@ -141,20 +141,19 @@ def _shapes(keys: dict[str, tuple[Path, str]], quant: FileQuant | None) -> dict[
     return out
 
 
-def vision_weights(source: VisionSource) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+def vision_weights(source: VisionSource) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """Our name (``tower.<SiglipVisionModel name>`` / ``projector.<name>``) -> (dense shape, the
-    float dtype the source stores it in; None for a quantized layer) of each vision weight
-    (headers only).
+    safetensors dtype the source stores it in: ``"BF16"``, ``"F16"`` or ``"F32"``; None for a
+    quantized layer) of each vision weight (headers only).
 
     Raises:
         GemmaFormatError: a tensor of a kind ltx_mgpu cannot read (as :func:`find_vision`).
     """
-    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     shapes = _shapes(source.keys, source.quant)
     out = {}
     for ours, (_, k), piece in _each(source.keys):
         q = source.quant.of(k) if source.quant is not None else None
-        out[ours] = (shapes[ours], None if q is not None else dtypes[piece.get_dtype()])
+        out[ours] = (shapes[ours], None if q is not None else piece.get_dtype())
     return out
 
 
