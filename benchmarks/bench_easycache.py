@@ -75,7 +75,7 @@ def write_random_checkpoint(path: str | os.PathLike, config: dict, dtype: str = 
     """Write an LTX-2.3 transformer checkpoint for ``config`` (:func:`random_config`): the
     ``model.diffusion_model.*`` keys of ltx-core's ``LTXModel`` and of the two embeddings
     connectors, in ``dtype`` (``"fp32"`` / ``"bf16"`` / ``"fp16"``), each tensor
-    ``ltx_mgpu.assets.weights.init_tensor`` of its key (random, scaled by fan-in), and the
+    ``ltx_mgpu.assets.ltx.materialise``'s (``init_tensor`` of its key) (random, scaled by fan-in), and the
     ``config`` / ``model_version`` metadata. No VAE, no text projection (neither is read to
     sample). Returns the file size in bytes."""
     import torch  # deferred, as everything here: ComfyUI's python imports this module first
@@ -84,7 +84,7 @@ def write_random_checkpoint(path: str | os.PathLike, config: dict, dtype: str = 
     from safetensors.torch import save_file
 
     from ltx_mgpu.assets.geometry import MODEL_VERSIONS
-    from ltx_mgpu.assets.weights import init_tensor
+    from ltx_mgpu.assets.ltx import materialise
 
     with torch.device("meta"):
         transformer = LTXModelConfigurator.from_config(config)
@@ -93,8 +93,9 @@ def write_random_checkpoint(path: str | os.PathLike, config: dict, dtype: str = 
     modules = {dit: transformer, dit + "video_embeddings_connector.": processor.video_connector,
                dit + "audio_embeddings_connector.": processor.audio_connector}
     to = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    sd = {prefix + name: init_tensor(prefix + name, t.shape, seed).to(to).contiguous()
-          for prefix, module in modules.items() for name, t in module.state_dict().items()}
+    sd = {}
+    for prefix, module in modules.items():
+        sd.update(materialise(module, prefix, seed, to))
     save_file(sd, str(path), metadata={"config": json.dumps(config, sort_keys=True),
                                        "model_version": MODEL_VERSIONS["2.3"]})
     return os.path.getsize(path)

@@ -130,11 +130,12 @@ def tiny_embeddings_processor_ops(version: Version):
     )
 
 
-def _materialise(
+def materialise(
     module: nn.Module, prefix: str, seed: int, dtype: torch.dtype, skip: str | None = None
 ) -> dict[str, torch.Tensor]:
     """The state dict of a meta-built ``module`` with keys ``prefix + name`` and fresh values
-    (names starting with ``skip`` left out)."""
+    (:func:`ltx_mgpu.assets.weights.init_tensor` of each key, in ``dtype``, contiguous; names
+    starting with ``skip`` left out)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         if skip is not None and name.startswith(skip):
@@ -178,15 +179,15 @@ def tiny_ltx_state_dict(
 
     dit, f32 = "model.diffusion_model.", torch.float32
     sd: dict[str, torch.Tensor] = {}
-    sd.update(_materialise(transformer, dit, seed, f32))
+    sd.update(materialise(transformer, dit, seed, f32))
     # Inverse of ltx-core's EMBEDDINGS_PROCESSOR_KEY_OPS.
-    sd.update(_materialise(processor.video_connector, dit + "video_embeddings_connector.", seed, f32))
-    sd.update(_materialise(processor.audio_connector, dit + "audio_embeddings_connector.", seed, f32))
-    sd.update(_materialise(processor.feature_extractor, "text_embedding_projection.", seed, f32))
+    sd.update(materialise(processor.video_connector, dit + "video_embeddings_connector.", seed, f32))
+    sd.update(materialise(processor.audio_connector, dit + "audio_embeddings_connector.", seed, f32))
+    sd.update(materialise(processor.feature_extractor, "text_embedding_projection.", seed, f32))
     # Inverse of VAE_{ENCODER,DECODER}_COMFY_KEYS_FILTER: one shared per_channel_statistics.
     for part, module in (("encoder", encoder), ("decoder", decoder)):
-        sd.update(_materialise(module, f"vae.{part}.", seed, torch.bfloat16, skip="per_channel_statistics."))
-    sd.update(_materialise(encoder.per_channel_statistics, "vae.per_channel_statistics.", seed, torch.bfloat16))
+        sd.update(materialise(module, f"vae.{part}.", seed, torch.bfloat16, skip="per_channel_statistics."))
+    sd.update(materialise(encoder.per_channel_statistics, "vae.per_channel_statistics.", seed, torch.bfloat16))
     if version == "2.3":
         sd.update(tiny_audio_state_dict(seed))
     return sd
