@@ -101,12 +101,12 @@ def write_random_checkpoint(path: str | os.PathLike, config: dict, dtype: str = 
     return os.path.getsize(path)
 
 
-def _remove(path: str) -> None:
+def remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def latent_shape(text: str) -> tuple[int, int, int]:
     try:
         f, h, w = (int(v) for v in text.lower().split("x"))
     except ValueError:
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         config = random_config(a.random_layers, a.random_heads, a.random_head_dim, a.random_audio_heads,
                                a.random_audio_head_dim)
         checkpoint = str(work / "random-ltx-2.3.safetensors")
-        atexit.register(_remove, checkpoint)  # gigabytes at a GPU run's sizes: gone when the run ends, however
+        atexit.register(remove_file, checkpoint)  # gigabytes at a GPU run's sizes: gone when the run ends, however
         t0 = time.perf_counter()
         result["checkpoint_bytes"] = write_random_checkpoint(checkpoint, config, a.random_dtype)
         print(f"wrote {checkpoint} ({result['checkpoint_bytes'] / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s",
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                  {"pooled_output": None, "unprocessed_ltxav_embeds": True, "frame_rate": 25.0}]]
 
     positive, negative = conditioning(), conditioning()
-    f, h, w = _shape(a.latent)
+    f, h, w = latent_shape(a.latent)
     latent = {"samples": comfy.nested_tensor.NestedTensor((torch.zeros(1, 128, f, h, w),
                                                            torch.zeros(1, 8, a.audio_tokens, 16)))}
     inputs = EasyCacheNode.INPUT_TYPES()["required"]

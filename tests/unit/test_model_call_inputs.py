@@ -188,3 +188,32 @@ def test_a_call_stops_between_blocks_when_asked_and_the_blocks_are_restored(mode
     finally:
         blocks[1].__dict__.pop("forward", None)
     assert blocks[1].forward.__func__ is type(blocks[1]).forward and own.__func__ is type(blocks[1]).forward
+
+
+@pytest.mark.parametrize("conds", ["none", "guides", "ref_audio"])
+def test_one_timestep_per_sample_runs_the_adaln_once_per_sample_with_the_per_token_result(model, context, conds):
+    """ComfyUI's ``[B]`` timesteps reach ltx-core as ``[B, 1]`` (its AdaLN once per sample, as
+    ComfyUI's model computes it), with the result of the same sigma given per token (``[B, T]``):
+    also with keyframe guides (which keep a subset of the tokens) and reference audio (whose
+    tokens are prepended at timestep 0)."""
+    kf, mask, entries = _guides(strength=1.0)
+    ref = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(3))
+    c = {"none": None,
+         "guides": extra_conds(keyframe_idxs=kf, keep=grid_mask(torch.ones_like(mask)),
+                               guide_attention_entries=entries),
+         "ref_audio": extra_conds(ref_audio={"tokens": ref})}[conds]
+    seen = []
+
+    def velocity(video, audio, perturbations):
+        seen.append({"video": tuple(video.timesteps.shape), "audio": tuple(audio.timesteps.shape)})
+        return model.transformer(video, audio, perturbations)
+
+    with torch.no_grad():
+        per_sample = comfy_forward(model, velocity, _x(), T, context, conds=c)
+        per_token = comfy_forward(model, velocity, _x(), (torch.full((1, 45), 0.7), torch.full((1, 7), 0.7)), context,
+                                  conds=c)
+    audio = (1, 12) if conds == "ref_audio" else (1, 1)
+    assert seen[0] == {"video": (1, 1), "audio": audio}
+    assert seen[1]["video"] == (1, 45) and seen[1]["audio"] == ((1, 12) if conds == "ref_audio" else (1, 7))
+    for a, b in zip(per_sample, per_token):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-6

@@ -425,7 +425,8 @@ def apply_extra_conds(inputs: dict[str, ModalityInput], conds: ExtraConds, frame
             positions[:, :, positions.shape[2] - guide_tokens:] = kf
         kept = int(keep.sum())
         out["video"] = dataclasses.replace(
-            video, tokens=video.tokens[:, keep], timesteps=video.timesteps[:, keep], positions=positions,
+            video, tokens=video.tokens[:, keep], positions=positions,
+            timesteps=video.timesteps[:, keep] if video.timesteps.shape[1] == tokens else video.timesteps,
             self_attention=_guide_weights(conds, kf_keep, kept, guide_tokens, video.tokens.dtype,
                                           video.tokens.device))
         layout = dataclasses.replace(layout, video_tokens=tokens, keep=None if bool(keep.all()) else keep)
@@ -448,7 +449,8 @@ def apply_extra_conds(inputs: dict[str, ModalityInput], conds: ExtraConds, frame
         base = out["audio"]
         out["audio"] = dataclasses.replace(
             base, tokens=torch.cat([ref, base.tokens], dim=1),
-            timesteps=torch.cat([base.timesteps.new_zeros(batch, n_ref), base.timesteps], dim=1),
+            timesteps=torch.cat([base.timesteps.new_zeros(batch, n_ref),
+                                 base.timesteps.expand(batch, base.tokens.shape[1])], dim=1),
             positions=torch.cat([bounds.to(base.positions.dtype), base.positions], dim=2))
         layout = dataclasses.replace(layout, ref_tokens=n_ref)
     if conds.text_mask is not None:

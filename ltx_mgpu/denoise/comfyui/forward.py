@@ -84,7 +84,10 @@ def processed_context(model, context: torch.Tensor, unprocessed: bool) -> torch.
 
 
 def _token_timesteps(t: torch.Tensor, batch: int, tokens: int, what: str) -> torch.Tensor:
-    """A ComfyUI timestep (``[B]`` / ``[1]`` / ``[B, T]`` / ``[B, T, 1]``) as float32 ``[B, T]``."""
+    """A ComfyUI timestep (``[B]`` / ``[1]`` / ``[B, T]`` / ``[B, T, 1]``) as float32 ``[B, T]``,
+    or ``[B, 1]`` for one timestep per sample (``[B]`` / ``[1]`` / a scalar): ltx-core then computes
+    the AdaLN modulation once per sample, as ComfyUI's model does for a ``[B]`` timestep, instead
+    of once per token (:class:`~ltx_mgpu.denoise.comfyui.transformer_call.ModalityInput`)."""
     if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
         raise ForwardError(f"the {what} timestep must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     t = t.float()
@@ -95,7 +98,7 @@ def _token_timesteps(t: torch.Tensor, batch: int, tokens: int, what: str) -> tor
     if t.ndim == 1:
         if t.shape[0] not in (1, batch):
             raise ForwardError(f"the {what} timestep has {t.shape[0]} values for a batch of {batch}")
-        return t.reshape(-1, 1).expand(batch, tokens)
+        return t.reshape(-1, 1).expand(batch, 1)
     if t.ndim == 2 and t.shape[1] == tokens and t.shape[0] in (1, batch):
         return t.expand(batch, tokens)
     raise ForwardError(f"the {what} timestep of shape {tuple(t.shape)} fits neither [B] nor [B, {tokens}] tokens")

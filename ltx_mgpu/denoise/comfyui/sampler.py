@@ -225,7 +225,7 @@ class _Stream:
 
     x: torch.Tensor
     latent: torch.Tensor
-    timestep_mask: torch.Tensor  # [B, T]
+    timestep_mask: torch.Tensor  # [B, T], or [B, 1] when uniform (ModalityInput.timesteps)
     mask: torch.Tensor | None  # [B, T, 1] when the LATENT has a noise_mask
     positions: torch.Tensor
     contexts: list  # per pass: [B, L, D] in the model dtype
@@ -364,7 +364,8 @@ def sample(
         tmask = m.denoise_mask.to(device=dev, dtype=torch.float32)
         b = lat.shape[0]
         streams[k] = _Stream(
-            x=sig[0] * noise + (1.0 - sig[0]) * lat, latent=lat, timestep_mask=tmask,
+            x=sig[0] * noise + (1.0 - sig[0]) * lat, latent=lat,
+            timestep_mask=tmask[:, :1] if bool((tmask == tmask[:, :1]).all()) else tmask,  # uniform: per sample
             mask=tmask.unsqueeze(-1) if has_mask else None, positions=m.positions.to(dev),
             contexts=[repeat_to_batch(c[0 if k == "video" else 1], b) for c in ctxs],
         )

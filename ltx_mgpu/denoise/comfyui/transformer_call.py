@@ -26,7 +26,10 @@ class ModalityInput:
     Attributes:
         tokens: patchified latent ``[B, T, C]`` in the model dtype on its device.
         timesteps: per-token sigmas ``[B, T]`` float32 (ComfyUI's timestep: the sigma itself for
-            LTX-2's flow matching; ltx-core scales them by ``timestep_scale_multiplier``).
+            LTX-2's flow matching; ltx-core scales them by ``timestep_scale_multiplier``), or
+            ``[B, 1]`` when every token of a sample has the same one: ltx-core's AdaLN then runs
+            once per sample and its modulation broadcasts over the tokens (the same values, none of
+            the per-token ``[B, T, 6 x D]`` tensors each block would otherwise read).
         positions: ltx-core positions ``[B, 3, T, 2]`` (video) / ``[B, 1, T, 2]`` (audio).
         context: this modality's text context ``[B, L, D]`` in the model dtype.
         self_attention: optional self-attention weights ``[B or 1, T, T]`` in ``[0, 1]`` (1 =
