@@ -37,6 +37,12 @@ TRANSFORMER_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 #: The compute dtype (torch's name) of each :data:`TRANSFORMER_DTYPES` choice: what the weights
 #: are held in (but the e4m3 ones) and what ComfyUI is told the model computes in.
 TRANSFORMER_COMPUTE_DTYPES = {**DTYPE_NAMES, "fp8": "bfloat16"}
+#: Whether the pool compiles the LTX-2 transformer's blocks (``torch.compile``, one graph per token
+#: bucket; ``ltx_mgpu.denoise.fp8.compile_blocks``): ``auto`` compiles them for dtype ``fp8`` (its
+#: e4m3 quantization is fused by the compile) and runs every other dtype eagerly, as ComfyUI's own
+#: model runs; ``on`` compiles them for every dtype (faster per step; the first call at a size
+#: compiles first, and the result differs from eager's by bf16 rounding).
+TRANSFORMER_COMPILE = ("auto", "on")
 #: How the pool holds the LTX-2 transformer: a whole copy on every rank, or each rank a 1/N shard
 #: of every weight, gathered block by block as it runs (FSDP2; ``ltx_mgpu.denoise.parallel.fsdp``).
 TRANSFORMER_WEIGHTS = ("replicated", "sharded")

@@ -34,8 +34,8 @@ treated as ComfyUI 0.20.1's own LTX-2 model treats it (``comfy/ldm/lightricks/av
 Which node made a patch is read from its function's ``__qualname__`` (``SkipLayerGuidanceDiT.
 execute.<locals>.skip``) or, for a node running now, from the call stack, mapped to ComfyUI's
 node id through ``nodes.NODE_CLASS_MAPPINGS``. ``TorchCompileModel`` compiles nothing of ours
-(the transformer runs in the pool, whose own compilation the Model Loader's ``dtype: fp8``
-turns on); the log says so once.
+(the transformer runs in the pool, whose own compilation the Model Loader's ``compile: on`` or
+``dtype: fp8`` turns on); the log says so once.
 
 Needs ComfyUI loaded in this process for everything but the plain helpers.
 """
@@ -246,7 +246,8 @@ def check_sampling(model_options: Mapping, patcher: Any, compute_dtype: Any, blo
         raise compute_dtype_refusal("ModelComputeDtype", dtype, compute_dtype)
     if model_options.get("torch_compile_kwargs") is not None:
         _say("torch_compile", "TorchCompileModel compiles nothing of the multi-GPU LTX-2 model: its transformer runs "
-             "in the pool, which compiles its own blocks (Model Loader dtype fp8); the sampling runs as without it")
+             "in the pool, which compiles its own blocks (Model Loader compile: on, or dtype fp8); the sampling "
+             "runs as without it")
 
 
 def compute_dtype_refusal(node: str, dtype: Any, compute_dtype: Any) -> ModelPatchRefused:

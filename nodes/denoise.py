@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ltx_mgpu.choices import SAMPLERS, SP_LAYOUTS, TRANSFORMER_WEIGHTS
+from ltx_mgpu.choices import SAMPLERS, SP_LAYOUTS, TRANSFORMER_COMPILE, TRANSFORMER_WEIGHTS
 from ltx_mgpu.choices import TRANSFORMER_DTYPES as DTYPES
 from ltx_mgpu.denoise.plan import DEFAULT_MAX_TOKENS, TransformerPlan
 
@@ -201,6 +201,12 @@ class LTXMGPUModelLoader(io.ComfyNode):
                     "files) needs the file that has them: the embeddings-connector file from "
                     "models/text_encoders (ltx-2-19b-embeddings_connector_*.safetensors, the one DualCLIPLoader "
                     "takes beside Gemma) or the full checkpoint.")),
+                io.Combo.Input("compile", options=list(TRANSFORMER_COMPILE), default="auto", optional=True,
+                               tooltip=(
+                    "auto: dtype fp8 runs its transformer blocks compiled (torch.compile), every other dtype "
+                    "eagerly, as ComfyUI's own model runs. on: compiled in every dtype, faster per step on a GPU; "
+                    "the first run at each size compiles first (kept in the compile cache for later pools), and "
+                    "the result differs from eager by rounding. Not for GGUF or nvfp4 / int8 files.")),
             ],
             outputs=[
                 ModelType.Output("model", tooltip="The LTX-2 transformer resident in the pool; connect it to the SP "
@@ -218,10 +224,11 @@ class LTXMGPUModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, pool: PoolHandle, ckpt_name: str, dtype: str, loras: str, max_tokens: int,
-                weights: str = "replicated", layout: str = "auto", connectors: str = OWN_CONNECTORS) -> io.NodeOutput:
+                weights: str = "replicated", layout: str = "auto", connectors: str = OWN_CONNECTORS,
+                compile: str = "auto") -> io.NodeOutput:
         plan = TransformerPlan(resolve_checkpoint(ckpt_name), dtype=dtype, weights=weights, layout=layout,
                                loras=parse_loras(loras), max_tokens=int(max_tokens),
-                               connectors=resolve_connectors(connectors))
+                               connectors=resolve_connectors(connectors), compile=compile)
         handle = ModelHandle(pool, plan)
         with JobWatch(executing_node(cls)) as watch:
             loaded = handle.ensure_loaded(pool.session(), watch)

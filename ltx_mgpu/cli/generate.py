@@ -13,7 +13,14 @@ import sys
 import threading
 
 from ltx_mgpu.assets import EMBEDDED_GEMMA
-from ltx_mgpu.choices import PLACEMENTS, SP_LAYOUTS, TRANSFORMER_DTYPES, TRANSFORMER_WEIGHTS, WEIGHTS
+from ltx_mgpu.choices import (
+    PLACEMENTS,
+    SP_LAYOUTS,
+    TRANSFORMER_COMPILE,
+    TRANSFORMER_DTYPES,
+    TRANSFORMER_WEIGHTS,
+    WEIGHTS,
+)
 from ltx_mgpu.cli.request import DEFAULT_NEGATIVE, GenerateRequest, validate_request
 from ltx_mgpu.heartbeat import HEARTBEAT_S, Heartbeat
 
@@ -183,6 +190,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=SP_LAYOUTS, default=d.layout,
                    help="how a model call is split over the GPUs (default auto: the cond and uncond halves of "
                         "CFG on two halves of the GPUs when both counts are even, else the tokens over all)")
+    p.add_argument("--compile", choices=TRANSFORMER_COMPILE, default=d.compile,
+                   help="auto: the transformer blocks compiled for --dtype fp8 only (default); on: compiled in "
+                        "every dtype (faster steps on a GPU; the first call at each size compiles first)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="video-token budget (default 32768)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cache", dest="cache_dir", help="embedding cache directory (default: $LTX_MGPU_CACHE_DIR, "

@@ -226,7 +226,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
             cpu_ranks_instead("the default (every GPU)", world, "--cpu")  # raises: GPUs torch cannot see
     plan = TransformerPlan(models.checkpoint, dtype=req.dtype or ("bf16" if on_gpus else "fp32"),
                            weights=req.transformer_weights, layout=req.layout, max_tokens=req.max_tokens,
-                           connectors=req.connectors)
+                           connectors=req.connectors, compile=req.compile)
     vae = inspect_vae_source(models.vae)
     if not vae.has_video:
         raise ValueError(f"{models.vae} holds no LTX-2 video VAE (vae.decoder.* and a 'vae' config); pass --vae with "

@@ -49,6 +49,8 @@ class GenerateRequest:
         transformer_weights: ``replicated`` (a whole transformer per rank) or ``sharded`` (a 1/N
             shard per rank, gathered block by block: for GPUs too small for a whole copy).
         layout: how a model call is split over the ranks (``auto``, ``ulysses``, ``cfg_ulysses``).
+        compile: ``auto`` (the blocks compiled for dtype fp8 only) or ``on`` (compiled in every
+            dtype; :data:`ltx_mgpu.choices.TRANSFORMER_COMPILE`).
         gpus: world size (ranks); None: the most GPUs (CPU: up to 2 ranks) the model's heads allow.
         gpu_ids: which GPUs (indices as this process sees them), as ``pool start --gpus 0,1``
             names them; sets the world size to their count. None: GPUs ``0..gpus-1``.
@@ -80,6 +82,7 @@ class GenerateRequest:
     dtype: str | None = None
     transformer_weights: str = "replicated"
     layout: str = "auto"
+    compile: str = "auto"
     gpus: int | None = None
     gpu_ids: tuple[int, ...] | None = None
     cpu: bool = False

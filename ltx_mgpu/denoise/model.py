@@ -95,9 +95,10 @@ class LTXDenoiser:
         plan: the :class:`~ltx_mgpu.denoise.plan.TransformerPlan` it was loaded by, its storage
             resolved from the file; ``max_tokens``, ``source``, ``loras``, ``weights`` and
             ``linears`` are its.
-        compiles: with compiled blocks (``linears`` fp8), what announces and persists their
-            compiles (:class:`~ltx_mgpu.denoise.compiling.CompileWatch`; set its ``on_compile`` to
-            report them); else None.
+        compiles: with compiled blocks (``plan.compiled``: ``linears`` fp8, or compile ``on``),
+            what announces and persists their compiles
+            (:class:`~ltx_mgpu.denoise.compiling.CompileWatch`; set its ``on_compile`` to report
+            them); else None.
         buckets: with compiled blocks, the video token buckets every call through
             :meth:`velocity_model` is padded to (``$LTX_MGPU_TOKEN_BUCKETS``,
             :mod:`ltx_mgpu.denoise.parallel.buckets`; None: off, and always for eager blocks).
@@ -256,7 +257,8 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
             graph per token count: the first call at a size compiles); ``upcast`` (a sharded fp8
             file): the e4m3 block weights kept as stored (FSDP2 gathers them at one byte) and
             upcast per call; ``dense``: every weight in the compute dtype (a replicated fp8 file
-            is upcast at load). Compiled blocks get token buckets (``$LTX_MGPU_TOKEN_BUCKETS``,
+            is upcast at load). Its ``compile`` ``on`` compiles the blocks of any dense or fp8
+            file in any dtype as ``fp8`` compiles them. Compiled blocks get token buckets (``$LTX_MGPU_TOKEN_BUCKETS``,
             :attr:`LTXDenoiser.buckets`): nearby sizes share one graph.
         device: target device; tensors are read from the memory-mapped file one at a time
             and moved there, so host RAM holds at most one tensor per rank.
@@ -280,7 +282,7 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
         plan = plan.with_storage(checkpoint_storage(info))
     if plan.linears == "fp8" and (err := fp8_support_error(device)):
         raise ValueError(err)
-    buckets = token_buckets() if plan.linears == "fp8" else None  # only compiled blocks have graphs to share
+    buckets = token_buckets() if plan.compiled else None  # only compiled blocks have graphs to share
     dtype = getattr(torch, plan.compute_dtype)
     if plan.attention_type is not None:  # ltx-core builds with one of its own; ours is installed below
         info.config["transformer"]["attention_type"] = core_attention_type(plan.attention_type)
@@ -328,7 +330,7 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
         if module is not None:
             use_comfy_qk_norm_eps(module)
     compiles = None
-    if plan.linears == "fp8":
+    if plan.compiled:
         compile_blocks(transformer, dynamic=False)
         cache = CompileCache.open(graph_key(transformer, device, layout=plan.layout, world_size=world,
                                             attention=plan.attention_type if ours else ""))

@@ -28,6 +28,7 @@ from ltx_mgpu.choices import (
     FP8_COMPUTES,
     FP8_SCALINGS,
     SP_LAYOUTS,
+    TRANSFORMER_COMPILE,
     TRANSFORMER_COMPUTE_DTYPES,
     TRANSFORMER_DTYPES,
     TRANSFORMER_STORAGE,
@@ -136,6 +137,8 @@ class TransformerPlan:
             absolute): for a transformer file without them, as the LTX-2.0 GGUF transformers ship
             (ComfyUI's ``ltx-2-19b-embeddings_connector_*.safetensors``, or the full checkpoint);
             None: the checkpoint's own.
+        compile: one of :data:`ltx_mgpu.choices.TRANSFORMER_COMPILE`: whether the blocks run
+            under ``torch.compile`` (:attr:`compiled`).
         storage: how the checkpoint stores its block linears, one of
             :data:`ltx_mgpu.choices.TRANSFORMER_STORAGE` (``dense``; ``e4m3``: an fp8 file;
             ``ggml``: a GGUF file; ``comfy_quant``: ComfyUI's nvfp4 / int8 layers), or None until
@@ -154,6 +157,7 @@ class TransformerPlan:
     max_tokens: int = DEFAULT_MAX_TOKENS
     attention_type: str | None = None
     connectors: str | None = None
+    compile: str = "auto"
     storage: str | None = None
 
     def __post_init__(self) -> None:
@@ -166,8 +170,10 @@ class TransformerPlan:
         check_choice(self.dtype, TRANSFORMER_DTYPES, "dtype")
         check_choice(self.weights, TRANSFORMER_WEIGHTS, "weights")
         check_choice(self.layout, SP_LAYOUTS, "layout")
+        check_choice(self.compile, TRANSFORMER_COMPILE, "compile")
         if self.storage is not None:
             check_choice(self.storage, TRANSFORMER_STORAGE, "storage")
+            _check_compile(self)
         if self.attention_type is not None:
             check_choice(self.attention_type, ATTENTION_TYPES, "attention_type")
         budget = self.max_tokens
@@ -195,6 +201,12 @@ class TransformerPlan:
         return "upcast" if self.weights == "sharded" and self.storage == "e4m3" else "dense"
 
     @property
+    def compiled(self) -> bool:
+        """Whether the blocks run under ``torch.compile``: always for ``linears`` ``fp8``, for
+        every dtype with ``compile`` ``on``."""
+        return self.linears == "fp8" or self.compile == "on"
+
+    @property
     def fp8(self) -> Fp8Config | None:
         """The fp8 layers' config for :attr:`linears` (None unless ``fp8`` or ``upcast``)."""
         return Fp8Config(self.linears) if self.linears in ("fp8", "upcast") else None
@@ -205,21 +217,23 @@ class TransformerPlan:
 
         Raises:
             ValueError: dtype fp8 for a GGUF file or a file of ComfyUI's nvfp4 / int8 layers (their
-                blocks are dequantized per call; e4m3 GEMMs would re-quantize them).
+                blocks are dequantized per call; e4m3 GEMMs would re-quantize them); compile ``on``
+                for such a file (its blocks' dequantizing kernels run eagerly).
         """
         if storage in ("ggml", "comfy_quant") and self.dtype == "fp8":
             kind = "a GGUF file" if storage == "ggml" else "a file of ComfyUI-quantized (nvfp4 / int8) layers"
             raise ValueError(f"{os.path.basename(self.checkpoint)} is {kind}: its quantized blocks run with "
                              "dtype bf16, fp16 or fp32 (dequantized per call); choose one of those, or dtype fp8 "
                              "with a bf16 or fp8 .safetensors checkpoint")
-        return dataclasses.replace(self, storage=storage)
+        return dataclasses.replace(self, storage=storage)  # checks compile against the storage
 
     def describe(self) -> dict:
         """The plan as the pool reports it (the load's result and its status): every choice and
         what follows from it."""
         return {"dtype": self.dtype, "compute_dtype": self.compute_dtype, "linears": self.linears,
                 "weights": self.weights, "storage": self.storage, "layout": self.layout,
-                "max_tokens": self.max_tokens, "attention_type": self.attention_type, "connectors": self.connectors}
+                "max_tokens": self.max_tokens, "attention_type": self.attention_type, "connectors": self.connectors,
+                "compile": self.compile, "compiled": self.compiled if self.storage is not None else None}
 
     # ---- the wire form (the ``load_transformer`` request's params)
 
@@ -232,6 +246,8 @@ class TransformerPlan:
             params["attention_type"] = self.attention_type
         if self.connectors is not None:
             params["connectors"] = self.connectors
+        if self.compile != "auto":
+            params["compile"] = self.compile
         return params
 
     @classmethod
@@ -252,3 +268,13 @@ class TransformerPlan:
                 raise ValueError(f"load_transformer.{name} must be an absolute path (the pool's working directory is "
                                  f"not yours), got {path!r:.120}")
         return cls(**{k: v for k, v in params.items() if k in known})
+
+
+def _check_compile(plan: TransformerPlan) -> None:
+    """Raise ``ValueError`` for compile ``on`` with a checkpoint whose blocks stay packed (GGUF,
+    ComfyUI's nvfp4 / int8): their dequantizing Triton kernels are not traced by ``torch.compile``."""
+    if plan.compile == "on" and plan.storage in ("ggml", "comfy_quant"):
+        kind = "a GGUF file" if plan.storage == "ggml" else "a file of ComfyUI-quantized (nvfp4 / int8) layers"
+        raise ValueError(f"{os.path.basename(plan.checkpoint)} is {kind}: its quantized blocks run eagerly "
+                         "(dequantized per call); set compile to auto, or use a bf16 or fp8 .safetensors checkpoint "
+                         "to compile")

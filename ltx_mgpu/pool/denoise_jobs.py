@@ -329,9 +329,10 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
                                     "devices": [str(m.device)]})
     ctx.log(f"loaded LTX-{m.version} transformer '{name}' from {m.source} ({plan.dtype}, {plan.weights}, "
             f"{len(m.loras)} LoRA(s), world size {ctx.world_size}, {_model_bytes(m) / 2**30:.2f} GiB on this rank)")
-    if m.linears == "fp8":
-        ctx.log("dtype fp8: the first call at each size compiles the transformer blocks (torch.compile); later "
-                "calls at that size run compiled, and later pools load the compile from the compile cache "
+    if m.plan.compiled:
+        ctx.log(("dtype fp8" if m.linears == "fp8" else "compile on")
+                + ": the first call at each size compiles the transformer blocks (torch.compile); later calls "
+                "at that size run compiled, and later pools load the compile from the compile cache "
                 "($LTX_MGPU_COMPILE_CACHE_DIR)"
                 + (f"; video token counts are padded up to buckets ({m.buckets.per_octave} per doubling, "
                    "$LTX_MGPU_TOKEN_BUCKETS), so nearby sizes share a compile" if m.buckets is not None else ""))

@@ -264,7 +264,8 @@ register_request(MessageSchema("load_transformer", (
     F("loras", ("list",), False, items="object", max_items=MAX_LORAS, hint="merge LoRAs, or fuse fewer"),
     F("max_tokens", ("int",), False, bounds=(1, MAX_VIDEO_TOKENS),
       hint="the video tokens one sample may have (default 32768)"),
-    F("attention_type", ("str", "null"), False), F("connectors", ("str",), False), F("name", ("str",), False)),
+    F("attention_type", ("str", "null"), False), F("connectors", ("str",), False), F("compile", ("str",), False),
+    F("name", ("str",), False)),
     doc="load an LTX-2 transformer (+ connectors, LoRAs fused) on every rank for sequence parallelism, "
         "replicated or sharded; the values are a TransformerPlan's (ltx_mgpu.denoise.plan checks them)"))
 register_request(MessageSchema("sample", (

@@ -443,3 +443,19 @@ def test_a_model_the_pool_freed_is_loaded_again(pool, model, local):
     before = model.forward(x, t, ctx)
     pool.request("unload", {"names": [model.name]}, timeout=60)
     assert _diff(model.forward(x, t, ctx), before) == 0.0
+
+
+def test_compile_on_runs_compiled_blocks_on_two_ranks_equal_to_the_call_in_process(pool, local, tiny_ltx_23):
+    """The Model Loader's ``compile: on`` in fp32 (a CPU pool): the pool compiles the blocks
+    (``torch.compile``, as dtype fp8 does), says so in its load result, and a call equals the
+    eager call in process within float32 rounding."""
+    plan = TransformerPlan(str(tiny_ltx_23), dtype="fp32", compile="on")
+    loaded = remote_load_transformer(pool, plan, name="compiled", timeout=600)
+    assert loaded["plan"]["compile"] == "on" and loaded["plan"]["compiled"] is True, loaded["plan"]
+    pm = PoolModel(lambda: pool, lambda: remote_load_transformer(pool, plan, name="compiled", timeout=600),
+                   name="compiled", key=loaded["key"])
+    x, t = _inputs()
+    ctx = _context(local)
+    for _ in range(2):  # the first call compiles; the second runs the compiled graph
+        assert _diff(pm.forward(x, t, ctx), _reference(local, x, t, ctx)) <= TOL
+    pool.request("unload", {"names": ["compiled"]})

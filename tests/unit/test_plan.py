@@ -33,14 +33,14 @@ def test_a_plan_derives_the_compute_dtype_and_how_the_linears_run():
     described = TransformerPlan("/c", dtype="fp8", weights="sharded").with_storage("e4m3").describe()
     assert described == {"dtype": "fp8", "compute_dtype": "bfloat16", "linears": "fp8", "weights": "sharded",
                          "storage": "e4m3", "layout": "auto", "max_tokens": 32768, "attention_type": None,
-                         "connectors": None}
+                         "connectors": None, "compile": "auto", "compiled": True}
 
 
 def test_the_plan_travels_as_the_load_request_and_comes_back_equal(tmp_path):
     lora = tmp_path / "l.safetensors"
     plan = TransformerPlan(tmp_path / "c.safetensors", dtype="fp16", weights="sharded", layout="cfg_ulysses",
                            loras=[(lora, 0.5), LoraSpec(str(lora), -1)], max_tokens=4096, attention_type="pytorch",
-                           connectors=tmp_path / "connectors.safetensors")
+                           connectors=tmp_path / "connectors.safetensors", compile="on")
     assert plan.loras == (LoraSpec(str(lora), 0.5), LoraSpec(str(lora), -1.0))
     params = {**plan.to_params(), "name": "ltx"}
     REQUESTS["load_transformer"].validate(params, "load_transformer")  # the wire takes it as it is
@@ -63,6 +63,8 @@ def test_the_plan_travels_as_the_load_request_and_comes_back_equal(tmp_path):
     ({"loras": [{"path": "/l", "weight": 1}]}, r"loras\[0\] has unknown field\(s\) \['weight'\]"),
     ({"loras": "a.safetensors"}, "loras must be a list of LoRAs, got str"),
     ({"storage": "int4"}, "storage must be one of 'dense', 'e4m3', 'ggml' or 'comfy_quant'"),
+    ({"compile": "max-autotune"}, "compile must be one of 'auto' or 'on', got 'max-autotune'"),
+    ({"compile": "on", "storage": "ggml"}, r"c is a GGUF file: its quantized blocks run eagerly .*set compile to auto"),
 ])
 def test_every_field_is_checked_once_when_the_plan_is_built(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -81,8 +83,19 @@ def test_the_pool_parses_the_request_into_a_plan_and_refuses_what_it_does_not_kn
 def test_the_wire_schema_types_the_plans_fields_and_leaves_their_values_to_the_plan():
     """The choices are checked in one place: the plan (the schema would otherwise be a second)."""
     fields = {f.name: f for f in REQUESTS["load_transformer"].fields}
-    for name in ("dtype", "weights", "layout", "attention_type"):
+    for name in ("dtype", "weights", "layout", "attention_type", "compile"):
         assert fields[name].choices is None, name
     text = {f.name: f for f in REQUESTS["load_text_encoder"].fields}
     assert text["weights"].choices is None and text["placement"].choices is None  # TextEncoderConfig's
     assert set(SP_LAYOUTS) == {"auto", "ulysses", "cfg_ulysses"}
+
+
+def test_compile_auto_compiles_fp8_only_and_on_compiles_every_dense_dtype():
+    for dtype in TRANSFORMER_DTYPES:
+        assert TransformerPlan("/c", dtype=dtype).compiled == (dtype == "fp8"), dtype
+        assert TransformerPlan("/c", dtype=dtype, compile="on").compiled, dtype
+    assert TransformerPlan("/c", compile="on").with_storage("e4m3").compiled
+    for storage, kind in (("ggml", "a GGUF file"), ("comfy_quant", "ComfyUI-quantized")):
+        with pytest.raises(ValueError, match=f"c.safetensors is .*{kind}.*set compile to auto"):
+            TransformerPlan("/c.safetensors", compile="on").with_storage(storage)
+        assert not TransformerPlan("/c").with_storage(storage).compiled
