@@ -344,6 +344,42 @@ def test_the_model_path_on_a_gpu_pool_equals_the_call_in_process():
     assert max((a - b).abs().max().item() for a, b in zip(got, want, strict=True)) <= 1e-4
 
 
+def test_compile_on_runs_bf16_blocks_compiled_in_a_gpu_pool_near_the_eager_call():
+    """Model Loader ``compile: on`` in bf16 on a one-GPU pool: the load says the blocks are
+    compiled, and two calls (the first compiles) are within bf16 rounding of the eager bf16 call in
+    process, and of each other exactly (one graph)."""
+    from ltx_mgpu.client.denoise import remote_load_transformer
+    from ltx_mgpu.client.model import PoolModel
+    from ltx_mgpu.client.pool_client import PoolClient
+    from ltx_mgpu.denoise.comfyui.forward import comfy_forward, processed_context
+    from ltx_mgpu.denoise.model import load_ltx_model
+
+    ckpt = tiny_ltx_checkpoint("2.3")
+    local = load_ltx_model(TransformerPlan(ckpt, dtype="bf16"), "cuda")
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(2, 128, 3, 3, 5, generator=g).cuda().bfloat16(), torch.randn(2, 8, 7, 16, generator=g).cuda()
+         .bfloat16()]
+    t = (torch.full((2,), 0.7, device="cuda"), torch.full((2,), 0.7, device="cuda"))
+    text = torch.randn(2, 9, 48, generator=g).cuda().bfloat16()
+    with torch.no_grad():
+        ctx = processed_context(local, text, True)
+        want = comfy_forward(local, local.velocity_model(), x, t, ctx)
+    base = short_dir()
+    client = PoolClient.connect(gpus="0", runtime_dir=base, lifetime="with-owner", startup_timeout=300)
+    try:
+        plan = TransformerPlan(str(ckpt), dtype="bf16", compile="on")
+        loaded = remote_load_transformer(client, plan, timeout=300)
+        pm = PoolModel(lambda: client, lambda: None, loaded["model"], key=loaded["key"])
+        first, second = (pm.forward(x, t, ctx) for _ in range(2))
+    finally:
+        client.shutdown()
+        cleanup(base)
+    assert loaded["plan"]["compiled"] is True, loaded["plan"]
+    for a, b, w in zip(first, second, want, strict=True):
+        assert torch.equal(a, b)
+        assert ((a.float() - w.float()).norm() / w.float().norm()).item() <= 2e-2
+
+
 def test_guides_reference_audio_and_sharded_weights_on_a_gpu_pool_equal_the_call_in_process():
     """On a one-GPU pool: a call with two keyframe guides (strength 0.7: the guide attention
     mask through cuDNN / efficient SDPA), dropped guide tokens and reference audio equals the
