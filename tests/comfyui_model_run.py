@@ -37,6 +37,13 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _pool_plan(pool) -> dict:
+    """The plan (``TransformerPlan.describe``) of the LTX-2 transformer resident in ``pool``'s rank 0."""
+    models = pool.client.status()["ranks"][0]["models"]
+    (plan,) = [m["plan"] for m in models.values() if m.get("kind") == "ltx_transformer"]
+    return plan
+
+
 def main() -> int:
     spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())
@@ -206,7 +213,14 @@ def main() -> int:
         entry = report["cases"][case["id"]] = {}
         for who in case.get("who", ["comfy", "ours"]):
             warnings.clear()
-            if "model" in case:
+            if case.get("model") == "compiled":  # the Model Loader's compile: on, on the 2-rank pool
+                if "compiled" not in models:
+                    loaded = ours_nodes["LTXMGPU_ModelLoader"].execute(pools[2], checkpoint, "fp32", "", 32768,
+                                                                       compile="on")
+                    models["compiled"] = loaded[1]
+                    report["compiled_plan"] = _pool_plan(pools[2])
+                model = theirs if who == "comfy" else models["compiled"]
+            elif "model" in case:
                 kind = case["model"].removesuffix("_sharded")
                 which = case.get("reference", "reference")
                 if (kind, which) not in theirs_packed:

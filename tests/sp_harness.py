@@ -74,22 +74,28 @@ def build_tiny_model(seed: int = 0, video_only: bool = False, **overrides):
 
 
 def make_inputs(frames, height, width, audio_tokens=0, batch=1, seed=1, attention_mask=False,
-                context_widths=(VIDEO_HEADS * VIDEO_HEAD_DIM, AUDIO_HEADS * AUDIO_HEAD_DIM)):
-    """Deterministic ``(video, audio|None)`` Modalities; the first latent frame is 'conditioned'
-    (timestep 0), like image-to-video. Positions come from ltx-core's latent tools at 25 fps.
-    ``context_widths``: the (video, audio) text context widths (the model's cross-attention dims)."""
+                context_widths=(VIDEO_HEADS * VIDEO_HEAD_DIM, AUDIO_HEADS * AUDIO_HEAD_DIM), timesteps="i2v"):
+    """Deterministic ``(video, audio|None)`` Modalities. ``timesteps``: ``"i2v"`` (default) the
+    first latent frame is 'conditioned' (timestep 0), like image-to-video; ``"uniform"`` every
+    token at its sample's sigma, per token (``[B, T]``); ``"per_sample"`` the same sigmas as
+    ``[B, 1]`` (what a ComfyUI ``[B]`` timestep reaches ltx-core as). Positions come from
+    ltx-core's latent tools at 25 fps. ``context_widths``: the (video, audio) text context widths
+    (the model's cross-attention dims)."""
+    if timesteps not in ("i2v", "uniform", "per_sample"):
+        raise ValueError(f"timesteps {timesteps!r}: use i2v, uniform or per_sample")
     gen = torch.Generator().manual_seed(seed)
     vshape = VideoLatentShape(batch, CHANNELS, frames, height, width)
     vstate = VideoLatentTools(VideoLatentPatchifier(1), vshape, fps=25.0).create_initial_state("cpu", torch.float32)
     t = frames * height * width
     sigma = torch.rand(batch, generator=gen) * 0.8 + 0.1
     mask = torch.ones(batch, t)
-    mask[:, : height * width] = 0.0
+    if timesteps == "i2v":
+        mask[:, : height * width] = 0.0
     vmask = torch.rand(batch, t, t, generator=gen) if attention_mask else None
     video = Modality(
         latent=torch.randn(batch, t, CHANNELS, generator=gen),
         sigma=sigma,
-        timesteps=mask * sigma[:, None],
+        timesteps=sigma[:, None].clone() if timesteps == "per_sample" else mask * sigma[:, None],
         positions=vstate.positions,
         context=torch.randn(batch, CONTEXT_TOKENS, context_widths[0], generator=gen),
         attention_mask=vmask,
@@ -101,7 +107,7 @@ def make_inputs(frames, height, width, audio_tokens=0, batch=1, seed=1, attentio
         audio = Modality(
             latent=torch.randn(batch, audio_tokens, CHANNELS, generator=gen),
             sigma=sigma,
-            timesteps=sigma[:, None].expand(batch, audio_tokens).clone(),
+            timesteps=sigma[:, None].expand(batch, 1 if timesteps == "per_sample" else audio_tokens).clone(),
             positions=astate.positions,
             context=torch.randn(batch, CONTEXT_TOKENS, context_widths[1], generator=gen),
         )
@@ -131,6 +137,7 @@ def run_case(model_forward, case: dict):
         case["frames"], case["height"], case["width"], case.get("audio_tokens", 0),
         case.get("batch", 1), case.get("seed", 1), case.get("attention_mask", False),
         *([tuple(case["context_widths"])] if "context_widths" in case else []),
+        timesteps=case.get("timesteps", "i2v"),
     )
     return model_forward(video, audio, make_perturbations(case.get("perturbations"), case.get("batch", 1)))
 
@@ -138,7 +145,8 @@ def run_case(model_forward, case: dict):
 def _inputs_for(case: dict):
     """``(video, perturbations)`` of ``case``, to ask the SP model which layout it takes."""
     video, _ = make_inputs(case["frames"], case["height"], case["width"], case.get("audio_tokens", 0),
-                           case.get("batch", 1), case.get("seed", 1), case.get("attention_mask", False))
+                           case.get("batch", 1), case.get("seed", 1), case.get("attention_mask", False),
+                           timesteps=case.get("timesteps", "i2v"))
     return video, make_perturbations(case.get("perturbations"), case.get("batch", 1))
 
 

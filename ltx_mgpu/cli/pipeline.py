@@ -192,6 +192,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     from ltx_mgpu.client.pool_client import PoolClient
     from ltx_mgpu.client.text import encode_prompts
     from ltx_mgpu.denoise.checkpoint import inspect_checkpoint
+    from ltx_mgpu.denoise.model import checkpoint_storage
     from ltx_mgpu.denoise.parallel.split import check_token_budget
     from ltx_mgpu.denoise.plan import TransformerPlan
     from ltx_mgpu.text.cache.keys import default_cache_dir
@@ -227,6 +228,7 @@ def generate(req: GenerateRequest, on_progress: ProgressCallback | None = None,
     plan = TransformerPlan(models.checkpoint, dtype=req.dtype or ("bf16" if on_gpus else "fp32"),
                            weights=req.transformer_weights, layout=req.layout, max_tokens=req.max_tokens,
                            connectors=req.connectors, compile=req.compile)
+    plan.with_storage(checkpoint_storage(info))  # dtype / compile against the file's storage, before any pool
     vae = inspect_vae_source(models.vae)
     if not vae.has_video:
         raise ValueError(f"{models.vae} holds no LTX-2 video VAE (vae.decoder.* and a 'vae' config); pass --vae with "

@@ -128,6 +128,13 @@ def _cases() -> list[dict]:
         cases += [{"id": f"{model}-euler", "model": model, "sampler": "euler", "cfg": 3.0},
                   {"id": f"{model}-lora", "model": model, "sampler": "euler", "cfg": 3.0,
                    "loras": [["a.safetensors", 0.5]], "reference": "values"}]
+    # the Model Loader's compile: on (last: it replaces the 2-rank pool's eager transformer)
+    cases += [{"id": "compiled-euler", "model": "compiled", "sampler": "euler", "cfg": 3.0},
+              {"id": "compiled-lora", "model": "compiled", "sampler": "euler", "cfg": 3.0,
+               "loras": [["a.safetensors", 0.5]]},
+              {"id": "compiled-stop", "model": "compiled", "sampler": "euler", "cfg": 3.0, "steps": 8,
+               "stop_after": 2, "who": ["ours"]},
+              {"id": "compiled-after-stop", "model": "compiled", "sampler": "euler", "cfg": 3.0}]
     return cases
 
 
@@ -164,7 +171,8 @@ def run(tiny_ltx_23):
     out.mkdir()
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)
     proc = subprocess.run([python, str(SCRIPT), str(work / "spec.json"), str(out)], capture_output=True, text=True,
-                          timeout=1500, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=1500, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                             "LTX_MGPU_COMPILE_CACHE_DIR": str(work / "compile")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out, json.loads((out / "report.json").read_text())
 
@@ -268,3 +276,16 @@ def test_comfyui_sees_a_model_of_one_byte_and_reads_no_weights(run):
     assert report["model_size"] == 1
     assert report["vae"] == "VAE"
     assert all(v < 64 << 20 for v in report["rss_model_load"].values()), report["rss_model_load"]
+
+
+def test_compile_on_with_comfyuis_lora_loader_and_stop_equals_comfyuis_own_model(run):
+    """The Model Loader's ``compile: on`` (fp32 on 2 CPU ranks): ComfyUI's sampler on the compiled
+    blocks, with ComfyUI's LoRA loader on that MODEL, equals ComfyUI's own model; Stop interrupts
+    it and the next run equals ComfyUI's own model again."""
+    out, report = run
+    assert report["compiled_plan"]["compiled"] is True, report["compiled_plan"]
+    for case in ("compiled-euler", "compiled-lora", "compiled-after-stop"):
+        assert _rel(_read(out, case, "comfy"), _read(out, case, "ours")) <= REL, case
+    assert _rel(_read(out, "compiled-lora", "ours"), _read(out, "compiled-euler", "ours")) > 1e-3
+    stop = report["cases"]["compiled-stop"]
+    assert stop.get("ours_interrupted") and stop["ours_calls"]["forward"] <= 2, stop

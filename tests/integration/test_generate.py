@@ -334,3 +334,27 @@ def test_directory_settings_that_name_a_file_are_refused_with_the_setting_named(
     rc = main(["encode", "--prompt", "x", "--out", str(tmp_path / "e.safetensors"), "--cache", str(afile)])
     err = capsys.readouterr().err
     assert rc == 2 and f"--cache {afile}: {afile} is a file" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compile", "on"], "its quantized blocks run eagerly (dequantized per call); set compile to auto"),
+    (["--dtype", "fp8"], "its quantized blocks run with dtype bf16, fp16 or fp32"),
+], ids=["compile-on", "dtype-fp8"])
+def test_a_gguf_transformer_with_compile_on_or_fp8_is_refused_before_any_pool_starts(tmp_path, capsys,
+                                                                                     tiny_gemma_dir, tiny_ltx_23,
+                                                                                     args, message):
+    """``generate --compile on`` (or ``--dtype fp8``) with a GGUF transformer: refused from the
+    file's header, naming the fix, before a pool starts (no weight is read)."""
+    from gguf_support import gguf_pair, wide_file
+
+    gguf, _ = gguf_pair(wide_file(tmp_path), tmp_path, "Q8_0")
+    runtime = short_dir()
+    try:
+        rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--runtime-dir", str(runtime),
+                   "--checkpoint", str(gguf), "--gemma", str(tiny_gemma_dir), "--vae", str(tiny_ltx_23), "--cpu",
+                   *args])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{gguf.name} is a GGUF file: {message}" in err and "Traceback" not in err, err
+        assert not any(runtime.iterdir())  # no pool directory: nothing was started
+    finally:
+        cleanup(runtime)

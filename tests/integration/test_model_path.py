@@ -445,17 +445,52 @@ def test_a_model_the_pool_freed_is_loaded_again(pool, model, local):
     assert _diff(model.forward(x, t, ctx), before) == 0.0
 
 
-def test_compile_on_runs_compiled_blocks_on_two_ranks_equal_to_the_call_in_process(pool, local, tiny_ltx_23):
+def test_compile_on_runs_compiled_blocks_on_two_ranks_equal_to_the_call_in_process(pool, model, local, tiny_ltx_23):
     """The Model Loader's ``compile: on`` in fp32 (a CPU pool): the pool compiles the blocks
     (``torch.compile``, as dtype fp8 does), says so in its load result, and a call equals the
-    eager call in process within float32 rounding."""
-    plan = TransformerPlan(str(tiny_ltx_23), dtype="fp32", compile="on")
+    eager call in process within float32 rounding; ComfyUI's LoRA patches (merged into the
+    weights the compiled graphs read), skip-layer guidance (a skipped block's forward replaced)
+    and the patches' removal act on the compiled blocks as on eager ones. A resident model loaded
+    with ``auto`` is loaded again, not reused, when ``compile`` changes, and back."""
+    eager = TransformerPlan(str(tiny_ltx_23), dtype="fp32")
+    first = remote_load_transformer(pool, eager, name="compiled", timeout=120)
+    assert first["plan"]["compiled"] is False
+    plan = dataclasses.replace(eager, compile="on")
     loaded = remote_load_transformer(pool, plan, name="compiled", timeout=600)
+    assert not loaded["reused"] and loaded["key"] != first["key"]
     assert loaded["plan"]["compile"] == "on" and loaded["plan"]["compiled"] is True, loaded["plan"]
+    assert remote_load_transformer(pool, plan, name="compiled", timeout=600)["reused"]
     pm = PoolModel(lambda: pool, lambda: remote_load_transformer(pool, plan, name="compiled", timeout=600),
                    name="compiled", key=loaded["key"])
     x, t = _inputs()
     ctx = _context(local)
+    want = _reference(local, x, t, ctx)
     for _ in range(2):  # the first call compiles; the second runs the compiled graph
-        assert _diff(pm.forward(x, t, ctx), _reference(local, x, t, ctx)) <= TOL
+        plain = pm.forward(x, t, ctx)
+        assert _diff(plain, want) <= TOL
+    patches = ("lora-c", _patches((_factors(7), _adapters(_factors(7)), 0.8)))
+    patched = pm.forward(x, t, ctx, patches=patches)
+    assert _diff(patched, model.forward(x, t, ctx, patches=patches)) <= TOL  # the eager pool model, same patches
+    assert _diff(patched, plain) > 1e-3
+    with skipped_blocks(local.transformer, [1]):
+        skipped = _reference(local, x, t, ctx)
+    assert _diff(pm.forward(x, t, ctx, skip_blocks=[1]), skipped) <= TOL
+    assert _diff(pm.forward(x, t, ctx), plain) == 0.0  # patches removed, block 1 back
+    model.forward(x, t, ctx)
+    again = remote_load_transformer(pool, eager, name="compiled", timeout=120)
+    assert not again["reused"] and again["plan"]["compiled"] is False
     pool.request("unload", {"names": ["compiled"]})
+
+
+def test_compile_on_with_sharded_weights_equals_the_call_in_process(pool, local, tiny_ltx_23):
+    """``compile: on`` with ``weights: sharded`` (FSDP2's gathers stay eager around the compiled
+    block forwards) on 2 CPU ranks equals the eager call in process."""
+    plan = TransformerPlan(str(tiny_ltx_23), dtype="fp32", weights="sharded", compile="on")
+    loaded = remote_load_transformer(pool, plan, name="compiled_sharded", timeout=600)
+    assert loaded["plan"]["compiled"] is True and loaded["plan"]["weights"] == "sharded", loaded["plan"]
+    pm = PoolModel(lambda: pool, lambda: remote_load_transformer(pool, plan, name="compiled_sharded", timeout=600),
+                   name="compiled_sharded", key=loaded["key"])
+    x, t = _inputs()
+    ctx = _context(local)
+    assert _diff(pm.forward(x, t, ctx), _reference(local, x, t, ctx)) <= TOL
+    pool.request("unload", {"names": ["compiled_sharded"]})

@@ -10,6 +10,8 @@ The same refusals through a 2-rank pool, which must keep serving: ``tests/integr
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -216,4 +218,73 @@ def test_one_timestep_per_sample_runs_the_adaln_once_per_sample_with_the_per_tok
     assert seen[0] == {"video": (1, 1), "audio": audio}
     assert seen[1]["video"] == (1, 45) and seen[1]["audio"] == ((1, 12) if conds == "ref_audio" else (1, 7))
     for a, b in zip(per_sample, per_token):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-6
+
+
+def _per_token(model, seen):
+    """A velocity that records the timestep shapes it gets and expands ``[B, 1]`` timesteps to
+    ``[B, T]`` (the same values per token) before ltx-core: the per-token result to compare with."""
+    def velocity(video, audio, perturbations):
+        def expand(m):
+            if m is None:
+                return None
+            t = m.timesteps.expand(m.latent.shape[0], m.latent.shape[1]).contiguous()
+            return dataclasses.replace(m, timesteps=t)
+        seen.append(tuple(tuple(m.timesteps.shape) if m is not None else None for m in (video, audio)))
+        return model.transformer(expand(video), expand(audio), perturbations)
+    return velocity
+
+
+def _own(model, seen):
+    def velocity(video, audio, perturbations):
+        seen.append(tuple(tuple(m.timesteps.shape) if m is not None else None for m in (video, audio)))
+        return model.transformer(video, audio, perturbations)
+    return velocity
+
+
+_CTX_GEN = 21
+
+
+@pytest.mark.parametrize("case", ["guides_drop_tokens", "batch2_context1", "video_only", "per_token_b_t_1", "scalar",
+                                  "batch2_one_value", "text_mask", "one_video_token"])
+def test_one_timestep_per_sample_equals_the_same_sigma_per_token(model, context, case):
+    """Every way a ``[B]`` (or scalar) timestep reaches ltx-core as ``[B, 1]`` gives the result of
+    the same sigmas per token: keyframe guides whose grid mask drops tokens, a batch of 2 with a
+    context of batch 1 and a different sigma per sample, a video-only latent, a single video
+    token, a text mask; a ``[B, T, 1]`` timestep stays per token."""
+    x, conds, batch = _x(), None, 1
+    t = (torch.full((1,), 0.7), torch.full((1,), 0.4))
+    if case == "guides_drop_tokens":
+        kf, mask, entries = _guides()
+        conds = extra_conds(keyframe_idxs=kf, keep=grid_mask(mask), guide_attention_entries=entries)
+    elif case in ("batch2_context1", "batch2_one_value"):
+        batch = 2
+        x = _x(video=(2, 128, 3, 3, 5), audio=(2, 8, 7, 16))
+        if case == "batch2_context1":
+            t = (torch.tensor([0.3, 0.7]), torch.tensor([0.9, 0.2]))
+    elif case == "video_only":
+        x = _x()[0]
+        t = torch.full((1,), 0.7)
+    elif case == "per_token_b_t_1":
+        t = (torch.full((1, 45, 1), 0.7), torch.full((1, 7, 1), 0.4))
+    elif case == "scalar":
+        t = torch.tensor(0.6)
+    elif case == "text_mask":
+        tm = torch.ones(1, context.shape[1])
+        tm[:, -3:] = 0
+        conds = extra_conds(attention_mask=tm)
+    elif case == "one_video_token":
+        x = _x(video=(1, 128, 1, 1, 1))
+    seen_own, seen_tok = [], []
+    check_call(model, x, t, conds)
+    with torch.no_grad():
+        own = comfy_forward(model, _own(model, seen_own), x, t, context, conds=conds)
+        tok = comfy_forward(model, _per_token(model, seen_tok), x, t, context, conds=conds)
+    own, tok = (own, tok) if isinstance(own, list) else ([own], [tok])
+    if case == "per_token_b_t_1":
+        assert seen_own[0] == ((1, 45), (1, 7))
+    else:
+        assert seen_own[0][0] == (batch, 1)
+    for a, b in zip(own, tok, strict=True):
+        assert a.shape == b.shape and bool(torch.isfinite(a).all())
         assert float((a - b).abs().max() / b.abs().max()) < 1e-6

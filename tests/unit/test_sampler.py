@@ -139,6 +139,26 @@ def test_three_steps_equal_the_comfyui_reference(model23, cfg, masked):
         assert not torch.allclose(latent_parts(got)[0][:, :, 1:], latent_parts(latent)[0][:, :, 1:], atol=1e-2)
 
 
+@pytest.mark.parametrize("video_mask, audio_mask", [(0.6, None), (None, 0.3), (1.0, 1.0)])
+def test_a_uniform_noise_mask_equals_the_comfyui_reference(model23, video_mask, audio_mask):
+    """A LATENT noise mask of one value per modality (the SP Sampler then passes ltx-core one
+    timestep per sample, ``[B, 1]``) beside a per-token one of the other modality (frame 0 / the
+    first audio frames kept): ComfyUI's per-token timesteps give the same samples."""
+    latent = av_latent()
+    vm, am = torch.ones(1, 1, 3, 1, 1), torch.ones(1, 1, 7, 1)
+    vm[:, :, 0], am[:, :, :2] = 0.0, 0.25
+    if video_mask is not None:
+        vm = torch.full_like(vm, video_mask)
+    if audio_mask is not None:
+        am = torch.full_like(am, audio_mask)
+    latent["noise_mask"] = NestedTensorLike([vm, am])
+    pos, neg = cond(48, 9, 1), cond(48, 5, 2)
+    got = sample(model23, pos, neg, latent, sigmas=SIGMAS, cfg=3.0, seed=42)
+    ref = _comfy_reference(model23, pos, neg, latent, SIGMAS, 3.0, seed=42)
+    for g, r in zip(latent_parts(got), ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=2e-5)
+
+
 def test_video_only_latent_with_the_20_model_equals_reference(model20):
     pos, neg = cond(64, 6, 3), cond(64, 4, 4)
     latent = {"samples": torch.randn(1, 128, 2, 3, 4, generator=torch.Generator().manual_seed(5))}
