@@ -279,7 +279,8 @@ def load_transformer(ctx: JobContext, params: dict, tensors: dict) -> tuple[dict
     except (CheckpointError, ValueError) as e:
         raise BadInput(str(e)) from None
     what = f"{Path(path).name} ({plan.dtype})"
-    identity = {**dataclasses.asdict(plan), "checkpoint": _file_identity(path),
+    # compile as its outcome: dtype fp8 runs compiled blocks under auto and on alike (no reload)
+    identity = {**dataclasses.asdict(plan), "compile": plan.compiled, "checkpoint": _file_identity(path),
                 "connectors": _file_identity(plan.connectors) if plan.connectors is not None else None,
                 "loras": [{**_file_identity(s.path), "strength": s.strength} for s in plan.loras]}
     # Everything above is decided by the files alone; what follows depends on this rank's state

@@ -480,17 +480,3 @@ def test_compile_on_runs_compiled_blocks_on_two_ranks_equal_to_the_call_in_proce
     again = remote_load_transformer(pool, eager, name="compiled", timeout=120)
     assert not again["reused"] and again["plan"]["compiled"] is False
     pool.request("unload", {"names": ["compiled"]})
-
-
-def test_compile_on_with_sharded_weights_equals_the_call_in_process(pool, local, tiny_ltx_23):
-    """``compile: on`` with ``weights: sharded`` (FSDP2's gathers stay eager around the compiled
-    block forwards) on 2 CPU ranks equals the eager call in process."""
-    plan = TransformerPlan(str(tiny_ltx_23), dtype="fp32", weights="sharded", compile="on")
-    loaded = remote_load_transformer(pool, plan, name="compiled_sharded", timeout=600)
-    assert loaded["plan"]["compiled"] is True and loaded["plan"]["weights"] == "sharded", loaded["plan"]
-    pm = PoolModel(lambda: pool, lambda: remote_load_transformer(pool, plan, name="compiled_sharded", timeout=600),
-                   name="compiled_sharded", key=loaded["key"])
-    x, t = _inputs()
-    ctx = _context(local)
-    assert _diff(pm.forward(x, t, ctx), _reference(local, x, t, ctx)) <= TOL
-    pool.request("unload", {"names": ["compiled_sharded"]})
