@@ -25,7 +25,7 @@ batch (2) in the model dtype, one sigma per sample, the processed text context. 
   ``dtype: fp8`` runs them), after one compiling call.
 
 Per variant: the median of ``--runs`` (device events, after ``--warmup``) and, with ``--profile``,
-the device-kernel time by kernel (``torch.profiler``, one call), the top ``--top``. ``rel_to_comfy``:
+the kernel time by kernel (``torch.profiler``, one call; operators on a CPU), the top ``--top``. ``rel_to_comfy``:
 the max relative difference of each velocity to ComfyUI's (``|a - b|.norm() / |b|.norm()``).
 """
 
@@ -42,20 +42,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def kernel_table(prof, top: int) -> list[dict]:
-    """The device kernels of a ``torch.profiler`` run, by name: total ms and count, the largest
-    ``top`` first, plus a ``(total)`` row."""
-    rows: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        r = rows.setdefault(e.name, [0.0, 0])
-        r[0] += e.device_time / 1e3
-        r[1] += 1
-    total = sum(v[0] for v in rows.values())
-    table = [{"kernel": k[:110], "ms": round(v[0], 3), "count": v[1]}
-             for k, v in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]
-    return [{"kernel": "(total)", "ms": round(total, 3), "count": sum(v[1] for v in rows.values())}] + table
+def kernel_table(fn, device, top: int) -> list[dict]:
+    """The kernels (GPU) or operators (CPU) of one call of ``fn`` by self time
+    (``bench_sp.profiled_self_times``), the largest ``top`` first, after a ``(total)`` row; ms."""
+    from benchmarks.bench_sp import profiled_self_times
+
+    times = sorted(profiled_self_times(fn, device), key=lambda kv: -kv[1])
+    total = sum(t for _, t in times) / 1e3
+    return [{"kernel": "(total)", "ms": round(total, 3)}] + [{"kernel": k[:110], "ms": round(t / 1e3, 3)}
+                                                          for k, t in times[:top]]
 
 
 def main(argv=None) -> int:
@@ -89,11 +84,10 @@ def main(argv=None) -> int:
     import comfy.model_management as mm
     import comfy.sd
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.bench_easycache import latent_shape, random_config, remove_file, write_random_checkpoint
     from benchmarks.comfy_pack import load_pack
-    from benchmarks.timing import time_ms, write_json
+    from benchmarks.timing import sync, time_ms, write_json
     from ltx_mgpu.denoise.comfyui.forward import av_timestep_convention, comfy_forward
     from ltx_mgpu.denoise.fp8 import compile_blocks
     from ltx_mgpu.denoise.model import load_ltx_model
@@ -155,7 +149,7 @@ def main(argv=None) -> int:
                 compile_blocks(ours.transformer, dynamic=False)
                 t0 = time.perf_counter()
                 fn()
-                torch.cuda.synchronize(device) if device.type == "cuda" else None
+                sync(device)
                 result["compile_s"] = time.perf_counter() - t0
             got = fn()
             median, times = time_ms(device, fn, a.warmup, a.runs)
@@ -164,11 +158,7 @@ def main(argv=None) -> int:
                 row["rel_to_comfy"] = {k: float((o.float() - c.float()).norm() / c.float().norm())
                                        for k, o, c in zip(("video", "audio"), got, want)}
             if a.profile:
-                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-                with profile(activities=acts) as prof:
-                    fn()
-                    torch.cuda.synchronize(device) if device.type == "cuda" else None
-                row["kernels"] = kernel_table(prof, a.top)
+                row["kernels"] = kernel_table(fn, device, a.top)
             print(f"{name:15s} {median:9.2f} ms" + (f"  rel to comfy {row['rel_to_comfy']}" if "rel_to_comfy" in row
                                                    else ""), flush=True)
             if a.out:
@@ -177,7 +167,7 @@ def main(argv=None) -> int:
         for name, row in result["variants"].items():
             print(f"--- {name}")
             for k in row.get("kernels", []):
-                print(f"{k['ms']:9.3f} ms {k['count']:6d}  {k['kernel']}")
+                print(f"{k['ms']:9.3f} ms  {k['kernel']}")
     return 0
 
 

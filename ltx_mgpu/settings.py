@@ -184,16 +184,15 @@ NO_COMPILE = Setting("LTX_MGPU_NO_COMPILE", "flag", False, "the encoding process
 # --------------------------------------------------------------------------- compiling the transformer
 COMPILE_CACHE = Setting("LTX_MGPU_COMPILE_CACHE", "flag", True, "pool",
                         "keep the compiled transformer blocks' (dtype fp8, or compile on) torch.compile artifacts "
-                        "across pool restarts (off: "
-                        "every pool compiles each size again)")
+                        "across pool restarts (off: every pool compiles each size again)")
 COMPILE_CACHE_DIR = Setting("LTX_MGPU_COMPILE_CACHE_DIR", "directory", None, "pool",
                             "where the compile artifacts are kept (a private directory: they are executed code); "
                             "default `<home>/compile`")
 TOKEN_BUCKETS = Setting("LTX_MGPU_TOKEN_BUCKETS", "count", 32, "pool",
                         "video token buckets per doubling of the token count for compiled blocks (dtype fp8, or the "
-                        "Model Loader's compile on): a call is padded "
-                        "(exactly) up to its bucket, so nearby sizes share one compiled graph; a power of two "
-                        "(32: under 3.1 % padding), 0: off (one compile per size)")
+                        "Model Loader's compile on): a call is padded (exactly) up to its bucket, so nearby sizes "
+                        "share one compiled graph; a power of two (32: under 3.1 % padding), 0: off (one compile per "
+                        "size)")
 
 #: Every setting, by variable name.
 SETTINGS: dict[str, Setting] = {s.name: s for s in (

@@ -258,8 +258,8 @@ def load_ltx_model(plan: TransformerPlan, device: str | torch.device = "cpu", *,
             file): the e4m3 block weights kept as stored (FSDP2 gathers them at one byte) and
             upcast per call; ``dense``: every weight in the compute dtype (a replicated fp8 file
             is upcast at load). Its ``compile`` ``on`` compiles the blocks of any dense or fp8
-            file in any dtype as ``fp8`` compiles them. Compiled blocks get token buckets (``$LTX_MGPU_TOKEN_BUCKETS``,
-            :attr:`LTXDenoiser.buckets`): nearby sizes share one graph.
+            file in any dtype as ``fp8`` compiles them. Compiled blocks get token buckets
+            (``$LTX_MGPU_TOKEN_BUCKETS``, :attr:`LTXDenoiser.buckets`): nearby sizes share one graph.
         device: target device; tensors are read from the memory-mapped file one at a time
             and moved there, so host RAM holds at most one tensor per rank.
         group: the process group of the shards (``weights: sharded``; None: the default group;

@@ -146,7 +146,7 @@ class TransformerPlan:
 
     Raises (at construction):
         ValueError: any field outside its choices or range (the message names the field and
-            what it takes).
+            what it takes); a dtype or compile the storage does not take (:meth:`with_storage`).
     """
 
     checkpoint: str
@@ -173,7 +173,7 @@ class TransformerPlan:
         check_choice(self.compile, TRANSFORMER_COMPILE, "compile")
         if self.storage is not None:
             check_choice(self.storage, TRANSFORMER_STORAGE, "storage")
-            _check_compile(self)
+            _check_storage(self)
         if self.attention_type is not None:
             check_choice(self.attention_type, ATTENTION_TYPES, "attention_type")
         budget = self.max_tokens
@@ -220,12 +220,7 @@ class TransformerPlan:
                 blocks are dequantized per call; e4m3 GEMMs would re-quantize them); compile ``on``
                 for such a file (its blocks' dequantizing kernels run eagerly).
         """
-        if storage in ("ggml", "comfy_quant") and self.dtype == "fp8":
-            kind = "a GGUF file" if storage == "ggml" else "a file of ComfyUI-quantized (nvfp4 / int8) layers"
-            raise ValueError(f"{os.path.basename(self.checkpoint)} is {kind}: its quantized blocks run with "
-                             "dtype bf16, fp16 or fp32 (dequantized per call); choose one of those, or dtype fp8 "
-                             "with a bf16 or fp8 .safetensors checkpoint")
-        return dataclasses.replace(self, storage=storage)  # checks compile against the storage
+        return dataclasses.replace(self, storage=storage)  # __post_init__ checks dtype / compile against it
 
     def describe(self) -> dict:
         """The plan as the pool reports it (the load's result and its status): every choice and
@@ -233,7 +228,7 @@ class TransformerPlan:
         return {"dtype": self.dtype, "compute_dtype": self.compute_dtype, "linears": self.linears,
                 "weights": self.weights, "storage": self.storage, "layout": self.layout,
                 "max_tokens": self.max_tokens, "attention_type": self.attention_type, "connectors": self.connectors,
-                "compile": self.compile, "compiled": self.compiled if self.storage is not None else None}
+                "compile": self.compile, "compiled": self.compiled}
 
     # ---- the wire form (the ``load_transformer`` request's params)
 
@@ -270,11 +265,17 @@ class TransformerPlan:
         return cls(**{k: v for k, v in params.items() if k in known})
 
 
-def _check_compile(plan: TransformerPlan) -> None:
-    """Raise ``ValueError`` for compile ``on`` with a checkpoint whose blocks stay packed (GGUF,
-    ComfyUI's nvfp4 / int8): their dequantizing Triton kernels are not traced by ``torch.compile``."""
-    if plan.compile == "on" and plan.storage in ("ggml", "comfy_quant"):
-        kind = "a GGUF file" if plan.storage == "ggml" else "a file of ComfyUI-quantized (nvfp4 / int8) layers"
-        raise ValueError(f"{os.path.basename(plan.checkpoint)} is {kind}: its quantized blocks run eagerly "
-                         "(dequantized per call); set compile to auto, or use a bf16 or fp8 .safetensors checkpoint "
-                         "to compile")
+def _check_storage(plan: TransformerPlan) -> None:
+    """Raise ``ValueError`` naming the fix when ``plan``'s dtype or compile does not fit a checkpoint
+    whose blocks stay packed (GGUF, ComfyUI's nvfp4 / int8: dequantized per call): dtype fp8 (e4m3
+    GEMMs would re-quantize them) or compile ``on`` (their dequantizing Triton kernels are not
+    traced by ``torch.compile``)."""
+    if plan.storage not in ("ggml", "comfy_quant") or (plan.dtype != "fp8" and plan.compile != "on"):
+        return
+    name = os.path.basename(plan.checkpoint)
+    kind = "a GGUF file" if plan.storage == "ggml" else "a file of ComfyUI-quantized (nvfp4 / int8) layers"
+    if plan.dtype == "fp8":
+        raise ValueError(f"{name} is {kind}: its quantized blocks run with dtype bf16, fp16 or fp32 (dequantized per "
+                         "call); choose one of those, or dtype fp8 with a bf16 or fp8 .safetensors checkpoint")
+    raise ValueError(f"{name} is {kind}: its quantized blocks run eagerly (dequantized per call); set compile to "
+                     "auto, or use a bf16 or fp8 .safetensors checkpoint to compile")
